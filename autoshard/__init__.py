@@ -1,0 +1,17 @@
+"""autoshard: turn a single-device model into a 2-D (FSDP x tensor parallel) one.
+
+Every linear weight is stored so that tensor parallelism cuts dim 1 and FSDP
+cuts dim 0: colwise weights transposed to ``[in, out]``, rowwise weights as
+``[out, in]``. Each weight is then one clean block ``(dp: Shard(0), tp:
+Shard(1))``, and the emitted graph issues two tp all-reduces per transformer
+block in forward and two in backward.
+
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(batch,))
+    print(autoshard.plan(model, mesh, example_inputs=(batch,)))
+"""
+
+from autoshard import collectives as _collectives  # registers the autoshard:: ops
+from autoshard.api import autoshard, plan
+from autoshard.plan import ParamSharding, Plan
+
+__all__ = ["autoshard", "plan", "Plan", "ParamSharding"]

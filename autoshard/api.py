@@ -1,0 +1,154 @@
+"""``autoshard()`` and ``plan()``: the only place the pipeline runs.
+
+capture -> discover -> propagate -> (plan) -> layouts -> transpose -> partition -> materialize
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
+from autoshard.plan import Plan
+from autoshard.passes.capture import capture
+from autoshard.passes.discover import find_sites
+from autoshard.passes.layouts import insert_redistributes
+from autoshard.passes.materialize import materialize
+from autoshard.passes.partition import partition
+from autoshard.passes.placements import build_plan
+from autoshard.passes.propagate import propagate
+from autoshard.passes.transpose import rewrite_linears
+
+
+def plan(
+    model: nn.Module,
+    mesh: DeviceMesh | Mapping[str, int],
+    *,
+    example_inputs: tuple,
+    example_kwargs: dict | None = None,
+) -> Plan:
+    """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
+
+    ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
+    plan for a mesh that does not exist in this process.
+    """
+    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None)[0]
+
+
+def autoshard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    example_inputs: tuple,
+    example_kwargs: dict | None = None,
+    plan: Plan | Mapping | None = None,
+    sync_module_states: bool = True,
+    reshard_after_forward: bool = True,
+) -> fx.GraphModule:
+    """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
+
+    ``example_inputs``/``example_kwargs`` are one rank's dp-local batch. The
+    result, called on a rank's local batch, returns what ``model`` returns
+    for it, as full (tp-replicated) tensors; its ``parameters()`` are the
+    sharded DTensors any ``torch.optim`` optimizer trains, with gradients
+    averaged over dp. ``plan`` (a :class:`Plan` or its dict) replaces
+    planning. ``sync_module_states`` broadcasts rank 0's weights first, so
+    ranks that initialized differently still agree. The user's model is
+    never modified.
+    """
+    axes = _axes(mesh)
+    if axes.mesh is None:
+        raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
+    final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan)
+    gm = captured.gm
+    tp_group = axes.group_name("tp") if axes.has_tp else None
+    if tp_group is not None:
+        insert_redistributes(gm, layout_plan, tp_group)
+    rewrite_linears(gm, sites, layout_plan.roles, tp_group)
+    parts = partition(gm, captured.block_fqns)
+    return materialize(
+        parts,
+        model,
+        final_plan,
+        axes,
+        sync_module_states=sync_module_states,
+        reshard_after_forward=reshard_after_forward,
+    )
+
+
+def _axes(mesh) -> MeshAxes:
+    if isinstance(mesh, Mapping):
+        return axes_from_sizes(dict(mesh))
+    return read_mesh(mesh)
+
+
+def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given):
+    if not isinstance(example_inputs, tuple):
+        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
+    given = _as_plan(given)
+    if given is not None:
+        _check_plan_mesh(given, axes)
+    captured = capture(model, example_inputs, example_kwargs)
+    sites = find_sites(captured.gm, captured.param_shapes)
+    roles = None
+    dp_placements = None
+    if given is not None:
+        _check_plan_params(given, captured.param_shapes)
+        weights = {s.weight_fqn for s in (*sites.linears, *sites.embeddings)}
+        roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
+        dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
+    layout_plan = propagate(captured.gm, sites, axes.tp, roles)
+    final = build_plan(captured, sites, layout_plan, axes, dp_placements)
+    if given is not None:
+        _check_plan_consistent(given, final)
+    return final, captured, sites, layout_plan
+
+
+def _as_plan(given) -> Plan | None:
+    if given is None or isinstance(given, Plan):
+        return given
+    if isinstance(given, Mapping):
+        return Plan.from_dict(given)
+    raise ValueError(f"autoshard: `plan` must be a Plan or its dict, got {type(given).__name__}")
+
+
+def _check_plan_mesh(given: Plan, axes: MeshAxes) -> None:
+    if dict(given.mesh) != axes.to_dict():
+        raise ValueError(f"autoshard: the plan is for mesh {dict(given.mesh)} but the mesh is {axes.to_dict()}")
+
+
+def _check_plan_params(given: Plan, param_shapes) -> None:
+    missing = sorted(set(param_shapes) - set(given.params))
+    extra = sorted(set(given.params) - set(param_shapes))
+    if missing or extra:
+        raise ValueError(
+            f"autoshard: the plan does not match the model's parameters "
+            f"(missing from plan: {missing or 'none'}; not in model: {extra or 'none'})"
+        )
+    for fqn, entry in given.params.items():
+        if entry.shape and tuple(entry.shape) != tuple(param_shapes[fqn]):
+            raise ValueError(
+                f"autoshard: plan says '{fqn}' has shape {list(entry.shape)}, the model has "
+                f"{list(param_shapes[fqn])}"
+            )
+        dp = entry.placements.get(DP)
+        if dp not in (None, "R", "S(0)"):
+            raise ValueError(f"autoshard: plan gives '{fqn}' dp placement {dp!r}; expected 'S(0)' or 'R'")
+
+
+def _check_plan_consistent(given: Plan, final: Plan) -> None:
+    """Derived fields of an edited plan must match what its roles imply."""
+    for fqn, want in final.params.items():
+        got = given.params[fqn]
+        if got.role != want.role or got.transposed != want.transposed or dict(got.placements) != dict(
+            want.placements
+        ):
+            raise ValueError(
+                f"autoshard: plan entry for '{fqn}' is inconsistent: it says role={got.role!r}, "
+                f"transposed={got.transposed}, placements={dict(got.placements)}; its weight's role "
+                f"implies role={want.role!r}, transposed={want.transposed}, "
+                f"placements={dict(want.placements)}"
+            )

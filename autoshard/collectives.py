@@ -1,0 +1,167 @@
+"""The four tensor-parallel collectives autoshard inserts into a graph.
+
+Each is a ``torch.library`` custom op, so an emitted graph reads
+``torch.ops.autoshard.reduce_partial.default(...)`` and the op stays one opaque,
+named node under ``torch.export``, dynamo and AOTAutograd. Each pairs a forward
+with the backward that makes single-device gradients come out right when every
+tp rank computes the same loss from replicated outputs:
+
+==================  ==========================  ==========================
+op                  forward                     backward
+==================  ==========================  ==========================
+``enter_tp``        identity                    all-reduce (sum)
+``reduce_partial``  all-reduce (sum)            identity
+``gather_shards``   all-gather along ``dim``    keep this rank's chunk
+``take_shard``      keep this rank's chunk      all-gather along ``dim``
+==================  ==========================  ==========================
+
+``enter_tp`` marks the replicated input of a group of colwise linears: their
+input-gradients are partial sums, added locally by autograd and all-reduced
+once here. ``reduce_partial`` closes a rowwise linear. ``gather_shards`` ends a
+sharded region whose consumer needs the full tensor (embedding output, LM head
+logits). ``take_shard`` starts a sharded region from a replicated value.
+
+Groups are named by ``ProcessGroup.group_name`` (the functional-collective
+convention), so the ops carry no Python objects and trace cleanly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+_LIB = "autoshard"
+
+
+def _group_size(group_name: str) -> int:
+    return dist.get_world_size(_resolve_process_group(group_name))
+
+
+def _group_rank(group_name: str) -> int:
+    return dist.get_rank(_resolve_process_group(group_name))
+
+
+def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    size = _group_size(group_name)
+    stacked = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, group_name)
+    stacked = torch.ops._c10d_functional.wait_tensor(stacked)
+    if dim % x.dim() == 0:
+        return stacked
+    return torch.cat(torch.chunk(stacked, size, dim=0), dim=dim)
+
+
+def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    size, rank = _group_size(group_name), _group_rank(group_name)
+    return torch.chunk(x, size, dim=dim)[rank].contiguous()
+
+
+def _gathered_shape(x: torch.Tensor, dim: int, group_name: str) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * _group_size(group_name)
+    return shape
+
+
+def _chunk_shape(x: torch.Tensor, dim: int, group_name: str) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // _group_size(group_name)
+    return shape
+
+
+# --- enter_tp: identity forward, all-reduce backward -------------------------
+
+
+@torch.library.custom_op(f"{_LIB}::enter_tp", mutates_args=())
+def enter_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Replicated input of colwise linears; sums their partial input-gradients once."""
+    return x.clone()
+
+
+@enter_tp.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _enter_tp_backward(ctx, grad):
+    return _all_reduce_sum(grad, ctx.group_name), None
+
+
+# --- reduce_partial: all-reduce forward, identity backward --------------------
+
+
+@torch.library.custom_op(f"{_LIB}::reduce_partial", mutates_args=())
+def reduce_partial(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Partial sums (a rowwise linear's output) to the replicated total."""
+    return _all_reduce_sum(x, group_name)
+
+
+@reduce_partial.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _reduce_partial_backward(ctx, grad):
+    return grad, None
+
+
+# --- gather_shards: all-gather forward, chunk backward ------------------------
+
+
+@torch.library.custom_op(f"{_LIB}::gather_shards", mutates_args=())
+def gather_shards(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Shard(dim) to Replicate: concatenate every tp rank's chunk along ``dim``."""
+    return _all_gather(x, dim, group_name)
+
+
+@gather_shards.register_fake
+def _(x, dim, group_name):
+    return x.new_empty(_gathered_shape(x, dim, group_name))
+
+
+def _gather_shards_backward(ctx, grad):
+    return _chunk(grad, ctx.dim, ctx.group_name), None, None
+
+
+# --- take_shard: chunk forward, all-gather backward ---------------------------
+
+
+@torch.library.custom_op(f"{_LIB}::take_shard", mutates_args=())
+def take_shard(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Replicate to Shard(dim): keep this rank's chunk, no communication."""
+    return _chunk(x, dim, group_name)
+
+
+@take_shard.register_fake
+def _(x, dim, group_name):
+    return x.new_empty(_chunk_shape(x, dim, group_name))
+
+
+def _take_shard_backward(ctx, grad):
+    return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+def _keep_group(ctx, inputs, output):
+    ctx.group_name = inputs[-1]
+
+
+def _keep_dim_and_group(ctx, inputs, output):
+    ctx.dim, ctx.group_name = inputs[1], inputs[2]
+
+
+enter_tp.register_autograd(_enter_tp_backward, setup_context=_keep_group)
+reduce_partial.register_autograd(_reduce_partial_backward, setup_context=_keep_group)
+gather_shards.register_autograd(_gather_shards_backward, setup_context=_keep_dim_and_group)
+take_shard.register_autograd(_take_shard_backward, setup_context=_keep_dim_and_group)
+
+ENTER_TP = torch.ops.autoshard.enter_tp.default
+REDUCE_PARTIAL = torch.ops.autoshard.reduce_partial.default
+GATHER_SHARDS = torch.ops.autoshard.gather_shards.default
+TAKE_SHARD = torch.ops.autoshard.take_shard.default
+
+FORWARD_COLLECTIVES = (REDUCE_PARTIAL, GATHER_SHARDS)
+BACKWARD_COLLECTIVES = (ENTER_TP, TAKE_SHARD)

@@ -1,0 +1,124 @@
+"""Count collectives and their wire bytes, per mesh axis.
+
+``CollectiveCounter`` is a ``TorchDispatchMode``: it sees every collective that
+reaches the dispatcher, whether autoshard's graph issued it (functional
+collectives inside the ``autoshard::*`` ops), FSDP2 (c10d ``_allgather_base_`` /
+``_reduce_scatter_base_``) or DTensor. Each is attributed to the mesh axis whose
+process group it ran on, so tp and dp traffic are reported apart.
+
+Wire bytes are what one rank sends under the ring algorithm, the usual cost
+model for bandwidth-bound collectives on ``p`` ranks:
+
+* all-reduce of ``N`` bytes: ``2 (p-1)/p * N``
+* all-gather producing ``N`` bytes, reduce-scatter consuming ``N`` bytes,
+  all-to-all of ``N`` bytes: ``(p-1)/p * N``
+* broadcast / scatter of ``N`` bytes: ``(p-1)/p * N``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_funcol = torch.ops._c10d_functional
+_c10d = torch.ops.c10d
+
+# op overload packet -> (kind, index of the process-group/name argument)
+_FUNCTIONAL = {
+    _funcol.all_reduce: ("all_reduce", 2),
+    _funcol.all_gather_into_tensor: ("all_gather", 2),
+    _funcol.reduce_scatter_tensor: ("reduce_scatter", 3),
+    _funcol.all_to_all_single: ("all_to_all", 3),
+}
+_C10D = {
+    _c10d.allreduce_: ("all_reduce", 1),
+    _c10d._allgather_base_: ("all_gather", 2),
+    _c10d.allgather_: ("all_gather", 2),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", 2),
+    _c10d.reduce_scatter_: ("reduce_scatter", 2),
+    _c10d.broadcast_: ("broadcast", 1),
+    _c10d.alltoall_base_: ("all_to_all", 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStats:
+    """Collectives seen on one mesh axis."""
+
+    axis: str
+    counts: dict[str, int]
+    wire_bytes: int
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(self.counts.values())
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
+    if group_size <= 1:
+        return 0.0
+    share = (group_size - 1) / group_size
+    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Record collectives per mesh axis while active.
+
+    ``axes`` maps an axis name to its process group, e.g.
+    ``{name: mesh.get_group(name) for name in mesh.mesh_dim_names}``.
+    Collectives on any other group are recorded under ``"other"``.
+    """
+
+    def __init__(self, axes: dict[str, dist.ProcessGroup]):
+        super().__init__()
+        self._axis_by_group_name = {g.group_name: a for a, g in axes.items()}
+        self._size_by_axis = {a: g.size() for a, g in axes.items()}
+        self._counts: dict[str, Counter] = {a: Counter() for a in axes}
+        self._bytes: dict[str, float] = {a: 0.0 for a in axes}
+
+    def _axis_of(self, group) -> str:
+        name = group if isinstance(group, str) else getattr(group, "group_name", None)
+        return self._axis_by_group_name.get(name, "other")
+
+    def _record(self, kind: str, group, payload) -> None:
+        axis = self._axis_of(group)
+        self._counts.setdefault(axis, Counter())[kind] += 1
+        size = self._size_by_axis.get(axis, 0)
+        if size == 0 and not isinstance(group, str):
+            size = group.size()
+        self._bytes[axis] = self._bytes.get(axis, 0.0) + _wire_bytes(kind, _nbytes(payload), size)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in _FUNCTIONAL:
+            kind, group_index = _FUNCTIONAL[packet]
+            payload = out if kind == "all_gather" else args[0]
+            self._record(kind, args[group_index], payload)
+        elif packet in _C10D:
+            kind, group_index = _C10D[packet]
+            payload = args[0]  # output tensor(s) for gathers, input for the rest
+            if kind == "reduce_scatter":
+                payload = args[1]
+            self._record(kind, args[group_index], payload)
+        return out
+
+    def stats(self) -> dict[str, CollectiveStats]:
+        return {
+            axis: CollectiveStats(axis, dict(counts), int(round(self._bytes.get(axis, 0.0))))
+            for axis, counts in self._counts.items()
+        }
+
+    def count(self, axis: str) -> int:
+        return sum(self._counts.get(axis, Counter()).values())

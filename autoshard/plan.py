@@ -1,0 +1,166 @@
+"""The plan: how every parameter of a model is stored and sharded.
+
+A :class:`Plan` is plain data keyed by the *original* parameter FQNs and by
+mesh axis names, with placements written on the *stored* tensor's dims in
+DTensor's compact vocabulary (``S(0)``, ``S(1)``, ``R``). It holds no graph
+nodes, so it prints, serializes to JSON (``to_dict``/``from_dict``) and can
+be edited and handed back to ``autoshard(..., plan=...)``.
+
+Roles
+-----
+``colwise``       linear weight stored ``[in, out]`` (transposed if the model
+                  stores ``[out, in]``), or an embedding table ``[num, dim]``;
+                  tp shards the output dim (``S(1)``).
+``rowwise``       linear weight stored ``[out, in]``; tp shards the input dim
+                  (``S(1)``); the output is partial and all-reduced once.
+``colwise_bias``  bias of a colwise linear: tp ``S(0)``, replicated over dp.
+``rowwise_bias``  bias of a rowwise linear, added after the all-reduce.
+``replicate``     everything else (norm weights, a linear left unsharded):
+                  tp ``R``, sharded over dp like any FSDP parameter.
+
+Editable: a linear weight's role (``colwise``/``rowwise``/``replicate``; its
+bias follows) and any parameter's dp placement (``S(0)`` FSDP-sharded or
+``R`` replicated with an all-reduce of its gradient). Everything else is
+derived and checked when the plan is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+PLAN_VERSION = 1
+
+ROLES = ("colwise", "rowwise", "colwise_bias", "rowwise_bias", "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSharding:
+    """How one parameter is stored and placed.
+
+    ``shape`` is the original shape, ``stored_shape`` the shape of the stored
+    (possibly transposed) global tensor that ``placements`` refer to.
+    ``unit`` is the FSDP unit (block FQN, ``""`` for the root) whose
+    all-gather carries it. ``collectives`` are the tp collectives the plan
+    inserts because of this parameter's linear or embedding.
+    """
+
+    role: str
+    shape: tuple[int, ...]
+    transposed: bool
+    placements: Mapping[str, str]
+    unit: str = ""
+    collectives: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape)) if self.transposed else self.shape
+
+    def to_dict(self) -> dict:
+        return {
+            "role": self.role,
+            "shape": list(self.shape),
+            "transposed": self.transposed,
+            "placements": dict(self.placements),
+            "unit": self.unit,
+            "collectives": list(self.collectives),
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, fqn: str, data: Mapping) -> ParamSharding:
+        try:
+            role = data["role"]
+            transposed = bool(data["transposed"])
+            placements = {str(a): str(p) for a, p in data["placements"].items()}
+        except (KeyError, AttributeError, TypeError) as err:
+            raise ValueError(f"autoshard: plan entry for '{fqn}' lacks {err}") from err
+        if role not in ROLES:
+            raise ValueError(f"autoshard: plan entry for '{fqn}' has unknown role {role!r}; one of {ROLES}")
+        return cls(
+            role=role,
+            shape=tuple(int(n) for n in data.get("shape", ())),
+            transposed=transposed,
+            placements=placements,
+            unit=str(data.get("unit", "")),
+            collectives=tuple(data.get("collectives", ())),
+            note=str(data.get("note", "")),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Sharding of every parameter over a ``dp`` x ``tp`` mesh.
+
+    ``units`` are the FSDP units in forward order (``""`` is the root).
+    ``activations`` lists the tp collectives on activations that no single
+    parameter explains (e.g. gathering a value for an op without a layout rule).
+    """
+
+    mesh: Mapping[str, int]
+    params: Mapping[str, ParamSharding]
+    units: tuple[str, ...] = ()
+    activations: tuple[str, ...] = ()
+    version: int = PLAN_VERSION
+
+    def roles(self) -> dict[str, str]:
+        return {fqn: p.role for fqn, p in self.params.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "mesh": dict(self.mesh),
+            "units": list(self.units),
+            "params": {fqn: p.to_dict() for fqn, p in self.params.items()},
+            "activations": list(self.activations),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Plan:
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(f"autoshard: plan version {version!r} is not supported (expected {PLAN_VERSION})")
+        mesh = data.get("mesh")
+        if not isinstance(mesh, Mapping) or not mesh:
+            raise ValueError("autoshard: plan has no 'mesh' mapping axis name to size")
+        params = data.get("params")
+        if not isinstance(params, Mapping):
+            raise ValueError("autoshard: plan has no 'params' mapping")
+        return cls(
+            mesh={str(a): int(n) for a, n in mesh.items()},
+            params={fqn: ParamSharding.from_dict(fqn, p) for fqn, p in params.items()},
+            units=tuple(data.get("units", ())),
+            activations=tuple(data.get("activations", ())),
+            version=version,
+        )
+
+    def __str__(self) -> str:
+        axes = list(self.mesh)
+        header = ["parameter", "role", "stored", *axes, "unit", "tp collectives"]
+        rows = []
+        for fqn, p in self.params.items():
+            stored = "x".join(map(str, p.stored_shape)) or "scalar"
+            stored += " (T)" if p.transposed else ""
+            rows.append(
+                [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>",
+                 "; ".join(p.collectives) or "-"]
+            )
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+        def line(cells):
+            return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+        mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+        out = [f"autoshard plan v{self.version}  mesh {mesh}  ({len(self.params)} parameters, "
+               f"{len(self.units)} FSDP units)", line(header), line("-" * w for w in widths)]
+        out += [line(r) for r in rows]
+        notes = [(fqn, p.note) for fqn, p in self.params.items() if p.note]
+        if notes:
+            out.append("")
+            out += [f"note {fqn}: {note}" for fqn, note in notes]
+        if self.activations:
+            out.append("")
+            out += [f"activation: {a}" for a in self.activations]
+        out.append("(T) stored transposed; placements are on the stored dims")
+        return "\n".join(out)

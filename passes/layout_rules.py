@@ -1,0 +1,412 @@
+"""Layout rules: how a tp sharding flows through one ATen op.
+
+``apply(node, input_layouts, tp)`` returns a :class:`Decision` (the output's
+layout, the layout each input must have, rewritten shape arguments) or
+``None`` when the op has no rule for these layouts; the caller then gathers the
+sharded inputs, which is always correct.
+
+A layout is ``None`` (replicated) or ``d`` (sharded along dim ``d`` in ``tp``
+equal contiguous chunks). Multi-output ops give a tuple of layouts. Rules read
+global shapes from ``meta["val"]``; a view's shape argument is rewritten to the
+local size by dividing the sharded entry by ``tp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    output: object
+    inputs: dict
+    args: tuple | None = None
+
+
+def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | None:
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        src, index = node.args
+        lay = layouts[src]
+        return Decision(lay[index] if isinstance(lay, tuple) else lay, {src: lay})
+    for ops, rule in _RULES:
+        if node.target in ops:
+            return rule(node, layouts, tp)
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        return _pointwise(node, layouts, tp)
+    return None
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(value.meta["val"].shape)
+
+
+def _ndim(value) -> int:
+    return value.meta["val"].dim()
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _sharded(layouts) -> dict:
+    return {v: lay for v, lay in layouts.items() if lay is not None}
+
+
+def _single_sharded_input(node, layouts):
+    """(value, dim) when exactly the first tensor argument is sharded, else None."""
+    sharded = _sharded(layouts)
+    first = node.args[0]
+    if len(sharded) != 1 or first not in sharded or isinstance(sharded[first], tuple):
+        return None
+    return first, sharded[first]
+
+
+# --- elementwise --------------------------------------------------------------
+
+
+def _pointwise(node, layouts, tp):
+    """Broadcasting elementwise op: every sharded input lands on one output dim,
+    and no replicated input spans that dim (size 1 or absent broadcasts fine)."""
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    out_shape = _shape(node)
+    out_ndim = len(out_shape)
+    out_dim = None
+    for value, lay in layouts.items():
+        if lay is None:
+            continue
+        if isinstance(lay, tuple):
+            return None
+        dim = lay + out_ndim - _ndim(value)
+        if out_dim not in (None, dim) or _shape(value)[lay] != out_shape[dim]:
+            return None
+        out_dim = dim
+    for value, lay in layouts.items():
+        if lay is None and isinstance(value.meta.get("val"), torch.Tensor):
+            shape = _shape(value)
+            in_dim = out_dim - (out_ndim - len(shape))
+            if in_dim >= 0 and shape[in_dim] != 1:
+                return None
+    return Decision(out_dim, dict(layouts))
+
+
+def _dropout_like(node, layouts, tp):
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    out = (dim, dim) if isinstance(node.meta.get("val"), (tuple, list)) else dim
+    return Decision(out, dict(layouts))
+
+
+# --- views --------------------------------------------------------------------
+
+
+def _map_reshape(in_shape, out_shape, dim, tp) -> int | None:
+    """Output dim carrying a sharding of input ``dim`` through a reshape, if any.
+
+    Dims are grouped into the smallest runs with equal products. The sharded
+    dim must be the outermost non-trivial dim of its input run, and the
+    outermost non-trivial dim of the matching output run must divide by ``tp``;
+    then each rank's contiguous chunk of the run is again a contiguous chunk.
+    """
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        i0, j0 = i, j
+        p_in = p_out = 1
+        if i < len(in_shape):
+            p_in *= in_shape[i]
+            i += 1
+        if j < len(out_shape):
+            p_out *= out_shape[j]
+            j += 1
+        while p_in != p_out:
+            if p_in < p_out and i < len(in_shape):
+                p_in *= in_shape[i]
+                i += 1
+            elif j < len(out_shape):
+                p_out *= out_shape[j]
+                j += 1
+            else:
+                return None
+        # absorb trailing size-1 dims into neither run: they map trivially
+        if i0 <= dim < i:
+            lead_in = [k for k in range(i0, i) if in_shape[k] != 1]
+            lead_out = [k for k in range(j0, j) if out_shape[k] != 1]
+            if not lead_in or lead_in[0] != dim or not lead_out:
+                return None
+            target = lead_out[0]
+            return target if out_shape[target] % tp == 0 else None
+    return None
+
+
+def _local_shape_arg(arg, dim, tp):
+    """``arg`` (a size list) with entry ``dim`` shrunk to its local size."""
+    sizes = list(arg)
+    entry = sizes[dim]
+    if isinstance(entry, int):
+        if entry != -1:
+            sizes[dim] = entry // tp
+        return sizes
+    return None  # symbolic size on the sharded dim
+
+
+def _reshape(node, layouts, tp):
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    out_dim = _map_reshape(_shape(value), _shape(node), dim, tp)
+    if out_dim is None:
+        return None
+    args = None
+    if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        sizes = _local_shape_arg(node.args[1], out_dim, tp)
+        if sizes is None:
+            return None
+        args = (node.args[0], sizes, *node.args[2:])
+    elif node.target == aten.unflatten.int:
+        start = _norm(node.args[1], _ndim(value))
+        if start <= out_dim < start + len(node.args[2]):
+            sizes = _local_shape_arg(node.args[2], out_dim - start, tp)
+            if sizes is None:
+                return None
+            args = (value, node.args[1], sizes)
+    return Decision(out_dim, {value: dim}, args)
+
+
+def _complex_view(node, layouts, tp):
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    if dim >= min(_ndim(value), _ndim(node)) - (node.target == aten.view_as_complex.default):
+        return None  # the last (real/imag pair) dim is never sharded here
+    return Decision(dim, {value: dim})
+
+
+def _expand(node, layouts, tp):
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    out_dim = dim + _ndim(node) - _ndim(value)
+    sizes = _local_shape_arg(node.args[1], out_dim, tp)
+    if sizes is None:
+        return None
+    return Decision(out_dim, {value: dim}, (value, sizes, *node.args[2:]))
+
+
+def _transpose(node, layouts, tp):
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    ndim = _ndim(value)
+    if node.target == aten.permute.default:
+        order = [_norm(d, ndim) for d in node.args[1]]
+    else:
+        order = list(range(ndim))
+        a, b = (0, 1) if node.target == aten.t.default else (_norm(node.args[1], ndim), _norm(node.args[2], ndim))
+        if ndim >= 2:
+            order[a], order[b] = order[b], order[a]
+    return Decision(order.index(dim), {value: dim})
+
+
+def _slice_like(node, layouts, tp):
+    """slice/select/narrow/split/chunk/unbind along a dim other than the sharded one."""
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    ndim = _ndim(value)
+    along = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        along = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    along = _norm(along, ndim)
+    if along == dim:
+        return None
+    removes_dim = node.target in (aten.select.int, aten.unbind.int)
+    out = dim - 1 if removes_dim and along < dim else dim
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        out = tuple(out for _ in val)
+    return Decision(out, {value: dim})
+
+
+def _cat(node, layouts, tp):
+    tensors = node.args[0]
+    lays = [layouts.get(t) for t in tensors]
+    if any(lay is None or isinstance(lay, tuple) for lay in lays) or len(set(lays)) != 1:
+        return None
+    dim = lays[0]
+    along = _norm(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
+    if along == dim:
+        return None
+    return Decision(dim, dict(layouts))
+
+
+# --- reductions and normalizations ---------------------------------------------
+
+
+def _reduce(node, layouts, tp):
+    """sum/mean/amax... over dims other than the sharded one."""
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    ndim = _ndim(value)
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = {_norm(d, ndim) for d in dims} if dims else set(range(ndim))
+    if dim in dims:
+        return None
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    out = dim if keepdim else dim - sum(1 for d in dims if d < dim)
+    return Decision(out, {value: dim})
+
+
+def _softmax(node, layouts, tp):
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    if _norm(node.args[1], _ndim(value)) == dim:
+        return None
+    return Decision(dim, {value: dim})
+
+
+def _norm_over_last(node, layouts, tp):
+    """rms_norm / layer_norm normalize trailing dims; a sharded leading dim (heads,
+    as in q/k norms) passes, its weight and bias span only the trailing dims."""
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    ndim = _ndim(value)
+    if dim >= ndim - len(node.args[1]):
+        return None
+    val = node.meta["val"]
+    out = tuple(dim for _ in val) if isinstance(val, (tuple, list)) else dim
+    return Decision(out, dict(layouts))
+
+
+# --- attention and batched matmul ----------------------------------------------
+
+
+def _attention(node, layouts, tp):
+    """SDPA on [..., heads, seq, head_dim]: q, k, v sharded on the heads dim
+    (GQA keeps its ratio when both head counts divide by tp); the mask must
+    broadcast over heads or be sharded the same way."""
+    q, k, v = node.args[:3]
+    heads = _ndim(q) - 3
+    if heads < 0 or any(layouts.get(t) != heads for t in (q, k, v)):
+        return None
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        m_lay = layouts.get(mask)
+        m_dim = heads - (_ndim(q) - _ndim(mask))
+        if m_lay is None and m_dim >= 0 and _shape(mask)[m_dim] != 1:
+            return None
+        if m_lay is not None and m_lay != m_dim:
+            return None
+    val = node.meta["val"]
+    out = tuple(heads if isinstance(t, torch.Tensor) and t.dim() > heads else None for t in val) if isinstance(
+        val, (tuple, list)
+    ) else heads
+    return Decision(out, dict(layouts))
+
+
+def _batched_matmul(node, layouts, tp):
+    """a @ b between activations, sharded on a shared batch dim (heads in manual
+    attention) or on a's rows with b replicated."""
+    a, b = node.args[:2]
+    la, lb = layouts.get(a), layouts.get(b)
+    na, nb, no = _ndim(a), _ndim(b), _ndim(node)
+    if na < 2 or nb < 2:
+        return None
+    if la is not None and la < na - 2 and lb is not None and lb < nb - 2:
+        oa, ob = la + no - na, lb + no - nb
+        return Decision(oa, {a: la, b: lb}) if oa == ob else None
+    if la == na - 2 and lb is None:
+        return Decision(no - 2, {a: la, b: None})
+    return None
+
+
+_ELEMENTWISE_LIKE = (
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.lift_fresh_copy.default,
+    aten.type_as.default,
+)
+
+_RULES = (
+    (_ELEMENTWISE_LIKE, _pointwise),
+    ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),
+    (
+        (
+            aten.view.default,
+            aten.reshape.default,
+            aten._unsafe_view.default,
+            aten.unsqueeze.default,
+            aten.squeeze.dim,
+            aten.squeeze.dims,
+            aten.squeeze.default,
+            aten.flatten.using_ints,
+            aten.unflatten.int,
+        ),
+        _reshape,
+    ),
+    ((aten.view_as_complex.default, aten.view_as_real.default), _complex_view),
+    ((aten.expand.default,), _expand),
+    ((aten.transpose.int, aten.permute.default, aten.t.default), _transpose),
+    (
+        (
+            aten.slice.Tensor,
+            aten.select.int,
+            aten.narrow.default,
+            aten.split.Tensor,
+            aten.split_with_sizes.default,
+            aten.chunk.default,
+            aten.unbind.int,
+        ),
+        _slice_like,
+    ),
+    ((aten.cat.default,), _cat),
+    (
+        (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction),
+        _reduce,
+    ),
+    ((aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default), _softmax),
+    ((aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default), _norm_over_last),
+    (
+        (
+            aten.scaled_dot_product_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default,
+        ),
+        _attention,
+    ),
+    ((aten.matmul.default, aten.bmm.default), _batched_matmul),
+)
+

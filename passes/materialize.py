@@ -1,0 +1,146 @@
+"""Materialize: real sharded parameters, FSDP2 per block, original-layout state dicts.
+
+For each parameter of the plan: take the user's tensor, transpose it if the
+plan stores it transposed, copy it (the user's model is never written), make
+ranks agree (broadcast from rank 0, as DDP does), and wrap it as a DTensor on
+the tp axis with its tp placement. Blocks and the root are then handed to
+FSDP2's ``fully_shard`` on the dp axis, which adds ``Shard(0)``: every linear
+weight ends as ``(Shard(0), Shard(1))``.
+
+The graphs read each parameter through ``.to_local()``: FSDP2 hands the
+forward a tp DTensor, the graph computes on the local block with explicit
+tp collectives, and ``to_local``'s backward turns the local gradient back
+into a tp DTensor for FSDP2 to reduce-scatter over dp.
+
+Parameters with dp placement ``R`` (colwise biases, whose dim 0 is already
+cut by tp) stay out of FSDP; their gradients are all-reduced (mean) over dp
+right after they are accumulated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from autoshard.mesh import DP, TP, MeshAxes
+from autoshard.plan import Plan
+from autoshard.state_dict import install_state_dict_hooks
+from autoshard.passes.partition import Partitioned
+
+
+def materialize(
+    part: Partitioned,
+    model: nn.Module,
+    plan: Plan,
+    axes: MeshAxes,
+    *,
+    sync_module_states: bool = True,
+    reshard_after_forward: bool = True,
+) -> fx.GraphModule:
+    root = part.root
+    device = torch.device(axes.mesh.device_type)
+    originals = dict(model.named_parameters())
+    for fqn, entry in plan.params.items():
+        _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
+    _copy_buffers(root, model, device, sync_module_states)
+    if axes.has_tp:
+        for gm in (root, *part.blocks.values()):
+            _read_params_locally(gm)
+    for gm in (root, *part.blocks.values()):
+        gm.recompile()
+    replicated_dp = {fqn for fqn, e in plan.params.items() if e.placements.get(DP) == "R"}
+    if axes.has_dp:
+        _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward)
+    install_state_dict_hooks(root, frozenset(f for f, e in plan.params.items() if e.transposed))
+    return root
+
+
+def placement(text: str):
+    if text == "R":
+        return Replicate()
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"autoshard: unknown placement {text!r}; expected 'R' or 'S(d)'")
+
+
+def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bool) -> nn.Parameter:
+    stored = original.detach()
+    stored = stored.t() if entry.transposed else stored
+    stored = stored.to(device=device, copy=True).contiguous()
+    if sync and dist.get_world_size() > 1:
+        dist.broadcast(stored, src=0)
+    if axes.has_tp:
+        tp = placement(entry.placements[TP])
+        if axes.has_dp and entry.placements.get(DP) == "R":
+            stored = distribute_tensor(stored, axes.mesh, [Replicate(), tp], src_data_rank=None)
+        else:
+            stored = distribute_tensor(stored, axes.submesh(TP), [tp], src_data_rank=None)
+    return nn.Parameter(stored, requires_grad=original.requires_grad)
+
+
+def _set(root: nn.Module, fqn: str, param: nn.Parameter) -> None:
+    owner_path, _, name = fqn.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    if name in owner._parameters:
+        owner._parameters[name] = param
+    else:
+        owner.register_parameter(name, param)
+
+
+def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool) -> None:
+    """Fresh copies of the model's buffers, persistent as in the model."""
+    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
+    for fqn, buf in model.named_buffers():
+        owner_path, _, name = fqn.rpartition(".")
+        try:
+            owner = root.get_submodule(owner_path) if owner_path else root
+        except AttributeError:
+            continue  # a buffer the forward never reads
+        if not hasattr(owner, name):
+            continue
+        value = buf.detach().to(device=device, copy=True)
+        if sync and dist.get_world_size() > 1 and value.is_floating_point():
+            dist.broadcast(value, src=0)
+        if name in owner._buffers or not hasattr(owner, name) or isinstance(getattr(owner, name), torch.Tensor):
+            if name in owner.__dict__:
+                del owner.__dict__[name]
+            owner._buffers.pop(name, None)
+            owner.register_buffer(name, value, persistent=fqn in persistent)
+
+
+def _read_params_locally(gm: fx.GraphModule) -> None:
+    """Insert ``param.to_local()`` after every read of a DTensor parameter."""
+    params = dict(gm.named_parameters())
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or node.target not in params:
+            continue
+        with gm.graph.inserting_after(node):
+            local = gm.graph.call_method("to_local", (node,))
+        node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)
+        local._rename(f"{node.name}_local")
+        local.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    gm.graph.lint()
+
+
+def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_dp: set, reshard: bool):
+    dp_mesh = axes.submesh(DP)
+    params = dict(root.named_parameters())
+    ignored = {params[f] for f in replicated_dp if f in params}
+    for block, gm in part.blocks.items():
+        own = {p for p in gm.parameters() if p in ignored}
+        fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    group = dp_mesh.get_group()
+    for param in ignored:
+        param.register_post_accumulate_grad_hook(lambda p, group=group: _average_grad(p, group))
+
+
+def _average_grad(param: torch.Tensor, group) -> None:
+    grad = param.grad
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    dist.all_reduce(local, group=group)
+    local.div_(dist.get_world_size(group))

@@ -1,0 +1,177 @@
+"""Partition: split the flat graph into one sub-GraphModule per block.
+
+FSDP2 all-gathers a module's parameters in its forward pre-hook and frees them
+after its forward, so per-block sharding needs per-block modules. Each block
+(``layers.0``, ...) becomes a GraphModule registered at the block's own FQN
+and owning the block's parameters under their relative names; the root graph
+calls it. Parameter FQNs are therefore exactly the original ones.
+
+A node belongs to the block in its ``nn_module_stack``; parameter reads
+belong to the block owning the parameter. The root graph is re-ordered so
+each block's nodes form one call (a stable topological order over blocks and
+the remaining nodes). A block that cannot form one call (it runs twice, or
+its nodes interleave with a dependency cycle through the root) stays in the
+root graph and is reported in ``merged``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import operator
+
+import torch.fx as fx
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+    root: fx.GraphModule
+    blocks: dict[str, fx.GraphModule]
+    merged: tuple[str, ...]
+
+
+def partition(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> Partitioned:
+    unit = _assign_units(gm, block_fqns)
+    merged: list[str] = []
+    while True:
+        order, stuck = _block_order(gm, unit, block_fqns)
+        if not stuck:
+            break
+        merged += stuck
+        unit = {node: "" if u in stuck else u for node, u in unit.items()}
+
+    root_graph = fx.Graph()
+    root_graph._codegen = gm.graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    root_attrs: dict[str, object] = {}
+    blocks: dict[str, fx.GraphModule] = {}
+    for item in order:
+        if isinstance(item, fx.Node):
+            if item.op == "output":
+                root_graph.output(fx.map_arg(item.args[0], lambda n: env[n]))
+                continue
+            env[item] = root_graph.node_copy(item, lambda n: env[n])
+            if item.op == "get_attr":
+                root_attrs[item.target] = _fetch(gm, item.target)
+            continue
+        block, nodes = item
+        sub, inputs, outputs = _extract(gm, block, nodes)
+        blocks[block] = sub
+        root_attrs[block] = sub
+        call = root_graph.call_module(block, tuple(env[i] for i in inputs))
+        call._rename(block.replace(".", "_"))
+        if len(outputs) == 1:
+            env[outputs[0]] = call
+        else:
+            for i, out in enumerate(outputs):
+                env[out] = root_graph.call_function(operator.getitem, (call, i))
+                env[out]._rename(out.name)
+    root = fx.GraphModule(root_attrs, root_graph, class_name=gm.__class__.__name__)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(root, attr, getattr(gm, attr))
+    return Partitioned(root, blocks, tuple(merged))
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _owner_block(path: str, block_fqns) -> str | None:
+    for block in block_fqns:
+        if path == block or path.startswith(block + "."):
+            return block
+    return None
+
+
+def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:
+    unit: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            unit[node] = ""
+        elif node.op == "get_attr":
+            unit[node] = _owner_block(node.target, block_fqns) or ""
+        else:
+            stack = node.meta.get("nn_module_stack") or {}
+            found = ""
+            for path, _ in stack.values():
+                found = _owner_block(path, block_fqns) or found
+                if found:
+                    break
+            unit[node] = found
+    # reads of a block parameter used only outside that block belong to the root
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and unit[node] and any(unit[u] != unit[node] for u in node.users):
+            unit[node] = ""
+    return unit
+
+
+def _block_order(gm, unit, block_fqns):
+    """Stable topological order of root nodes and whole blocks; blocks in a cycle are merged."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    item_of = {n: (unit[n] if unit[n] in block_fqns else n) for n in nodes}
+    members: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        if isinstance(item_of[n], str):
+            members.setdefault(item_of[n], []).append(n)
+    deps: dict[object, set] = {}
+    for n in nodes:
+        item = item_of[n]
+        deps.setdefault(item, set())
+        for inp in n.all_input_nodes:
+            if item_of[inp] != item:
+                deps[item].add(item_of[inp])
+    users: dict[object, set] = {item: set() for item in deps}
+    for item, ds in deps.items():
+        for d in ds:
+            users[d].add(item)
+    first = {item: min(index[m] for m in members[item]) if isinstance(item, str) else index[item] for item in deps}
+    pending = {item: len(ds) for item, ds in deps.items()}
+    heap = [(first[item], id(item), item) for item, c in pending.items() if c == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, _, item = heapq.heappop(heap)
+        order.append((item, members[item]) if isinstance(item, str) else item)
+        for user in users[item]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(heap, (first[user], id(user), user))
+    stuck = [item for item, c in pending.items() if c > 0 and isinstance(item, str)]
+    return order, stuck
+
+
+def _extract(gm: fx.GraphModule, block: str, nodes: list[fx.Node]):
+    """The block's own GraphModule, its external inputs and its outputs used outside."""
+    member = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for inp in n.all_input_nodes:
+            if inp not in member and inp not in inputs:
+                inputs.append(inp)
+    outputs = [n for n in nodes if any(u not in member for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for inp in inputs:
+        env[inp] = graph.placeholder(inp.name)
+        env[inp].meta.update(inp.meta)
+    attrs: dict[str, object] = {}
+    prefix = block + "."
+    for n in nodes:
+        copied = graph.node_copy(n, lambda a: env[a])
+        if n.op == "get_attr":
+            copied.target = n.target[len(prefix):]
+            attrs[copied.target] = _fetch(gm, n.target)
+        env[n] = copied
+    graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    sub = fx.GraphModule(attrs or nn.Module(), graph, class_name=_class_name(gm, block))
+    return sub, inputs, outputs
+
+
+def _class_name(gm, block: str) -> str:
+    return "Block_" + block.replace(".", "_")

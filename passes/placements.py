@@ -1,0 +1,148 @@
+"""Placements: turn roles and layouts into the public :class:`~autoshard.plan.Plan`.
+
+Every linear weight ends as one clean block, ``(dp: S(0), tp: S(1))`` on its
+stored tensor: colwise weights are stored ``[in, out]`` and rowwise weights
+``[out, in]``, so tp always cuts dim 1 and FSDP always cuts dim 0. Embedding
+tables ``[num, dim]`` are already in the ``[in, out]`` form and shard the same
+way. No parameter ever has two mesh axes on one dim (no ``_StridedShard``).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.errors import describe
+from autoshard.mesh import DP, TP, MeshAxes
+from autoshard.plan import ParamSharding, Plan
+from autoshard.passes.capture import CapturedGraph
+from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
+from autoshard.passes.propagate import COLWISE, ENTER_TP, GATHER, REPLICATE, ROWWISE, TAKE_SHARD, LayoutPlan
+
+
+def build_plan(
+    captured: CapturedGraph,
+    sites: Sites,
+    layout_plan: LayoutPlan,
+    axes: MeshAxes,
+    dp_placements: dict[str, str] | None = None,
+) -> Plan:
+    """The plan for ``captured``; ``dp_placements`` overrides the dp placement per FQN."""
+    collectives, activations = _collectives_by_weight(sites, layout_plan)
+    entries: dict[str, ParamSharding] = {}
+    site_by_param = {fqn: s for s in (*sites.linears, *sites.embeddings) for fqn in s.param_fqns}
+    for fqn, shape in captured.param_shapes.items():
+        site = site_by_param.get(fqn)
+        role, transposed, tp_dim, note = _role_of(fqn, site, layout_plan.roles)
+        placements = {}
+        if axes.has_dp:
+            default_dp = "R" if role == "colwise_bias" or not shape else "S(0)"
+            placements[DP] = (dp_placements or {}).get(fqn, default_dp)
+        if axes.has_tp:
+            placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
+        entries[fqn] = ParamSharding(
+            role=role,
+            shape=shape,
+            transposed=transposed,
+            placements=placements,
+            unit=_unit_of(fqn, captured.block_fqns),
+            collectives=collectives.get(fqn, ()) if axes.has_tp and fqn == getattr(site, "weight_fqn", None) else (),
+            note=note,
+        )
+    return Plan(
+        mesh=axes.to_dict(),
+        params=entries,
+        units=("", *captured.block_fqns),
+        activations=tuple(activations) if axes.has_tp else (),
+    )
+
+
+def _role_of(fqn: str, site, roles: dict[str, str]):
+    """(role, transposed, tp-sharded stored dim or None, note)."""
+    if site is None:
+        return REPLICATE, False, None, ""
+    role = roles[site.weight_fqn]
+    if isinstance(site, EmbeddingSite):
+        if role == COLWISE:
+            return COLWISE, False, 1, "embedding table [num, dim] is already [in, out]: tp shards dim"
+        return REPLICATE, False, None, ""
+    is_bias = fqn == site.bias_fqn
+    if role == COLWISE:
+        if is_bias:
+            return "colwise_bias", False, 0, ""
+        return COLWISE, site.orientation == OUT_IN, 1, ""
+    if role == ROWWISE:
+        if is_bias:
+            return "rowwise_bias", False, None, ""
+        return ROWWISE, site.orientation == IN_OUT, 1, ""
+    return REPLICATE, False, None, ""
+
+
+def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:
+    for block in blocks:
+        if fqn.startswith(block + "."):
+            return block
+    return ""
+
+
+def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Describe each tp collective next to the weight that causes it."""
+    by_weight: dict[str, list[str]] = {}
+    colwise_by_input: dict[fx.Node, list[str]] = {}
+    for site in sites.linears:
+        role = lp.roles[site.weight_fqn]
+        if role == COLWISE:
+            colwise_by_input.setdefault(site.input, []).append(site.weight_fqn)
+        elif role == ROWWISE:
+            by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce output")
+    for names in colwise_by_input.values():
+        shared = f" (shared by {len(names)}: {', '.join(_short(n) for n in names)})" if len(names) > 1 else ""
+        by_weight.setdefault(names[0], []).append(f"bwd all-reduce input grad{shared}")
+        for other in names[1:]:
+            by_weight.setdefault(other, []).append(f"bwd input grad all-reduced with {_short(names[0])}")
+
+    origin = {}
+    for site in sites.linears:
+        origin[site.output] = site.weight_fqn
+        origin[site.node] = site.weight_fqn
+    for site in sites.embeddings:
+        origin[site.node] = site.weight_fqn
+    activations: list[str] = []
+    seen = set()
+    for (value, consumer), steps in lp.edges.items():
+        for step in steps:
+            key = (value, step)
+            if step.kind == ENTER_TP or key in seen:
+                continue
+            seen.add(key)
+            if step.kind == GATHER:
+                fqn = _region_origin(value, lp, origin)
+                if value in origin:
+                    text = "fwd all-gather output"
+                else:
+                    text = f"fwd all-gather '{value.name}' for {describe(consumer)}"
+                if fqn is None:
+                    activations.append(text)
+                else:
+                    by_weight.setdefault(fqn, []).append(text)
+            elif step.kind == TAKE_SHARD:
+                activations.append(
+                    f"take shard of '{value.name}' on dim {step.dim} for {describe(consumer)} (bwd all-gather)"
+                )
+    return {k: tuple(v) for k, v in by_weight.items()}, activations
+
+
+def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:
+    """The weight whose sharded output region ``value`` belongs to."""
+    seen = set()
+    while value not in origin and value not in seen:
+        seen.add(value)
+        sharded = [v for v in value.all_input_nodes if lp.layouts.get(v) not in (None, "partial")]
+        if not sharded:
+            return None
+        value = sharded[0]
+    return origin.get(value)
+
+
+def _short(fqn: str) -> str:
+    parts = fqn.split(".")
+    return parts[-2] if len(parts) >= 2 and parts[-1] in ("weight", "bias") else parts[-1]

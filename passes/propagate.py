@@ -1,0 +1,198 @@
+"""Propagate: decide each site's role and each activation's tp layout.
+
+Walks the graph once in topological order with one layout per value: ``None``
+(replicated over tp) or ``d`` (sharded in equal contiguous chunks along dim
+``d``). Sites decide roles greedily, Megatron style:
+
+* a linear whose input is replicated becomes **colwise** (its output is
+  sharded on the last dim, no communication);
+* a linear whose input is sharded on its last dim becomes **rowwise** (its
+  output is partial, all-reduced once, then replicated);
+* an embedding shards its embedding dim (stored ``[num, dim]`` is already the
+  ``[in, out]`` form, so the table is a colwise weight).
+
+Between sites, layout rules (:mod:`passes.layout_rules`) carry a sharding through
+elementwise ops, gating products, views to heads, attention and reductions over
+other dims. A sharded value reaching an op with no rule (a residual add with a
+replicated value, a norm over the sharded dim, the graph output) is gathered
+once, and every consumer that needs it full reads the gathered copy.
+
+Each place where a consumer needs another layout than its producer gives is an
+*edge* with a :class:`Redistribute`; :mod:`passes.layouts` turns edges into
+collective nodes. Replicated inputs of colwise linears get ``enter_tp`` edges:
+one per value, so linears sharing an input (q/k/v, gate/up) add their partial
+input-gradients locally and all-reduce once.
+
+With a user plan the roles come from the plan and only layouts are derived;
+a role that disagrees with the incoming layout costs a redistribute, never a
+wrong result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from autoshard.errors import describe
+from autoshard.passes import layout_rules
+from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+
+COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
+
+ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Redistribute:
+    """What a consumer needs done to a value before reading it."""
+
+    kind: str  # ENTER_TP | GATHER | TAKE_SHARD
+    dim: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan:
+    """Roles of the sites and the tp layouts of every value (internal, holds nodes).
+
+    ``layouts`` maps a node to the layout of the value it computes locally;
+    for a rowwise site's ``node`` that is the partial sum, for its ``output``
+    the reduced value. ``edges`` maps ``(producer, consumer)`` to the
+    redistributions on that use, applied in order. ``new_args`` are rewritten shape arguments
+    of views and expands whose sharded dim shrinks to its local size.
+    """
+
+    roles: dict[str, str]
+    layouts: dict[fx.Node, object]
+    edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]]
+    new_args: dict[fx.Node, tuple]
+    tp: int
+
+
+def propagate(
+    gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, str] | None = None
+) -> LayoutPlan:
+    """Assign roles (greedy, or from ``roles``) and layouts; check divisibility by ``tp``."""
+    fixed_roles = roles
+    roles = dict(roles or {})
+    site_of = {s.node: s for s in (*sites.linears, *sites.embeddings)}
+    owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
+    layouts: dict[fx.Node, object] = {}
+    edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
+    new_args: dict[fx.Node, tuple] = {}
+
+    def layout(value) -> object:
+        return layouts.get(value) if isinstance(value, fx.Node) else None
+
+    def require(value: fx.Node, consumer: fx.Node, wanted, then: tuple = ()) -> None:
+        """Record what ``consumer`` needs done to read ``value`` as ``wanted``, then ``then``."""
+        have = layout(value)
+        if have == wanted:
+            steps = ()
+        elif wanted is None:
+            steps = (Redistribute(GATHER, have),)
+        elif have is None:
+            steps = (Redistribute(TAKE_SHARD, wanted),)
+        else:
+            raise NotImplementedError(
+                f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
+                f"{wanted} but it is sharded on dim {have}"
+            )
+        if steps + then:
+            edges[(value, consumer)] = steps + then
+
+    for node in gm.graph.nodes:
+        if node in owned:
+            continue  # a folded bias add or weight transpose: handled with its site
+        site = site_of.get(node)
+        if isinstance(site, LinearSite):
+            role = _linear_role(site, layout(site.input), roles, fixed_roles)
+            _check_divisible(site, role, tp)
+            roles[site.weight_fqn] = role
+            x_dim = _ndim(site.input) - 1
+            if role == COLWISE:
+                # A gathered input still needs enter_tp: colwise input-gradients are partial.
+                require(site.input, node, None, then=(Redistribute(ENTER_TP),))
+                layouts[node] = layouts[site.output] = _ndim(site.output) - 1
+            elif role == ROWWISE:
+                require(site.input, node, x_dim)
+                layouts[node] = "partial"
+                layouts[site.output] = None
+            else:
+                require(site.input, node, None)
+                layouts[node] = layouts[site.output] = None
+        elif isinstance(site, EmbeddingSite):
+            role = roles.get(site.weight_fqn, COLWISE)
+            if role not in (COLWISE, REPLICATE):
+                raise ValueError(
+                    f"autoshard: embedding '{site.weight_fqn}' can be 'colwise' (embedding dim "
+                    f"sharded) or 'replicate', not {role!r}"
+                )
+            _check_divisible(site, role, tp)
+            roles[site.weight_fqn] = role
+            layouts[node] = _ndim(node) - 1 if role == COLWISE else None
+        elif node.op == "output":
+            for value in node.all_input_nodes:
+                require(value, node, None)
+        elif node.op in ("placeholder", "get_attr"):
+            layouts[node] = None
+        else:
+            inputs = {v: layout(v) for v in node.all_input_nodes}
+            if all(lay is None for lay in inputs.values()):
+                layouts[node] = None
+                continue
+            decision = layout_rules.apply(node, inputs, tp)
+            if decision is None:
+                for value, lay in inputs.items():
+                    if lay is not None:
+                        require(value, node, None)
+                layouts[node] = None
+            else:
+                layouts[node] = decision.output
+                for value, wanted in decision.inputs.items():
+                    require(value, node, wanted)
+                if decision.args is not None:
+                    new_args[node] = decision.args
+    _check_roles_cover_sites(fixed_roles, sites)
+    return LayoutPlan(roles, layouts, edges, new_args, tp)
+
+
+def _ndim(node: fx.Node) -> int:
+    return node.meta["val"].dim()
+
+
+def _linear_role(site: LinearSite, input_layout, roles, fixed_roles) -> str:
+    if fixed_roles is not None:
+        role = fixed_roles.get(site.weight_fqn)
+        if role not in (COLWISE, ROWWISE, REPLICATE):
+            raise ValueError(
+                f"autoshard: plan gives linear weight '{site.weight_fqn}' role {role!r}; "
+                f"expected 'colwise', 'rowwise' or 'replicate'"
+            )
+        return role
+    return ROWWISE if input_layout == _ndim(site.input) - 1 else COLWISE
+
+
+def _check_divisible(site, role: str, tp: int) -> None:
+    if role == REPLICATE or tp == 1:
+        return
+    if isinstance(site, EmbeddingSite):
+        dim, size, what = 1, site.embedding_dim, "embedding dim"
+    elif role == COLWISE:
+        dim, size, what = "out", site.out_features, "output features"
+    else:
+        dim, size, what = "in", site.in_features, "input features"
+    if size % tp:
+        shape = list(site.weight_node.meta["val"].shape) if "val" in site.weight_node.meta else "?"
+        raise ValueError(
+            f"autoshard: parameter '{site.weight_fqn}' (shape {shape}) is {role} and its {what} "
+            f"({size}) do not divide by the tp axis size {tp}; at {describe(site.node)}"
+        )
+
+
+def _check_roles_cover_sites(fixed_roles, sites: Sites) -> None:
+    if fixed_roles is None:
+        return
+    missing = [s.weight_fqn for s in (*sites.linears, *sites.embeddings) if s.weight_fqn not in fixed_roles]
+    if missing:
+        raise ValueError(f"autoshard: the plan has no role for weights {missing}")
