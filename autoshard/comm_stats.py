@@ -3,7 +3,9 @@
 ``CollectiveCounter`` is a ``TorchDispatchMode``: it sees every collective that
 reaches the dispatcher, whether autoshard's graph issued it (functional
 collectives inside the ``autoshard::*`` ops), FSDP2 (c10d ``_allgather_base_`` /
-``_reduce_scatter_base_``) or DTensor. Each is attributed to the mesh axis whose
+``_reduce_scatter_base_``) or DTensor. The ``autoshard::*`` ops are counted as the collective they run in forward
+(their backward collectives are functional collectives and counted as such).
+Each is attributed to the mesh axis whose
 process group it ran on, so tp and dp traffic are reported apart.
 
 Wire bytes are what one rank sends under the ring algorithm, the usual cost
@@ -22,12 +24,19 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import autoshard.collectives  # noqa: F401  (defines torch.ops.autoshard.*)
 
 _funcol = torch.ops._c10d_functional
 _c10d = torch.ops.c10d
 
 # op overload packet -> (kind, index of the process-group/name argument)
+_AUTOSHARD = {
+    torch.ops.autoshard.reduce_partial: ("all_reduce", 1),
+    torch.ops.autoshard.gather_shards: ("all_gather", 2),
+}
 _FUNCTIONAL = {
     _funcol.all_reduce: ("all_reduce", 2),
     _funcol.all_gather_into_tensor: ("all_gather", 2),
@@ -86,23 +95,23 @@ class CollectiveCounter(TorchDispatchMode):
         self._counts: dict[str, Counter] = {a: Counter() for a in axes}
         self._bytes: dict[str, float] = {a: 0.0 for a in axes}
 
-    def _axis_of(self, group) -> str:
-        name = group if isinstance(group, str) else getattr(group, "group_name", None)
-        return self._axis_by_group_name.get(name, "other")
-
     def _record(self, kind: str, group, payload) -> None:
-        axis = self._axis_of(group)
+        if not isinstance(group, str):  # c10d ops carry the ProcessGroup as a ScriptObject
+            group = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+            group = group.group_name
+        axis = self._axis_by_group_name.get(group, "other")
         self._counts.setdefault(axis, Counter())[kind] += 1
-        size = self._size_by_axis.get(axis, 0)
-        if size == 0 and not isinstance(group, str):
-            size = group.size()
+        size = self._size_by_axis.get(axis) or dist.get_world_size(_resolve_process_group(group))
         self._bytes[axis] = self._bytes.get(axis, 0.0) + _wire_bytes(kind, _nbytes(payload), size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if packet in _FUNCTIONAL:
+        if packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
+            kind, group_index = _AUTOSHARD[packet]
+            self._record(kind, args[group_index], out if kind == "all_gather" else args[0])
+        elif packet in _FUNCTIONAL:
             kind, group_index = _FUNCTIONAL[packet]
             payload = out if kind == "all_gather" else args[0]
             self._record(kind, args[group_index], payload)

@@ -9,6 +9,7 @@ An exception on any rank is re-raised in the caller with its traceback.
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -26,12 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, world_size: int = 4, args: tuple = (), backend: str = "gloo", threads_per_rank: int = 1) -> list:
+def spawn(
+    fn,
+    world_size: int = 4,
+    args: tuple = (),
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    timeout: datetime.timedelta | None = None,
+) -> list:
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _run,
-            args=(world_size, port, backend, threads_per_rank, out_dir, fn, args),
+            args=(world_size, port, backend, threads_per_rank, timeout, out_dir, fn, args),
             nprocs=world_size,
             join=True,
             start_method="spawn",
@@ -46,11 +54,11 @@ def spawn(fn, world_size: int = 4, args: tuple = (), backend: str = "gloo", thre
     return results
 
 
-def _run(rank, world_size, port, backend, threads, out_dir, fn, args):
+def _run(rank, world_size, port, backend, threads, timeout, out_dir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = (True, fn(rank, world_size, *args))
     except BaseException:  # reported to the caller with the rank's traceback

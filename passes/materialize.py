@@ -133,7 +133,9 @@ def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_
     for block, gm in part.blocks.items():
         own = {p for p in gm.parameters() if p in ignored}
         fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None)
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    # The root keeps its parameters between forward and backward (FSDP2 default for the root):
+    # the head runs first in backward and would re-gather immediately.
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None)
     group = dp_mesh.get_group()
     for param in ignored:
         param.register_post_accumulate_grad_hook(lambda p, group=group: _average_grad(p, group))
