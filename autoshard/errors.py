@@ -34,5 +34,7 @@ def source_line(node: fx.Node | None) -> str:
 
 def describe(node: fx.Node) -> str:
     """``node 'linear_3' (aten.linear.default) at model.py:42 `self.wq(x)```."""
+    if node.op == "output":
+        return "the model's output"
     target = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.target
     return f"node '{node.name}' ({target}) at {source_line(node)}"

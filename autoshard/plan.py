@@ -137,15 +137,14 @@ class Plan:
 
     def __str__(self) -> str:
         axes = list(self.mesh)
-        header = ["parameter", "role", "stored", *axes, "unit", "tp collectives"]
+        has_tp = "tp" in self.mesh
+        header = ["parameter", "role", "stored", *axes, "unit"] + (["tp collectives"] if has_tp else [])
         rows = []
         for fqn, p in self.params.items():
             stored = "x".join(map(str, p.stored_shape)) or "scalar"
             stored += " (T)" if p.transposed else ""
-            rows.append(
-                [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>",
-                 "; ".join(p.collectives) or "-"]
-            )
+            row = [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>"]
+            rows.append(row + (["; ".join(p.collectives) or "-"] if has_tp else []))
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
         def line(cells):
@@ -163,4 +162,10 @@ class Plan:
             out.append("")
             out += [f"activation: {a}" for a in self.activations]
         out.append("(T) stored transposed; placements are on the stored dims")
+        if "dp" in self.mesh:
+            out.append(
+                "dp: each FSDP unit all-gathers its S(0) parameters before forward (blocks again "
+                "before backward) and reduce-scatters their gradients; gradients of R parameters "
+                "are all-reduced"
+            )
         return "\n".join(out)

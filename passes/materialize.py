@@ -47,15 +47,16 @@ def materialize(
     for fqn, entry in plan.params.items():
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
     _copy_buffers(root, model, device, sync_module_states)
-    if axes.has_tp:
-        for gm in (root, *part.blocks.values()):
+    transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
+    for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
+        _name_param_reads(gm, prefix, transposed)
+        if axes.has_tp:
             _read_params_locally(gm)
-    for gm in (root, *part.blocks.values()):
         gm.recompile()
     replicated_dp = {fqn for fqn, e in plan.params.items() if e.placements.get(DP) == "R"}
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward)
-    install_state_dict_hooks(root, frozenset(f for f, e in plan.params.items() if e.transposed))
+    install_state_dict_hooks(root, transposed)
     return root
 
 
@@ -110,6 +111,15 @@ def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool) -> None
                 del owner.__dict__[name]
             owner._buffers.pop(name, None)
             owner.register_buffer(name, value, persistent=fqn in persistent)
+
+
+def _name_param_reads(gm: fx.GraphModule, prefix: str, transposed: frozenset[str]) -> None:
+    """Name each parameter read by its FQN relative to ``gm``, ``_t`` when stored transposed."""
+    params = dict(gm.named_parameters())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            suffix = "_t" if prefix + node.target in transposed else ""
+            node._rename(node.target.replace(".", "_") + suffix)
 
 
 def _read_params_locally(gm: fx.GraphModule) -> None:

@@ -63,7 +63,7 @@ def _role_of(fqn: str, site, roles: dict[str, str]):
     role = roles[site.weight_fqn]
     if isinstance(site, EmbeddingSite):
         if role == COLWISE:
-            return COLWISE, False, 1, "embedding table [num, dim] is already [in, out]: tp shards dim"
+            return COLWISE, False, 1, "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim; its output is all-gathered once"
         return REPLICATE, False, None, ""
     is_bias = fqn == site.bias_fqn
     if role == COLWISE:

@@ -13,3 +13,26 @@ def pytest_addoption(parser):
         default=False,
         help="rewrite the golden plan/graph snapshots under tests/golden instead of comparing",
     )
+
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def fake_world():
+    """A 4-rank fake process group in this process: plans and graphs without real ranks.
+
+    Collectives are no-ops, so numerics are not checked here; the distributed
+    test files do that on real gloo ranks.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def update_golden(request) -> bool:
+    return request.config.getoption("--update-golden")

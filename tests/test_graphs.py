@@ -1,0 +1,90 @@
+"""Emitted graphs: golden code snapshots and exact collective counts.
+
+Built on a fake 4-rank process group in this process (collectives are
+no-ops), so the emitted code is exactly what a real rank would run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing import FileCheck
+
+import autoshard
+from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
+from tests.golden import check_golden
+
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+FEATURES = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+MODELS = {
+    "llama": (lambda: Llama(LlamaConfig()), (TOKENS,)),
+    "mlp_stack": (MLPStack, (FEATURES,)),
+    "raw_linear": (RawLinearNet, (FEATURES,)),
+}
+MESH_SHAPES = {"2x2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",)), "dp4": ((4,), ("dp",))}
+
+
+def _shard(model_name: str, mesh_name: str):
+    build, inputs = MODELS[model_name]
+    shape, names = MESH_SHAPES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    return autoshard.autoshard(build(), mesh, example_inputs=inputs), mesh
+
+
+def emitted_code(sharded, mesh) -> str:
+    """The root's code followed by each block's, headed by its FQN.
+
+    Process-group names depend on how many groups the process created before,
+    so each axis's group name is shown as ``'<axis>'``.
+    """
+    parts = [f"# <root> {type(sharded).__name__}\n{sharded.code.strip()}"]
+    for name, module in sharded.named_modules():
+        if name and isinstance(module, torch.fx.GraphModule):
+            parts.append(f"# {name}\n{module.code.strip()}")
+    text = "\n\n".join(parts)
+    for axis in mesh.mesh_dim_names:
+        text = text.replace(repr(mesh.get_group(axis).group_name), f"'<{axis}>'")
+    return text
+
+
+@pytest.mark.parametrize("mesh_name", MESH_SHAPES)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_emitted_graph_golden(fake_world, model_name, mesh_name, update_golden):
+    check_golden(f"graph_{model_name}_{mesh_name}.py.txt", emitted_code(*_shard(model_name, mesh_name)), update_golden)
+
+
+def test_llama_block_has_two_forward_and_two_backward_tp_collectives(fake_world):
+    sharded, _ = _shard("llama", "2x2")
+    for index in range(2):
+        code = getattr(sharded.layers, str(index)).code
+        # forward: one all-reduce after wo, one after w2
+        FileCheck().check_count("torch.ops.autoshard.reduce_partial", 2, exactly=True).run(code)
+        # backward: one input-grad all-reduce for q/k/v, one for w1/w3
+        FileCheck().check_count("torch.ops.autoshard.enter_tp", 2, exactly=True).run(code)
+        FileCheck().check_not("gather_shards").check_not("take_shard").run(code)
+        # colwise: x @ W_t on the transposed [in, out] weight; rowwise: linear on [out, in]
+        FileCheck().check_count("_enter_tp, attention_w", 3, exactly=True).run(code)
+        FileCheck().check_count("_enter_tp, feed_forward_w", 2, exactly=True).run(code)
+        FileCheck().check_count("aten.matmul.default(", 5, exactly=True).run(code)
+        FileCheck().check_count("_weight_t_local)", 5, exactly=True).run(code)
+        FileCheck().check_count("aten.linear.default(", 2, exactly=True).run(code)
+    root = sharded.code
+    FileCheck().check("aten.embedding.default").check("autoshard.gather_shards").check(
+        'getattr(self.layers, "0")').check('getattr(self.layers, "1")').check(
+        "autoshard.enter_tp").check("aten.matmul.default").check("autoshard.gather_shards").run(root)
+
+
+def test_dp_only_graph_has_no_tp_collectives(fake_world):
+    code = emitted_code(*_shard("llama", "dp4"))
+    FileCheck().check_not("torch.ops.autoshard").check_not("to_local").run(code)
+
+
+def test_placements_on_fake_world(fake_world):
+    from torch.distributed.tensor import Shard
+
+    sharded, _ = _shard("llama", "2x2")
+    for fqn, param in sharded.named_parameters():
+        if param.dim() == 2:
+            assert tuple(param.placements) == (Shard(0), Shard(1)), fqn

@@ -1,0 +1,137 @@
+"""Planning without process groups: roles, placements, plan files, discovery."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import Plan
+from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
+from tests.golden import check_golden
+
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+FEATURES = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+
+MODELS = {
+    "llama": (lambda: Llama(LlamaConfig()), (TOKENS,)),
+    "mlp_stack": (MLPStack, (FEATURES,)),
+    "raw_linear": (RawLinearNet, (FEATURES,)),
+}
+MESHES = {"2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "dp4": {"dp": 4}}
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_plan_table_golden(model_name, mesh_name, update_golden):
+    build, inputs = MODELS[model_name]
+    plan = autoshard.plan(build(), MESHES[mesh_name], example_inputs=inputs)
+    check_golden(f"plan_{model_name}_{mesh_name}.txt", str(plan), update_golden)
+
+
+def test_llama_roles_and_placements():
+    plan = autoshard.plan(Llama(LlamaConfig()), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    roles = {fqn: p.role for fqn, p in plan.params.items() if fqn.startswith("layers.0.")}
+    assert roles == {
+        "layers.0.attention_norm.weight": "replicate",
+        "layers.0.attention.wq.weight": "colwise",
+        "layers.0.attention.wk.weight": "colwise",
+        "layers.0.attention.wv.weight": "colwise",
+        "layers.0.attention.wo.weight": "rowwise",
+        "layers.0.ffn_norm.weight": "replicate",
+        "layers.0.feed_forward.w1.weight": "colwise",
+        "layers.0.feed_forward.w2.weight": "rowwise",
+        "layers.0.feed_forward.w3.weight": "colwise",
+    }
+    for fqn, p in plan.params.items():
+        if len(p.shape) == 2:
+            assert dict(p.placements) == {"dp": "S(0)", "tp": "S(1)"}, fqn
+            assert p.transposed == (p.role == "colwise" and "embeddings" not in fqn), fqn
+    assert plan.params["output.weight"].stored_shape == (64, 256)
+    assert plan.params["tok_embeddings.weight"].stored_shape == (256, 64)
+    assert plan.units == ("", "layers.0", "layers.1")
+
+
+def test_plan_dict_round_trips_through_json():
+    plan = autoshard.plan(MLPStack(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["version"] == 1
+    assert data["mesh"] == {"dp": 2, "tp": 2}
+    assert data["params"]["blocks.0.fc1.weight"] == {
+        "role": "colwise",
+        "shape": [64, 32],
+        "transposed": True,
+        "placements": {"dp": "S(0)", "tp": "S(1)"},
+        "unit": "blocks.0",
+        "collectives": ["bwd all-reduce input grad"],
+        "note": "",
+    }
+    assert Plan.from_dict(data) == plan
+    assert str(Plan.from_dict(data)) == str(plan)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"version": 2, "mesh": {"tp": 2}, "params": {}}, "version 2"),
+        ({"version": 1, "params": {}}, "no 'mesh'"),
+        ({"version": 1, "mesh": {"tp": 2}, "params": {"w": {"role": "diagonal", "transposed": False,
+                                                           "placements": {}}}}, "unknown role"),
+        ({"version": 1, "mesh": {"tp": 2}, "params": {"w": {"role": "colwise"}}}, "'w' lacks"),
+    ],
+)
+def test_bad_plan_dicts_are_rejected(data, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(data)
+
+
+class _Spellings(nn.Module):
+    """One linear in each spelling, chained so roles alternate colwise/rowwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)  # nn.Linear: colwise
+        self.w_f = nn.Parameter(torch.randn(8, 16))  # F.linear [out, in]: rowwise
+        self.w_at = nn.Parameter(torch.randn(8, 16))  # x @ W [in, out]: colwise
+        self.w_mm = nn.Parameter(torch.randn(8, 16))  # torch.mm(x, W.t()) [out, in]: rowwise
+        self.w_addmm = nn.Parameter(torch.randn(8, 4))  # addmm [in, out]: colwise
+        self.b_addmm = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        h = F.linear(h, self.w_f)
+        h = torch.relu(h @ self.w_at)
+        h = torch.mm(h, self.w_mm.t())
+        return torch.addmm(self.b_addmm, h, self.w_addmm)
+
+
+def test_every_linear_spelling_is_discovered():
+    plan = autoshard.plan(_Spellings(), {"tp": 2}, example_inputs=(torch.randn(3, 8),))
+    got = {fqn: (p.role, p.transposed, p.placements["tp"]) for fqn, p in plan.params.items()}
+    assert got == {
+        "lin.weight": ("colwise", True, "S(1)"),
+        "lin.bias": ("colwise_bias", False, "S(0)"),
+        "w_f": ("rowwise", False, "S(1)"),
+        "w_at": ("colwise", False, "S(1)"),
+        "w_mm": ("rowwise", False, "S(1)"),
+        "w_addmm": ("colwise", False, "S(1)"),
+        "b_addmm": ("colwise_bias", False, "S(0)"),
+    }
+
+
+def test_x_at_w_used_rowwise_is_stored_transposed():
+    plan = autoshard.plan(RawLinearNet(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
+    mid = plan.params["w_mid"]
+    assert (mid.role, mid.transposed, mid.stored_shape) == ("rowwise", True, (32, 64))
+
+
+def test_embedding_and_head_are_planned_and_explained():
+    plan = autoshard.plan(Llama(LlamaConfig()), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    emb, head = plan.params["tok_embeddings.weight"], plan.params["output.weight"]
+    assert emb.role == "colwise" and "embedding" in emb.note
+    assert emb.collectives == ("fwd all-gather output",)
+    assert head.collectives == ("bwd all-reduce input grad", "fwd all-gather output")
