@@ -14,6 +14,8 @@ parameter tensors, and no later pass writes to them.
 from __future__ import annotations
 
 import dataclasses
+import os
+import traceback
 
 import torch
 import torch.fx as fx
@@ -38,12 +40,13 @@ class CaptureError(ValueError):
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedGraph:
+    _refuse_tied_parameters(model)
     try:
         exported = torch.export.export(model, tuple(args), kwargs or {}, strict=False)
     except Exception as err:  # export raises many types; the user needs one
         raise CaptureError(
             f"autoshard: could not capture {type(model).__name__} with torch.export "
-            f"(strict=False): {type(err).__name__}: {_first_lines(str(err))}"
+            f"(strict=False) at {_user_frame(err)}: {type(err).__name__}: {_first_lines(str(err))}"
         ) from err
     unlifted = exported.module()
     graph = unlifted.graph
@@ -81,6 +84,30 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
         return tuple(n for n, c in model.named_children() if any(True for _ in c.parameters()))
     visit("", model)
     return tuple(blocks)
+
+
+def _refuse_tied_parameters(model: nn.Module) -> None:
+    """One tensor under two FQNs needs one layout valid for both uses: not supported yet."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for tied in names.values():
+        if len(tied) > 1:
+            raise NotImplementedError(
+                f"autoshard: parameters {', '.join(repr(n) for n in tied)} are one tensor "
+                f"(tied weights); tied weights are not supported"
+            )
+
+
+def _user_frame(err: BaseException) -> str:
+    """``file.py:12 `code``` of the innermost traceback frame outside torch, or ``"?"``."""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not os.path.abspath(f.filename).startswith(torch_dir)]
+    frames = [f for f in frames if os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
 
 
 def _first_lines(text: str, n: int = 6) -> str:

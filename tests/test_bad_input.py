@@ -1,0 +1,172 @@
+"""User errors raise a clear ValueError/NotImplementedError and leave the model as it was."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+from examples.models import Llama, LlamaConfig, MLPStack
+
+FEATURES = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "params": {n: (p, p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()},
+        "buffers": {n: (b, b.clone()) for n, b in model.named_buffers()},
+        "hooks": [(m._forward_hooks.copy(), m._forward_pre_hooks.copy(), m._state_dict_hooks.copy())
+                  for m in model.modules()],
+        "classes": [type(m) for m in model.modules()],
+        "training": [m.training for m in model.modules()],
+    }
+
+
+def assert_untouched(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert after["params"].keys() == before["params"].keys()
+    for name, (tensor, value, requires_grad) in before["params"].items():
+        now, _, now_requires_grad = after["params"][name]
+        assert now is tensor, f"parameter {name} was replaced"
+        assert torch.equal(now.detach(), value), f"parameter {name} was modified"
+        assert now_requires_grad == requires_grad
+    for name, (tensor, value) in before["buffers"].items():
+        assert after["buffers"][name][0] is tensor and torch.equal(tensor, value), name
+    assert after["hooks"] == before["hooks"]
+    assert after["classes"] == before["classes"]
+    assert after["training"] == before["training"]
+
+
+@contextlib.contextmanager
+def leaves_untouched(model: nn.Module):
+    before = snapshot(model)
+    yield
+    assert_untouched(model, before)
+
+
+@pytest.fixture
+def mesh_2x2(fake_world):
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+class Narrow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 30)  # 30 output features do not divide by tp=4
+        self.down = nn.Linear(30, 32)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_output_features_not_divisible_by_tp(fake_world):
+    model = Narrow()
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    with leaves_untouched(model), pytest.raises(ValueError) as err:
+        autoshard.autoshard(model, mesh, example_inputs=(FEATURES,))
+    message = str(err.value)
+    assert "'up.weight'" in message and "[30, 32]" in message
+    assert "output features (30)" in message and "tp axis size 4" in message
+    assert "test_bad_input.py" in message and "self.up(x)" in message  # the user's source line
+
+
+def test_plan_reports_the_same_error_without_a_mesh():
+    with pytest.raises(ValueError, match=r"'up.weight' \(shape \[30, 32\]\)"):
+        autoshard.plan(Narrow(), {"tp": 4}, example_inputs=(FEATURES,))
+
+
+@pytest.mark.parametrize(
+    "shape, names, message",
+    [
+        ((2, 2), ("data", "model"), r"mesh_dim_names=\('data', 'model'\)"),
+        ((2, 2), ("tp", "dp"), r"\('dp', 'tp'\) \(dp outer\)"),
+        ((4,), ("batch",), r"mesh_dim_names=\('batch',\)"),
+    ],
+)
+def test_mesh_without_expected_axis_names(fake_world, shape, names, message):
+    model = MLPStack()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with leaves_untouched(model), pytest.raises(ValueError, match=message):
+        autoshard.autoshard(model, mesh, example_inputs=(FEATURES,))
+
+
+def test_mesh_that_is_not_a_device_mesh():
+    with pytest.raises(ValueError, match="must be a torch.distributed DeviceMesh"):
+        autoshard.autoshard(MLPStack(), [[0, 1], [2, 3]], example_inputs=(FEATURES,))
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor value: not capturable as one graph
+            return self.a(x)
+        return self.b(x)
+
+
+def test_model_that_cannot_be_captured(mesh_2x2):
+    model = DataDependent()
+    with leaves_untouched(model), pytest.raises(ValueError) as err:
+        autoshard.autoshard(model, mesh_2x2, example_inputs=(FEATURES,))
+    assert "could not capture DataDependent" in str(err.value)
+    assert "test_bad_input.py" in str(err.value) or "x.sum() > 0" in str(err.value)
+
+
+def test_example_inputs_must_be_a_tuple(mesh_2x2):
+    with pytest.raises(ValueError, match="`example_inputs` must be a tuple"):
+        autoshard.autoshard(MLPStack(), mesh_2x2, example_inputs=FEATURES)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_tied_weights_are_refused_by_name(mesh_2x2):
+    model = Tied()
+    with leaves_untouched(model), pytest.raises(NotImplementedError, match="'emb.weight'.*tied weights"):
+        autoshard.autoshard(model, mesh_2x2, example_inputs=(torch.randint(0, 64, (2, 8)),))
+
+
+def test_plan_for_another_mesh_is_rejected(mesh_2x2):
+    model = MLPStack()
+    plan = autoshard.plan(model, {"tp": 4}, example_inputs=(FEATURES,))
+    with leaves_untouched(model), pytest.raises(ValueError, match=r"plan is for mesh \{'tp': 4\}"):
+        autoshard.autoshard(model, mesh_2x2, example_inputs=(FEATURES,), plan=plan)
+
+
+def test_plan_for_another_model_is_rejected(mesh_2x2):
+    plan = autoshard.plan(MLPStack(num_blocks=2), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
+    with pytest.raises(ValueError, match=r"missing from plan: \['blocks.2.fc1.bias'"):
+        autoshard.autoshard(MLPStack(num_blocks=3), mesh_2x2, example_inputs=(FEATURES,), plan=plan)
+
+
+def test_inconsistent_plan_edit_is_explained(mesh_2x2):
+    model = Llama(LlamaConfig())
+    data = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,)).to_dict()
+    data["params"]["layers.0.feed_forward.w1.weight"]["role"] = "replicate"  # placements left stale
+    with leaves_untouched(model), pytest.raises(ValueError) as err:
+        autoshard.autoshard(model, mesh_2x2, example_inputs=(TOKENS,), plan=data)
+    assert "'layers.0.feed_forward.w1.weight' is inconsistent" in str(err.value)
+    assert "implies role='replicate', transposed=False, placements={'dp': 'S(0)', 'tp': 'R'}" in str(err.value)
+
+
+def test_unknown_role_in_plan(mesh_2x2):
+    data = autoshard.plan(MLPStack(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,)).to_dict()
+    data["params"]["blocks.0.fc1.weight"]["role"] = "rowwise_bias"
+    with pytest.raises(ValueError, match="role 'rowwise_bias'; expected 'colwise', 'rowwise' or 'replicate'"):
+        autoshard.autoshard(MLPStack(), mesh_2x2, example_inputs=(FEATURES,), plan=data)
