@@ -42,6 +42,7 @@ def materialize(
     reshard_after_forward: bool = True,
 ) -> fx.GraphModule:
     root = part.root
+    _follow_module_order(root, model)
     device = torch.device(axes.mesh.device_type)
     originals = dict(model.named_parameters())
     for fqn, entry in plan.params.items():
@@ -58,6 +59,17 @@ def materialize(
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward)
     install_state_dict_hooks(root, transposed)
     return root
+
+
+def _follow_module_order(module: nn.Module, original: nn.Module) -> None:
+    """Order children (and so ``state_dict`` keys) as in the user's model."""
+    rank = {name: i for i, name in enumerate(original._modules)}
+    ordered = sorted(module._modules.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+    module._modules.clear()
+    module._modules.update(ordered)
+    for name, child in module._modules.items():
+        if name in original._modules and child is not None:
+            _follow_module_order(child, original._modules[name])
 
 
 def placement(text: str):

@@ -1,0 +1,217 @@
+"""The sharded GraphModule on real gloo ranks: placements, collectives, state dicts, plans.
+
+One 4-process group runs every check.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import autoshard
+from autoshard.comm_stats import CollectiveCounter
+from examples.models import Llama, LlamaConfig, MLPStack
+from tests.distributed import run_checks
+from tests.parity import assert_parity, dp_slice, full, lm_loss, train_both
+
+
+def _llama(num_layers=2, tp=2):
+    """Both head counts divide by ``tp`` (4 kv heads for tp=4), the clean GQA case."""
+    torch.manual_seed(0)
+    heads = {"num_heads": 4, "num_kv_heads": 2} if tp <= 2 else {"num_heads": 8, "num_kv_heads": 4}
+    return Llama(LlamaConfig(num_layers=num_layers, **heads)), torch.randint(0, 256, (4, 16))
+
+
+def _shard_llama(mesh, num_layers=2):
+    tp = mesh.size(mesh.mesh_dim_names.index("tp")) if "tp" in mesh.mesh_dim_names else 1
+    model, tokens = _llama(num_layers, tp)
+    local = dp_slice(tokens, mesh)
+    return model, autoshard.autoshard(model, mesh, example_inputs=(local,)), local
+
+
+def check_placements_2x2(ctx):
+    _, sharded, _ = _shard_llama(ctx.mesh_2d)
+    mlp = autoshard.autoshard(MLPStack(), ctx.mesh_2d, example_inputs=(torch.randn(2, 5, 32),))
+    for fqn, p in [*sharded.named_parameters(), *mlp.named_parameters()]:
+        assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "tp"), fqn
+        assert not any("Strided" in type(pl).__name__ for pl in p.placements), (fqn, p.placements)
+        if p.dim() == 2:
+            assert tuple(p.placements) == (Shard(0), Shard(1)), (fqn, p.placements)
+            assert p.to_local().numel() * 4 == p.numel(), fqn  # a quarter of every weight
+    get = sharded.get_parameter
+    assert tuple(get("layers.0.attention_norm.weight").placements) == (Shard(0), Replicate())
+    assert tuple(mlp.get_parameter("blocks.0.fc1.bias").placements) == (Replicate(), Shard(0))  # colwise
+    assert tuple(mlp.get_parameter("blocks.0.fc2.bias").placements) == (Shard(0), Replicate())  # rowwise
+    # colwise weights are stored [in, out], rowwise [out, in]
+    assert tuple(get("layers.0.attention.wk.weight").shape) == (64, 32)
+    assert tuple(get("layers.0.feed_forward.w1.weight").shape) == (64, 128)
+    assert tuple(get("layers.0.feed_forward.w2.weight").shape) == (64, 128)
+    assert tuple(get("output.weight").shape) == (64, 256)
+
+
+def check_placements_1d(ctx):
+    _, tp_only, _ = _shard_llama(ctx.mesh_tp)
+    _, dp_only, _ = _shard_llama(ctx.mesh_dp)
+    for fqn, p in tp_only.named_parameters():
+        if p.dim() == 2:
+            assert tuple(p.placements) == (Shard(1),), (fqn, p.placements)
+    for fqn, p in dp_only.named_parameters():
+        assert tuple(p.placements) == (Shard(0),), (fqn, p.placements)
+
+
+def check_parameter_memory_is_a_quarter(ctx):
+    """Every weight is cut 4 ways; only the small norm weights are whole on each tp rank."""
+    model, sharded, _ = _shard_llama(ctx.mesh_2d)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    local_bytes = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
+    norm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+    assert local_bytes == (full_bytes - norm_bytes) // 4 + norm_bytes // 2, (local_bytes, full_bytes)
+    assert local_bytes / full_bytes < 0.26
+
+
+def _count_step(sharded, local, mesh):
+    axes = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+    with CollectiveCounter(axes) as forward:
+        loss = sharded(local).float().pow(2).mean()
+    with CollectiveCounter(axes) as backward:
+        loss.backward()
+    return forward, backward
+
+
+def check_tp_collectives_per_block(ctx):
+    """2 forward + 2 backward tp all-reduces per block; the embedding adds one forward
+    all-gather, the LM head one forward all-gather and one backward all-reduce."""
+    per_layers = {}
+    for num_layers in (2, 3):
+        _, sharded, local = _shard_llama(ctx.mesh_2d, num_layers)
+        for _ in range(2):  # the same on every step
+            forward, backward = _count_step(sharded, local, ctx.mesh_2d)
+            fwd, bwd = forward.stats()["tp"].counts, backward.stats()["tp"].counts
+            assert fwd == {"all_reduce": 2 * num_layers, "all_gather": 2}, fwd
+            assert bwd == {"all_reduce": 2 * num_layers + 1}, bwd
+        per_layers[num_layers] = forward.count("tp") + backward.count("tp")
+    assert per_layers[3] - per_layers[2] == 4
+
+
+def check_dp_collectives_per_unit(ctx):
+    """FSDP2 per unit: all-gather before forward, again before backward (blocks),
+    one reduce-scatter of gradients; nothing else on dp."""
+    _, sharded, local = _shard_llama(ctx.mesh_2d, num_layers=2)
+    forward, backward = _count_step(sharded, local, ctx.mesh_2d)
+    assert forward.stats()["dp"].counts == {"all_gather": 3}
+    assert backward.stats()["dp"].counts == {"all_gather": 2, "reduce_scatter": 3}
+
+
+def check_tp_only_and_dp_only_collectives(ctx):
+    _, sharded, local = _shard_llama(ctx.mesh_tp)
+    forward, backward = _count_step(sharded, local, ctx.mesh_tp)
+    assert forward.stats()["tp"].counts == {"all_reduce": 4, "all_gather": 2}
+    assert backward.stats()["tp"].counts == {"all_reduce": 5}
+    _, sharded, local = _shard_llama(ctx.mesh_dp)
+    forward, backward = _count_step(sharded, local, ctx.mesh_dp)
+    assert set(forward.stats()) == {"dp"} and set(backward.stats()) == {"dp"}
+
+
+def check_state_dict_in_original_layout(ctx):
+    model, sharded, _ = _shard_llama(ctx.mesh_2d)
+    original = model.state_dict()
+    state = sharded.state_dict()
+    assert list(state) == list(original)  # same keys, same order
+    for key, value in state.items():
+        assert isinstance(value, DTensor), key
+        assert torch.equal(value.full_tensor(), original[key]), key
+
+
+def check_load_full_state_dict(ctx):
+    model, sharded, local = _shard_llama(ctx.mesh_2d)
+    torch.manual_seed(1)
+    other = type(model)(model.cfg)
+    sharded.load_state_dict(other.state_dict())
+    for key, value in sharded.state_dict().items():
+        assert torch.equal(value.full_tensor(), other.state_dict()[key]), key
+    torch.testing.assert_close(sharded(local), other(local), rtol=1e-5, atol=1e-5)
+    # a sharded state dict loads back too (DTensors in the original layout)
+    again = autoshard.autoshard(model, ctx.mesh_2d, example_inputs=(local,))
+    again.load_state_dict(sharded.state_dict())
+    torch.testing.assert_close(again(local), other(local), rtol=1e-5, atol=1e-5)
+
+
+def check_load_state_dict_rejects_wrong_shapes(ctx):
+    model, sharded, _ = _shard_llama(ctx.mesh_2d)
+    bad = model.state_dict()
+    bad["layers.0.attention.wq.weight"] = torch.zeros(64, 32)
+    with pytest.raises(RuntimeError, match="layers.0.attention.wq.weight"):
+        sharded.load_state_dict(bad)
+
+
+def check_ranks_that_initialized_differently_agree(ctx):
+    torch.manual_seed(100 + ctx.rank)  # a different model on every rank
+    model = MLPStack()
+    sharded = autoshard.autoshard(model, ctx.mesh_2d, example_inputs=(torch.randn(2, 5, 32),))
+    reference = [None]
+    if ctx.rank == 0:
+        reference = [model.state_dict()]
+    dist.broadcast_object_list(reference, src=0)
+    for key, value in sharded.state_dict().items():
+        assert torch.equal(full(value), reference[0][key]), key
+
+
+def check_edited_plan_is_applied(ctx):
+    """Leaving one block's feed-forward unsharded on tp: numerics hold, 2 tp collectives fewer."""
+    model, tokens = _llama()
+    targets = torch.randint(0, 256, (4, 16))
+    local = dp_slice(tokens, ctx.mesh_2d)
+    data = autoshard.plan(model, ctx.mesh_2d, example_inputs=(local,)).to_dict()
+    for name in ("w1", "w2", "w3"):
+        entry = data["params"][f"layers.0.feed_forward.{name}.weight"]
+        entry.update(role="replicate", transposed=False, placements={"dp": "S(0)", "tp": "R"})
+    edited = autoshard.Plan.from_dict(data)
+    sharded = autoshard.autoshard(copy.deepcopy(model), ctx.mesh_2d, example_inputs=(local,), plan=edited)
+    w1 = sharded.get_parameter("layers.0.feed_forward.w1.weight")
+    assert tuple(w1.placements) == (Shard(0), Replicate()) and tuple(w1.shape) == (128, 64)
+    forward, backward = _count_step(sharded, local, ctx.mesh_2d)
+    assert forward.count("tp") + backward.count("tp") == 4 * 2 + 3 - 2
+    run = _train_with_plan(model, ctx.mesh_2d, tokens, targets, edited)
+    assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
+
+
+def _train_with_plan(model, mesh, tokens, targets, plan):
+    original = autoshard.autoshard
+
+    def with_plan(m, msh, **kwargs):
+        return original(m, msh, plan=plan, **kwargs)
+
+    autoshard.autoshard = with_plan
+    try:
+        return train_both(model, mesh, tokens, targets, lm_loss)
+    finally:
+        autoshard.autoshard = original
+
+
+CHECKS = [
+    check_placements_2x2,
+    check_placements_1d,
+    check_parameter_memory_is_a_quarter,
+    check_tp_collectives_per_block,
+    check_dp_collectives_per_unit,
+    check_tp_only_and_dp_only_collectives,
+    check_state_dict_in_original_layout,
+    check_load_full_state_dict,
+    check_load_state_dict_rejects_wrong_shapes,
+    check_ranks_that_initialized_differently_agree,
+    check_edited_plan_is_applied,
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_checks(CHECKS)
+
+
+@pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
+def test_sharded_module(outcomes, name):
+    outcomes.assert_passed(name)
