@@ -69,7 +69,7 @@ def autoshard(
         insert_redistributes(gm, layout_plan, tp_group)
     rewrite_linears(gm, sites, layout_plan.roles, tp_group)
     parts = partition(gm, captured.block_fqns)
-    return materialize(
+    sharded = materialize(
         parts,
         model,
         final_plan,
@@ -77,6 +77,8 @@ def autoshard(
         sync_module_states=sync_module_states,
         reshard_after_forward=reshard_after_forward,
     )
+    sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
+    return sharded
 
 
 def _axes(mesh) -> MeshAxes:

@@ -14,12 +14,53 @@ parameter tensors, and no later pass writes to them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import traceback
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSignature:
+    """Shapes and dtypes of the example inputs, by pytree path.
+
+    The graph is captured with static shapes, so the sharded module checks
+    every call against this signature and names the input that differs,
+    instead of failing deep inside a reshape.
+    """
+
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    arg_names: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict, arg_names: tuple[str, ...] = ()) -> InputSignature:
+        leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+        return cls(tuple(
+            (_path_name(path, arg_names), tuple(leaf.shape), leaf.dtype)
+            for path, leaf in leaves
+            if isinstance(leaf, torch.Tensor)
+        ), arg_names)
+
+    def check(self, module, args, kwargs) -> None:
+        """Forward pre-hook of the sharded module."""
+        got = InputSignature.of(tuple(args), dict(kwargs), self.arg_names).tensors
+        if got == self.tensors:
+            return
+        for (name, shape, dtype), (_, got_shape, got_dtype) in zip(self.tensors, got):
+            if (shape, dtype) != (got_shape, got_dtype):
+                raise ValueError(
+                    f"autoshard: input {name} has shape {list(got_shape)} ({got_dtype}); the model was "
+                    f"sharded for shape {list(shape)} ({dtype}). Shard again with example_inputs of "
+                    f"the new shape (the graph is captured with static shapes)"
+                )
+        raise ValueError(
+            f"autoshard: the model was sharded for {len(self.tensors)} tensor inputs "
+            f"({', '.join(n for n, _, _ in self.tensors)}); got {len(got)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +74,7 @@ class CapturedGraph:
     gm: fx.GraphModule
     param_shapes: dict[str, tuple[int, ...]]
     block_fqns: tuple[str, ...]
+    inputs: InputSignature
 
 
 class CaptureError(ValueError):
@@ -55,8 +97,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
             graph.erase_node(node)
     graph.eliminate_dead_code()
     gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
+    for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
+        setattr(gm, attr, getattr(unlifted, attr))
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return CapturedGraph(gm, param_shapes, find_blocks(model))
+    arg_names = tuple(inspect.signature(model.forward).parameters)
+    inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names)
+    return CapturedGraph(gm, param_shapes, find_blocks(model), inputs)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -108,6 +154,17 @@ def _user_frame(err: BaseException) -> str:
         return "?"
     frame = frames[-1]
     return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
+
+
+def _path_name(path, arg_names: tuple[str, ...]) -> str:
+    """The forward's argument name (``'tokens'``, ``'mask'``) and the path inside it."""
+    head, first, *rest = path
+    if head.idx == 0:
+        index = first.idx
+        name = arg_names[index] if index < len(arg_names) else f"args[{index}]"
+    else:
+        name = first.key
+    return repr(name) + "".join(str(key) for key in rest)
 
 
 def _first_lines(text: str, n: int = 6) -> str:

@@ -69,8 +69,7 @@ def partition(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> Partitioned:
                 env[out]._rename(out.name)
     root = fx.GraphModule(root_attrs, root_graph, class_name=gm.__class__.__name__)
     for attr in ("_in_spec", "_out_spec"):
-        if hasattr(gm, attr):
-            setattr(root, attr, getattr(gm, attr))
+        setattr(root, attr, getattr(gm, attr))
     return Partitioned(root, blocks, tuple(merged))
 
 

@@ -170,3 +170,10 @@ def test_unknown_role_in_plan(mesh_2x2):
     data["params"]["blocks.0.fc1.weight"]["role"] = "rowwise_bias"
     with pytest.raises(ValueError, match="role 'rowwise_bias'; expected 'colwise', 'rowwise' or 'replicate'"):
         autoshard.autoshard(MLPStack(), mesh_2x2, example_inputs=(FEATURES,), plan=data)
+
+
+def test_call_with_another_input_shape_names_the_input(mesh_2x2):
+    sharded = autoshard.autoshard(Llama(LlamaConfig()), mesh_2x2, example_inputs=(TOKENS,))
+    assert sharded(TOKENS).shape == (2, 16, 256)
+    with pytest.raises(ValueError, match=r"input 'tokens' has shape \[2, 8\].*sharded for shape \[2, 16\]"):
+        sharded(TOKENS[:, :8])

@@ -1,0 +1,34 @@
+# Every target creates .venv on first use: torch is pinned to the 2.13.0 CPU build
+# (any other spelling would fetch a multi-GB CUDA build), then the package is
+# installed editable with its test extras.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test demo bench golden clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/train_llama.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_2d.py
+
+# Rewrite the golden plan tables and emitted graphs under tests/golden after an intended change.
+golden: $(STAMP)
+	$(PY) -m pytest -q tests/test_plan.py tests/test_graphs.py --update-golden
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache benchmarks/results
