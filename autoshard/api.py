@@ -1,6 +1,6 @@
 """``autoshard()`` and ``plan()``: the only place the pipeline runs.
 
-capture -> discover -> propagate -> (plan) -> layouts -> transpose -> partition -> materialize
+capture -> discover -> propagate -> (plan) -> layouts -> transpose -> partition -> materialize -> verify
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from autoshard.passes.partition import partition
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import propagate
 from autoshard.passes.transpose import rewrite_linears
+from autoshard.passes.verify import verify
 
 
 def plan(
@@ -77,6 +78,7 @@ def autoshard(
         sync_module_states=sync_module_states,
         reshard_after_forward=reshard_after_forward,
     )
+    verify(sharded, final_plan, axes)
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded
 
@@ -99,7 +101,7 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given):
     dp_placements = None
     if given is not None:
         _check_plan_params(given, captured.param_shapes)
-        weights = {s.weight_fqn for s in (*sites.linears, *sites.embeddings)}
+        weights = {s.weight_fqn for s in sites.all}
         roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
         dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
     layout_plan = propagate(captured.gm, sites, axes.tp, roles)

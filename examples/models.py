@@ -114,20 +114,21 @@ class Llama(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, hidden)
+        self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return x + self.fc2(self.drop(F.gelu(self.fc1(self.norm(x)))))
 
 
 class MLPStack(nn.Module):
-    def __init__(self, dim: int = 32, hidden: int = 64, num_blocks: int = 3, out: int = 16):
+    def __init__(self, dim: int = 32, hidden: int = 64, num_blocks: int = 3, out: int = 16, dropout: float = 0.0):
         super().__init__()
-        self.blocks = nn.ModuleList(MLPBlock(dim, hidden) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList(MLPBlock(dim, hidden, dropout) for _ in range(num_blocks))
         self.head = nn.Linear(dim, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,9 @@ class Sites:
     linears: tuple[LinearSite, ...]
     embeddings: tuple[EmbeddingSite, ...]
 
-    def by_weight(self) -> dict[str, Site]:
-        return {s.weight_fqn: s for s in (*self.linears, *self.embeddings)}
+    @property
+    def all(self) -> tuple[Site, ...]:
+        return (*self.linears, *self.embeddings)
 
 
 def param_node_fqn(node: fx.Node, param_fqns) -> str | None:
@@ -193,7 +194,7 @@ def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> 
     """
     sites = Sites(find_linear_sites(gm, param_shapes), find_embedding_sites(gm, param_shapes))
     owners: dict[str, list[Site]] = defaultdict(list)
-    for site in (*sites.linears, *sites.embeddings):
+    for site in sites.all:
         for fqn in site.param_fqns:
             owners[fqn].append(site)
     for fqn, users in owners.items():

@@ -105,24 +105,21 @@ def _set(root: nn.Module, fqn: str, param: nn.Parameter) -> None:
 
 
 def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool) -> None:
-    """Fresh copies of the model's buffers, persistent as in the model."""
-    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
-    for fqn, buf in model.named_buffers():
+    """Fresh copies of the buffers the graph reads, persistent exactly as in the model.
+
+    Constants the capture lifted out of the forward (``torch.tensor(...)`` in
+    the code) are buffers of the graph but not of the model: non-persistent,
+    so ``state_dict()`` has the model's keys and nothing else.
+    """
+    model_buffers = dict(model.named_buffers())
+    persistent = set(model.state_dict(keep_vars=True))
+    for fqn, buffer in list(root.named_buffers()):
         owner_path, _, name = fqn.rpartition(".")
-        try:
-            owner = root.get_submodule(owner_path) if owner_path else root
-        except AttributeError:
-            continue  # a buffer the forward never reads
-        if not hasattr(owner, name):
-            continue
-        value = buf.detach().to(device=device, copy=True)
+        owner = root.get_submodule(owner_path)
+        value = model_buffers.get(fqn, buffer).detach().to(device=device, copy=True)
         if sync and dist.get_world_size() > 1 and value.is_floating_point():
             dist.broadcast(value, src=0)
-        if name in owner._buffers or not hasattr(owner, name) or isinstance(getattr(owner, name), torch.Tensor):
-            if name in owner.__dict__:
-                del owner.__dict__[name]
-            owner._buffers.pop(name, None)
-            owner.register_buffer(name, value, persistent=fqn in persistent)
+        owner.register_buffer(name, value, persistent=fqn in persistent)
 
 
 def _name_param_reads(gm: fx.GraphModule, prefix: str, transposed: frozenset[str]) -> None:

@@ -168,9 +168,14 @@ def _extract(gm: fx.GraphModule, block: str, nodes: list[fx.Node]):
             attrs[copied.target] = _fetch(gm, n.target)
         env[n] = copied
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    sub = fx.GraphModule(attrs or nn.Module(), graph, class_name=_class_name(gm, block))
+    sub = fx.GraphModule(attrs or nn.Module(), graph, class_name=_class_name(nodes, block))
     return sub, inputs, outputs
 
 
-def _class_name(gm, block: str) -> str:
-    return "Block_" + block.replace(".", "_")
+def _class_name(nodes: list[fx.Node], block: str) -> str:
+    """The block's own class name (``TransformerBlock``), read from ``nn_module_stack``."""
+    for node in nodes:
+        for path, type_name in (node.meta.get("nn_module_stack") or {}).values():
+            if path == block:
+                return str(type_name).rsplit(".", 1)[-1].strip("'>")
+    return "Block"

@@ -29,7 +29,7 @@ def build_plan(
     """The plan for ``captured``; ``dp_placements`` overrides the dp placement per FQN."""
     collectives, activations = _collectives_by_weight(sites, layout_plan)
     entries: dict[str, ParamSharding] = {}
-    site_by_param = {fqn: s for s in (*sites.linears, *sites.embeddings) for fqn in s.param_fqns}
+    site_by_param = {fqn: s for s in sites.all for fqn in s.param_fqns}
     for fqn, shape in captured.param_shapes.items():
         site = site_by_param.get(fqn)
         role, transposed, tp_dim, note = _role_of(fqn, site, layout_plan.roles)

@@ -75,7 +75,7 @@ def propagate(
     """Assign roles (greedy, or from ``roles``) and layouts; check divisibility by ``tp``."""
     fixed_roles = roles
     roles = dict(roles or {})
-    site_of = {s.node: s for s in (*sites.linears, *sites.embeddings)}
+    site_of = {s.node: s for s in sites.all}
     owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
     layouts: dict[fx.Node, object] = {}
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
@@ -193,6 +193,6 @@ def _check_divisible(site, role: str, tp: int) -> None:
 def _check_roles_cover_sites(fixed_roles, sites: Sites) -> None:
     if fixed_roles is None:
         return
-    missing = [s.weight_fqn for s in (*sites.linears, *sites.embeddings) if s.weight_fqn not in fixed_roles]
+    missing = [s.weight_fqn for s in sites.all if s.weight_fqn not in fixed_roles]
     if missing:
         raise ValueError(f"autoshard: the plan has no role for weights {missing}")

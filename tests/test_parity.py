@@ -42,6 +42,11 @@ def _raw_case():
     return RawLinearNet(), torch.randn(8, 5, 32), torch.randn(8, 5, 16), mse_loss
 
 
+def _uneven_dp_case():
+    """Dims (30, 60, 10) that do not divide by dp=4: FSDP2 pads its dim-0 shards."""
+    return MLPStack(dim=30, hidden=60, out=10), torch.randn(8, 5, 30), torch.randn(8, 5, 10), mse_loss
+
+
 CASES = {"llama": _llama_case, "mlp_stack": _mlp_case, "raw_linear": _raw_case}
 MESHES = ("2d", "tp", "dp")
 TP4_CASES = {"llama": _llama_tp4_case}  # per-mesh overrides of CASES
@@ -69,7 +74,8 @@ def _make_check(case: str, mesh_name: str, optimizer: str):
 
 CHECKS = [_make_check(c, m, o) for c in CASES for m in MESHES for o in ("sgd", "adamw")]
 CASES["llama_kv2"] = _llama_kv_heads_not_divisible_case
-CHECKS.append(_make_check("llama_kv2", "tp", "sgd"))
+CASES["uneven_dp"] = _uneven_dp_case
+CHECKS += [_make_check("llama_kv2", "tp", "sgd"), _make_check("uneven_dp", "dp", "sgd")]
 for _check in CHECKS:
     setattr(sys.modules[__name__], _check.__name__, _check)
 

@@ -64,13 +64,24 @@ def check_placements_1d(ctx):
 
 
 def check_parameter_memory_is_a_quarter(ctx):
-    """Every weight is cut 4 ways; only the small norm weights are whole on each tp rank."""
-    model, sharded, _ = _shard_llama(ctx.mesh_2d)
+    """Parameters, gradients and AdamW state: every weight cut 4 ways; only the small
+    norm weights are whole on each tp rank (cut over dp only)."""
+    model, sharded, local = _shard_llama(ctx.mesh_2d)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    local_bytes = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
     norm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
-    assert local_bytes == (full_bytes - norm_bytes) // 4 + norm_bytes // 2, (local_bytes, full_bytes)
-    assert local_bytes / full_bytes < 0.26
+    expected = (full_bytes - norm_bytes) // 4 + norm_bytes // 2
+    assert expected / full_bytes < 0.26
+
+    def local_bytes(tensors):
+        return sum(t.to_local().numel() * t.element_size() for t in tensors)
+
+    assert local_bytes(sharded.parameters()) == expected
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    lm_loss(sharded(local), local).backward()
+    assert local_bytes(p.grad for p in sharded.parameters()) == expected
+    optimizer.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert local_bytes(optimizer.state[p][key] for p in sharded.parameters()) == expected, key
 
 
 def _count_step(sharded, local, mesh):
