@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench golden clean
+.PHONY: install test lint demo bench golden clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check autoshard passes tests examples benchmarks
 
 demo: $(STAMP)
 	$(PY) examples/train_llama.py

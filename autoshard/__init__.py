@@ -10,7 +10,7 @@ block in forward and two in backward.
     print(autoshard.plan(model, mesh, example_inputs=(batch,)))
 """
 
-from autoshard import collectives as _collectives  # registers the autoshard:: ops
+from autoshard import collectives  # noqa: F401  (registers the torch.ops.autoshard ops)
 from autoshard.api import autoshard, plan
 from autoshard.plan import ParamSharding, Plan
 

@@ -12,7 +12,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
-from autoshard.plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.discover import find_sites
 from autoshard.passes.layouts import insert_redistributes
@@ -22,6 +21,7 @@ from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
+from autoshard.plan import Plan
 
 
 def plan(

@@ -69,7 +69,7 @@ def read_mesh(mesh: DeviceMesh) -> MeshAxes:
             f"got mesh_dim_names={names or None} with shape {tuple(mesh.shape)}. "
             "Create it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
         )
-    return MeshAxes(tuple(zip(names, (int(n) for n in mesh.shape))), mesh)
+    return MeshAxes(tuple(zip(names, (int(n) for n in mesh.shape), strict=True)), mesh)
 
 
 def axes_from_sizes(sizes: dict[str, int]) -> MeshAxes:

@@ -148,7 +148,7 @@ class Plan:
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
         def line(cells):
-            return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+            return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.items())
         out = [f"autoshard plan v{self.version}  mesh {mesh}  ({len(self.params)} parameters, "

@@ -15,7 +15,6 @@ colwise weights are stored transposed. Two hooks on the root hide that:
 
 from __future__ import annotations
 
-
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 

@@ -50,7 +50,7 @@ class InputSignature:
         got = InputSignature.of(tuple(args), dict(kwargs), self.arg_names).tensors
         if got == self.tensors:
             return
-        for (name, shape, dtype), (_, got_shape, got_dtype) in zip(self.tensors, got):
+        for (name, shape, dtype), (_, got_shape, got_dtype) in zip(self.tensors, got, strict=False):
             if (shape, dtype) != (got_shape, got_dtype):
                 raise ValueError(
                     f"autoshard: input {name} has shape {list(got_shape)} ({got_dtype}); the model was "
@@ -148,7 +148,9 @@ def _refuse_tied_parameters(model: nn.Module) -> None:
 def _user_frame(err: BaseException) -> str:
     """``file.py:12 `code``` of the innermost traceback frame outside torch, or ``"?"``."""
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not os.path.abspath(f.filename).startswith(torch_dir)]
+    frames = [
+        f for f in traceback.extract_tb(err.__traceback__) if not os.path.abspath(f.filename).startswith(torch_dir)
+    ]
     frames = [f for f in frames if os.path.abspath(f.filename) != os.path.abspath(__file__)]
     if not frames:
         return "?"

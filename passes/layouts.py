@@ -11,9 +11,9 @@ shape arguments.
 from __future__ import annotations
 
 import torch.fx as fx
+from autoshard.passes.propagate import ENTER_TP, GATHER, TAKE_SHARD, LayoutPlan
 
 from autoshard import collectives
-from autoshard.passes.propagate import ENTER_TP, GATHER, TAKE_SHARD, LayoutPlan
 
 _OP = {ENTER_TP: collectives.ENTER_TP, GATHER: collectives.GATHER_SHARDS, TAKE_SHARD: collectives.TAKE_SHARD}
 _NAME = {ENTER_TP: "enter_tp", GATHER: "gathered", TAKE_SHARD: "shard"}

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from autoshard.passes.partition import Partitioned
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoshard.mesh import DP, TP, MeshAxes
 from autoshard.plan import Plan
 from autoshard.state_dict import install_state_dict_hooks
-from autoshard.passes.partition import Partitioned
 
 
 def materialize(
@@ -139,7 +139,7 @@ def _read_params_locally(gm: fx.GraphModule) -> None:
             continue
         with gm.graph.inserting_after(node):
             local = gm.graph.call_method("to_local", (node,))
-        node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)
+        node.replace_all_uses_with(local, delete_user_cb=lambda user, local=local: user is not local)
         local._rename(f"{node.name}_local")
         local.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     gm.graph.lint()
@@ -149,7 +149,7 @@ def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_
     dp_mesh = axes.submesh(DP)
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
-    for block, gm in part.blocks.items():
+    for gm in part.blocks.values():
         own = {p for p in gm.parameters() if p in ignored}
         fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None)
     # The root keeps its parameters between forward and backward (FSDP2 default for the root):

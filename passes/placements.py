@@ -10,13 +10,13 @@ way. No parameter ever has two mesh axes on one dim (no ``_StridedShard``).
 from __future__ import annotations
 
 import torch.fx as fx
+from autoshard.passes.capture import CapturedGraph
+from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, Sites
+from autoshard.passes.propagate import COLWISE, ENTER_TP, GATHER, REPLICATE, ROWWISE, TAKE_SHARD, LayoutPlan
 
 from autoshard.errors import describe
 from autoshard.mesh import DP, TP, MeshAxes
 from autoshard.plan import ParamSharding, Plan
-from autoshard.passes.capture import CapturedGraph
-from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
-from autoshard.passes.propagate import COLWISE, ENTER_TP, GATHER, REPLICATE, ROWWISE, TAKE_SHARD, LayoutPlan
 
 
 def build_plan(
@@ -56,6 +56,12 @@ def build_plan(
     )
 
 
+_EMBEDDING_NOTE = (
+    "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim; "
+    "its output is all-gathered once"
+)
+
+
 def _role_of(fqn: str, site, roles: dict[str, str]):
     """(role, transposed, tp-sharded stored dim or None, note)."""
     if site is None:
@@ -63,7 +69,7 @@ def _role_of(fqn: str, site, roles: dict[str, str]):
     role = roles[site.weight_fqn]
     if isinstance(site, EmbeddingSite):
         if role == COLWISE:
-            return COLWISE, False, 1, "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim; its output is all-gathered once"
+            return COLWISE, False, 1, _EMBEDDING_NOTE
         return REPLICATE, False, None, ""
     is_bias = fqn == site.bias_fqn
     if role == COLWISE:

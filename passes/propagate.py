@@ -33,10 +33,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch.fx as fx
-
-from autoshard.errors import describe
 from autoshard.passes import layout_rules
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+
+from autoshard.errors import describe
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
 
@@ -177,11 +177,11 @@ def _check_divisible(site, role: str, tp: int) -> None:
     if role == REPLICATE or tp == 1:
         return
     if isinstance(site, EmbeddingSite):
-        dim, size, what = 1, site.embedding_dim, "embedding dim"
+        size, what = site.embedding_dim, "embedding dim"
     elif role == COLWISE:
-        dim, size, what = "out", site.out_features, "output features"
+        size, what = site.out_features, "output features"
     else:
-        dim, size, what = "in", site.in_features, "input features"
+        size, what = site.in_features, "input features"
     if size % tp:
         shape = list(site.weight_node.meta["val"].shape) if "val" in site.weight_node.meta else "?"
         raise ValueError(

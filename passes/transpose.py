@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-
-from autoshard import collectives
 from autoshard.passes.discover import LinearSite, Sites
 from autoshard.passes.propagate import COLWISE, ROWWISE
+
+from autoshard import collectives
 
 aten = torch.ops.aten
 

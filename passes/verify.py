@@ -36,7 +36,7 @@ def _placements_by_axis(param, axes: MeshAxes) -> dict[str, str]:
     """``{"dp": "S(0)", "tp": "S(1)"}``; an axis the tensor is not on counts as replicated."""
     got = {axis: "R" for axis in axes.names}
     if isinstance(param, DTensor):
-        for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
+        for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements, strict=True):
             got[axis] = _short(placement)
     return got
 

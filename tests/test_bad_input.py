@@ -11,9 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from examples.models import Llama, LlamaConfig, MLPStack
-
-FEATURES = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
-TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+from tests.cases import FEATURES, TOKENS
 
 
 def snapshot(model: nn.Module) -> dict:

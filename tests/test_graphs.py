@@ -12,16 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing import FileCheck
 
 import autoshard
-from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
+from tests.cases import MODELS
 from tests.golden import check_golden
 
-TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-FEATURES = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
-MODELS = {
-    "llama": (lambda: Llama(LlamaConfig()), (TOKENS,)),
-    "mlp_stack": (MLPStack, (FEATURES,)),
-    "raw_linear": (RawLinearNet, (FEATURES,)),
-}
 MESH_SHAPES = {"2x2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",)), "dp4": ((4,), ("dp",))}
 
 

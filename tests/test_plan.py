@@ -12,16 +12,9 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import Plan
 from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
+from tests.cases import FEATURES, MODELS, TOKENS
 from tests.golden import check_golden
 
-TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-FEATURES = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
-
-MODELS = {
-    "llama": (lambda: Llama(LlamaConfig()), (TOKENS,)),
-    "mlp_stack": (MLPStack, (FEATURES,)),
-    "raw_linear": (RawLinearNet, (FEATURES,)),
-}
 MESHES = {"2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "dp4": {"dp": 4}}
 
 
