@@ -56,7 +56,7 @@ def autoshard(
     for it, as full (tp-replicated) tensors; its ``parameters()`` are the
     sharded DTensors any ``torch.optim`` optimizer trains, with gradients
     averaged over dp. ``plan`` (a :class:`Plan` or its dict) replaces
-    planning. ``sync_module_states`` broadcasts rank 0's weights first, so
+    planning; the plan applied is ``result.autoshard_plan``. ``sync_module_states`` broadcasts rank 0's weights first, so
     ranks that initialized differently still agree. The user's model is
     never modified.
     """
@@ -79,6 +79,7 @@ def autoshard(
         reshard_after_forward=reshard_after_forward,
     )
     verify(sharded, final_plan, axes)
+    sharded.autoshard_plan = final_plan
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing import FileCheck
 
 import autoshard
-from tests.cases import MODELS
+from tests.cases import FEATURES, MODELS
 from tests.golden import check_golden
 
 MESH_SHAPES = {"2x2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",)), "dp4": ((4,), ("dp",))}
@@ -81,3 +81,27 @@ def test_placements_on_fake_world(fake_world):
     for fqn, param in sharded.named_parameters():
         if param.dim() == 2:
             assert tuple(param.placements) == (Shard(0), Shard(1)), fqn
+
+
+class _Masked(torch.nn.Module):
+    """Keyword inputs reach the graph like positional ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+
+    def forward(self, x, *, mask):
+        return self.down(torch.relu(self.up(x)) * mask)
+
+
+def test_keyword_inputs_are_captured_and_checked(fake_world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mask = torch.ones(2, 5, 1)
+    sharded = autoshard.autoshard(_Masked(), mesh, example_inputs=(FEATURES,), example_kwargs={"mask": mask})
+    assert sharded(FEATURES, mask=mask).shape == (2, 5, 32)
+    # the mask broadcasts over the sharded hidden dim: it stays inside the tp region
+    FileCheck().check("enter_tp").check("aten.mul.Tensor").check("aten.linear.default").check(
+        "reduce_partial").run(sharded.code)
+    with pytest.raises(ValueError, match=r"input 'mask' has shape \[2, 5, 64\]"):
+        sharded(FEATURES, mask=torch.ones(2, 5, 64))

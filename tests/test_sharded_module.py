@@ -16,7 +16,7 @@ import autoshard
 from autoshard.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import run_checks
-from tests.parity import assert_parity, dp_slice, full, lm_loss, train_both
+from tests.parity import assert_parity, dp_slice, full, lm_loss, mse_loss, train_both
 
 
 def _llama(num_layers=2, tp=2):
@@ -190,7 +190,22 @@ def check_edited_plan_is_applied(ctx):
     assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
 
 
-def _train_with_plan(model, mesh, tokens, targets, plan):
+def check_rowwise_after_a_replicated_linear_takes_its_shard(ctx):
+    """A plan making fc1 replicate leaves fc2 rowwise on a replicated input: the graph
+    takes the local chunk (no forward communication) and numerics still hold."""
+    torch.manual_seed(0)
+    model, x, y = MLPStack(), torch.randn(8, 5, 32), torch.randn(8, 5, 16)
+    data = autoshard.plan(model, ctx.mesh_2d, example_inputs=(dp_slice(x, ctx.mesh_2d),)).to_dict()
+    for fqn in ("blocks.0.fc1.weight", "blocks.0.fc1.bias"):
+        data["params"][fqn].update(role="replicate", transposed=False, placements={"dp": "S(0)", "tp": "R"})
+    run = _train_with_plan(model, ctx.mesh_2d, x, y, autoshard.Plan.from_dict(data), loss_fn=mse_loss)
+    applied = run.sharded.autoshard_plan
+    assert [a for a in applied.activations if "take shard" in a], applied.activations
+    assert "take_shard" in run.sharded.get_submodule("blocks.0").code
+    assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
+
+
+def _train_with_plan(model, mesh, tokens, targets, plan, loss_fn=lm_loss):
     original = autoshard.autoshard
 
     def with_plan(m, msh, **kwargs):
@@ -198,7 +213,7 @@ def _train_with_plan(model, mesh, tokens, targets, plan):
 
     autoshard.autoshard = with_plan
     try:
-        return train_both(model, mesh, tokens, targets, lm_loss)
+        return train_both(model, mesh, tokens, targets, loss_fn)
     finally:
         autoshard.autoshard = original
 
@@ -215,6 +230,7 @@ CHECKS = [
     check_load_state_dict_rejects_wrong_shapes,
     check_ranks_that_initialized_differently_agree,
     check_edited_plan_is_applied,
+    check_rowwise_after_a_replicated_linear_takes_its_shard,
 ]
 
 
