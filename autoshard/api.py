@@ -56,9 +56,11 @@ def autoshard(
     for it, as full (tp-replicated) tensors; its ``parameters()`` are the
     sharded DTensors any ``torch.optim`` optimizer trains, with gradients
     averaged over dp. ``plan`` (a :class:`Plan` or its dict) replaces
-    planning; the plan applied is ``result.autoshard_plan``. ``sync_module_states`` broadcasts rank 0's weights first, so
-    ranks that initialized differently still agree. The user's model is
-    never modified.
+    planning; the plan applied is ``result.autoshard_plan``.
+    ``sync_module_states`` broadcasts rank 0's weights first, so ranks that
+    initialized differently still agree. The user's model is never modified.
+    The graph is captured for the shapes of ``example_inputs``; a call with
+    other shapes raises a ``ValueError`` naming the input.
     """
     axes = _axes(mesh)
     if axes.mesh is None:
