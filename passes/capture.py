@@ -23,6 +23,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autoshard.passes.partition import callable_blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class InputSignature:
@@ -68,7 +70,8 @@ class CapturedGraph:
     """A flat ATen GraphModule and what later passes need to know of the model.
 
     ``block_fqns`` are the modules that become one FSDP unit each (see
-    :func:`find_blocks`), in forward order.
+    :func:`find_blocks`; a block that cannot be one call stays in the root),
+    in forward order.
     """
 
     gm: fx.GraphModule
@@ -102,7 +105,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     arg_names = tuple(inspect.signature(model.forward).parameters)
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names)
-    return CapturedGraph(gm, param_shapes, find_blocks(model), inputs)
+    return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:

@@ -4,14 +4,17 @@ FSDP2 all-gathers a module's parameters in its forward pre-hook and frees them
 after its forward, so per-block sharding needs per-block modules. Each block
 (``layers.0``, ...) becomes a GraphModule registered at the block's own FQN
 and owning the block's parameters under their relative names; the root graph
-calls it. Parameter FQNs are therefore exactly the original ones.
+calls it. Parameter FQNs are therefore exactly the original ones. Nodes the
+rewrite passes add inherit the ``nn_module_stack`` of the node they attach
+to, so blocks found callable at capture stay callable.
 
 A node belongs to the block in its ``nn_module_stack``; parameter reads
 belong to the block owning the parameter. The root graph is re-ordered so
 each block's nodes form one call (a stable topological order over blocks and
 the remaining nodes). A block that cannot form one call (it runs twice, or
 its nodes interleave with a dependency cycle through the root) stays in the
-root graph and is reported in ``merged``.
+root graph: :func:`callable_blocks` leaves it out, so the plan shows its
+parameters in the root unit.
 """
 
 from __future__ import annotations
@@ -28,18 +31,43 @@ import torch.nn as nn
 class Partitioned:
     root: fx.GraphModule
     blocks: dict[str, fx.GraphModule]
-    merged: tuple[str, ...]
+
+
+def callable_blocks(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> tuple[str, ...]:
+    """The blocks of ``block_fqns`` that can each become one call; the others stay in the root.
+
+    A block can be one call unless some node outside it both depends on the
+    block and feeds it (the block runs twice, or interleaves with other code).
+    """
+    unit = _assign_units(gm, block_fqns)
+    members: dict[str, set[fx.Node]] = {}
+    for node, u in unit.items():
+        if u:
+            members.setdefault(u, set()).add(node)
+    return tuple(b for b in block_fqns if b in members and not _runs_around(members[b]))
+
+
+def _runs_around(members: set[fx.Node]) -> bool:
+    after = _reach(members, lambda n: n.users)
+    before = _reach(members, lambda n: n.all_input_nodes)
+    return bool((after & before) - members)
+
+
+def _reach(start: set[fx.Node], step) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    frontier = list(start)
+    while frontier:
+        for nxt in step(frontier.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    return seen
 
 
 def partition(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> Partitioned:
+    """``block_fqns`` must come from :func:`callable_blocks` on the same graph."""
     unit = _assign_units(gm, block_fqns)
-    merged: list[str] = []
-    while True:
-        order, stuck = _block_order(gm, unit, block_fqns)
-        if not stuck:
-            break
-        merged += stuck
-        unit = {node: "" if u in stuck else u for node, u in unit.items()}
+    order = _block_order(gm, unit, block_fqns)
 
     root_graph = fx.Graph()
     root_graph._codegen = gm.graph._codegen
@@ -70,7 +98,7 @@ def partition(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> Partitioned:
     root = fx.GraphModule(root_attrs, root_graph, class_name=gm.__class__.__name__)
     for attr in ("_in_spec", "_out_spec"):
         setattr(root, attr, getattr(gm, attr))
-    return Partitioned(root, blocks, tuple(merged))
+    return Partitioned(root, blocks)
 
 
 def _fetch(gm: fx.GraphModule, target: str):
@@ -109,8 +137,8 @@ def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:
     return unit
 
 
-def _block_order(gm, unit, block_fqns):
-    """Stable topological order of root nodes and whole blocks; blocks in a cycle are merged."""
+def _block_order(gm, unit, block_fqns) -> list:
+    """Stable topological order of root nodes and whole blocks (by first appearance)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     item_of = {n: (unit[n] if unit[n] in block_fqns else n) for n in nodes}
@@ -141,8 +169,8 @@ def _block_order(gm, unit, block_fqns):
             pending[user] -= 1
             if pending[user] == 0:
                 heapq.heappush(heap, (first[user], id(user), user))
-    stuck = [item for item, c in pending.items() if c > 0 and isinstance(item, str)]
-    return order, stuck
+    assert all(c == 0 for c in pending.values()), "a block is not callable: see callable_blocks"
+    return order
 
 
 def _extract(gm: fx.GraphModule, block: str, nodes: list[fx.Node]):

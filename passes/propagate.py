@@ -58,8 +58,9 @@ class LayoutPlan:
     ``layouts`` maps a node to the layout of the value it computes locally;
     for a rowwise site's ``node`` that is the partial sum, for its ``output``
     the reduced value. ``edges`` maps ``(producer, consumer)`` to the
-    redistributions on that use, applied in order. ``new_args`` are rewritten shape arguments
-    of views and expands whose sharded dim shrinks to its local size.
+    redistributions on that use, applied in order. ``new_args`` are the
+    rewritten shape arguments of views whose sharded dim shrinks to its local
+    size.
     """
 
     roles: dict[str, str]
@@ -74,6 +75,7 @@ def propagate(
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts; check divisibility by ``tp``."""
     fixed_roles = roles
+    _check_roles_cover_sites(fixed_roles, sites)
     roles = dict(roles or {})
     site_of = {s.node: s for s in sites.all}
     owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
@@ -153,7 +155,6 @@ def propagate(
                     require(value, node, wanted)
                 if decision.args is not None:
                     new_args[node] = decision.args
-    _check_roles_cover_sites(fixed_roles, sites)
     return LayoutPlan(roles, layouts, edges, new_args, tp)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard import Plan
@@ -128,3 +129,30 @@ def test_embedding_and_head_are_planned_and_explained():
     assert emb.role == "colwise" and "embedding" in emb.note
     assert emb.collectives == ("fwd all-gather output",)
     assert head.collectives == ("bwd all-reduce input grad", "fwd all-gather output")
+
+
+class _SharedNormTwice(nn.Module):
+    """``norms.0`` runs twice around a root op: it cannot be one FSDP call."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(32), nn.LayerNorm(32)])
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = self.norms[0](x)
+        x = self.norms[1](torch.relu(self.proj(x)))
+        return self.norms[0](x)
+
+
+def test_a_block_that_runs_twice_stays_in_the_root_unit(fake_world):
+    plan = autoshard.plan(_SharedNormTwice(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
+    assert plan.units == ("", "norms.1")
+    assert plan.params["norms.0.weight"].unit == ""
+    assert plan.params["norms.1.weight"].unit == "norms.1"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    sharded = autoshard.autoshard(_SharedNormTwice(), mesh, example_inputs=(FEATURES,))
+    assert isinstance(sharded.get_submodule("norms.1"), torch.fx.GraphModule)
+    assert not isinstance(sharded.get_submodule("norms.0"), torch.fx.GraphModule)
+    assert sharded.code.count("aten.layer_norm.default") == 2  # both calls of norms.0, in the root
+    assert sharded(FEATURES).shape == FEATURES.shape
