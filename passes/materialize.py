@@ -62,14 +62,23 @@ def materialize(
 
 
 def _follow_module_order(module: nn.Module, original: nn.Module) -> None:
-    """Order children (and so ``state_dict`` keys) as in the user's model."""
+    """Order children (and so ``state_dict`` keys) as in the user's model, and give
+    plain containers the user's container type, so ``sharded.layers[0]`` works."""
     rank = {name: i for i, name in enumerate(original._modules)}
     ordered = sorted(module._modules.items(), key=lambda kv: rank.get(kv[0], len(rank)))
     module._modules.clear()
     module._modules.update(ordered)
-    for name, child in module._modules.items():
-        if name in original._modules and child is not None:
-            _follow_module_order(child, original._modules[name])
+    for name, child in list(module._modules.items()):
+        if name not in original._modules or child is None:
+            continue
+        twin = original._modules[name]
+        _follow_module_order(child, twin)
+        if type(child) is not nn.Module or list(child._modules) != list(twin._modules):
+            continue
+        if isinstance(twin, nn.ModuleList):
+            module._modules[name] = nn.ModuleList(child._modules.values())
+        elif isinstance(twin, nn.ModuleDict):
+            module._modules[name] = nn.ModuleDict(child._modules)
 
 
 def placement(text: str):

@@ -43,6 +43,7 @@ def check_placements_2x2(ctx):
             assert tuple(p.placements) == (Shard(0), Shard(1)), (fqn, p.placements)
             assert p.to_local().numel() * 4 == p.numel(), fqn  # a quarter of every weight
     get = sharded.get_parameter
+    assert sharded.layers[1].attention.wq.weight is get("layers.1.attention.wq.weight")  # indexable like the model
     assert tuple(get("layers.0.attention_norm.weight").placements) == (Shard(0), Replicate())
     assert tuple(mlp.get_parameter("blocks.0.fc1.bias").placements) == (Replicate(), Shard(0))  # colwise
     assert tuple(mlp.get_parameter("blocks.0.fc2.bias").placements) == (Shard(0), Replicate())  # rowwise
