@@ -63,3 +63,20 @@ class Outcomes:
 
 def run_checks(checks, world_size: int = 4) -> Outcomes:
     return Outcomes(spawn(_run_all, world_size, (tuple(checks),), timeout=datetime.timedelta(seconds=120)))
+
+
+def distributed_tests(checks):
+    """``(fixture, test)`` for a test file: one spawn for the file, one test per check.
+
+    Bind both at module level: ``outcomes, test_checks = distributed_tests(CHECKS)``.
+    """
+
+    @pytest.fixture(scope="module")
+    def outcomes():
+        return run_checks(checks)
+
+    @pytest.mark.parametrize("name", [c.__name__ for c in checks])
+    def test_check(outcomes, name):
+        outcomes.assert_passed(name)
+
+    return outcomes, test_check

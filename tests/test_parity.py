@@ -11,11 +11,10 @@ from __future__ import annotations
 import copy
 import sys
 
-import pytest
 import torch
 
 from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
-from tests.distributed import run_checks
+from tests.distributed import distributed_tests
 from tests.parity import assert_parity, lm_loss, mse_loss, train_both
 
 
@@ -80,11 +79,4 @@ for _check in CHECKS:
     setattr(sys.modules[__name__], _check.__name__, _check)
 
 
-@pytest.fixture(scope="module")
-def outcomes():
-    return run_checks(CHECKS)
-
-
-@pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
-def test_parity(outcomes, name):
-    outcomes.assert_passed(name)
+outcomes, test_parity = distributed_tests(CHECKS)

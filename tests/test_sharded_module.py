@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import autoshard
 from autoshard.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
-from tests.distributed import run_checks
+from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, full, lm_loss, mse_loss, train_both
 
 
@@ -235,11 +235,4 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def outcomes():
-    return run_checks(CHECKS)
-
-
-@pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
-def test_sharded_module(outcomes, name):
-    outcomes.assert_passed(name)
+outcomes, test_sharded_module = distributed_tests(CHECKS)
