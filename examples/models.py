@@ -164,3 +164,23 @@ class RawLinearNet(nn.Module):
         y = (x + y) * self.scale
         flat = y.reshape(-1, y.shape[-1])
         return torch.addmm(self.b_out, flat, self.w_out).view(*x.shape[:-1], -1)
+
+
+class GatedScaleNet(nn.Module):
+    """A replicated, trainable value broadcast into a sharded region.
+
+    ``scale`` (computed from the replicated input and a parameter) multiplies
+    the colwise output across its sharded hidden dim, so its gradient from
+    that product is a sum over the whole hidden dim: on one tp rank, a partial
+    sum that must be all-reduced before it flows back.
+    """
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.gain = nn.Parameter(torch.ones(dim))
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt((x * self.gain).pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x + self.down(F.silu(self.up(x)) * scale)

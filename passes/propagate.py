@@ -23,6 +23,17 @@ collective nodes. Replicated inputs of colwise linears get ``enter_tp`` edges:
 one per value, so linears sharing an input (q/k/v, gate/up) add their partial
 input-gradients locally and all-reduce once.
 
+Every replicated input that carries a gradient into an op with a sharded
+output gets ``enter_tp`` too: its gradient from that op is a sum over this
+rank's shard only (a norm's ``rsqrt`` broadcast over a sharded hidden dim, a
+q/k-norm weight applied to sharded heads).
+
+A sharded region that never reaches a rowwise linear gains nothing from
+staying sharded (an embedding whose output meets a norm, an LM head whose
+logits are returned): its source is gathered right away, once, and
+everything after it runs replicated. Propagation reruns until no such idle
+source is left.
+
 With a user plan the roles come from the plan and only layouts are derived;
 a role that disagrees with the incoming layout costs a redistribute, never a
 wrong result.
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 from autoshard.passes import layout_rules
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
@@ -41,6 +53,8 @@ from autoshard.errors import describe
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
 
 ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
+
+_GRAD_STOPS = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +88,19 @@ def propagate(
     gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, str] | None = None
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts; check divisibility by ``tp``."""
+    _check_roles_cover_sites(roles, sites)
+    carries_grad = _carries_grad(gm)
+    gathered_early: frozenset[fx.Node] = frozenset()
+    while True:
+        plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early)
+        idle = _idle_sources(plan, sites) - gathered_early
+        if not idle:
+            return plan
+        gathered_early |= idle
+
+
+def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_early) -> LayoutPlan:
     fixed_roles = roles
-    _check_roles_cover_sites(fixed_roles, sites)
     roles = dict(roles or {})
     site_of = {s.node: s for s in sites.all}
     owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
@@ -86,9 +111,22 @@ def propagate(
     def layout(value) -> object:
         return layouts.get(value) if isinstance(value, fx.Node) else None
 
+    def seen(value) -> object:
+        """The layout consumers plan with: a source gathered early reads as replicated."""
+        return None if value in gathered_early else layout(value)
+
+    def partial_grad(value) -> tuple:
+        """enter_tp for a replicated, gradient-carrying input of a sharded computation."""
+        return (Redistribute(ENTER_TP),) if value in carries_grad else ()
+
     def require(value: fx.Node, consumer: fx.Node, wanted, then: tuple = ()) -> None:
         """Record what ``consumer`` needs done to read ``value`` as ``wanted``, then ``then``."""
         have = layout(value)
+        if isinstance(have, tuple) and have != wanted:
+            raise NotImplementedError(
+                f"autoshard: {describe(consumer)} reads the multi-output value '{value.name}' whole; "
+                f"only indexing it is supported while it is sharded"
+            )
         if have == wanted:
             steps = ()
         elif wanted is None:
@@ -108,7 +146,7 @@ def propagate(
             continue  # a folded bias add or weight transpose: handled with its site
         site = site_of.get(node)
         if isinstance(site, LinearSite):
-            role = _linear_role(site, layout(site.input), roles, fixed_roles)
+            role = _linear_role(site, seen(site.input), roles, fixed_roles)
             _check_divisible(site, role, tp)
             roles[site.weight_fqn] = role
             x_dim = _ndim(site.input) - 1
@@ -139,23 +177,66 @@ def propagate(
         elif node.op in ("placeholder", "get_attr"):
             layouts[node] = None
         else:
-            inputs = {v: layout(v) for v in node.all_input_nodes}
-            if all(lay is None for lay in inputs.values()):
+            inputs = {v: seen(v) for v in node.all_input_nodes}
+            decision = None
+            if any(lay is not None for lay in inputs.values()):
+                decision = layout_rules.apply(node, inputs, tp)
+            if decision is None:
+                for value in node.all_input_nodes:
+                    require(value, node, None)
                 layouts[node] = None
                 continue
-            decision = layout_rules.apply(node, inputs, tp)
-            if decision is None:
-                for value, lay in inputs.items():
-                    if lay is not None:
-                        require(value, node, None)
-                layouts[node] = None
-            else:
-                layouts[node] = decision.output
-                for value, wanted in decision.inputs.items():
-                    require(value, node, wanted)
-                if decision.args is not None:
-                    new_args[node] = decision.args
+            layouts[node] = decision.output
+            sharded_output = _is_sharded(decision.output)
+            for value, wanted in decision.inputs.items():
+                then = partial_grad(value) if sharded_output and wanted is None else ()
+                require(value, node, wanted, then)
+            if decision.args is not None:
+                new_args[node] = decision.args
     return LayoutPlan(roles, layouts, edges, new_args, tp)
+
+
+def _is_sharded(layout) -> bool:
+    if isinstance(layout, tuple):
+        return any(lay is not None for lay in layout)
+    return layout is not None
+
+
+def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
+    """Values a gradient flows back through: computed from a trainable parameter,
+    floating point, and not cut off by ``detach``."""
+    carries = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "get_attr":
+            if isinstance(val, torch.Tensor) and val.requires_grad:
+                carries.add(node)
+        elif node.op == "call_function" and node.target not in _GRAD_STOPS:
+            floating = any(
+                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+                for v in (val if isinstance(val, (tuple, list)) else (val,))
+            )
+            if floating and any(i in carries for i in node.all_input_nodes):
+                carries.add(node)
+    return frozenset(carries)
+
+
+def _idle_sources(plan: LayoutPlan, sites: Sites) -> frozenset[fx.Node]:
+    """Colwise and embedding outputs whose sharded region reaches no rowwise linear."""
+    useful: set[fx.Node] = set()
+    frontier = [s.input for s in sites.linears if plan.roles[s.weight_fqn] == ROWWISE]
+    while frontier:
+        value = frontier.pop()
+        if value in useful or not _is_sharded(plan.layouts.get(value)):
+            continue
+        useful.add(value)
+        for source in value.all_input_nodes:
+            steps = plan.edges.get((source, value), ())
+            if not any(step.kind == GATHER for step in steps):
+                frontier.append(source)
+    sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] == COLWISE}
+    sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
+    return frozenset(sources - useful)
 
 
 def _ndim(node: fx.Node) -> int:

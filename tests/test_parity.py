@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
+from examples.models import GatedScaleNet, Llama, LlamaConfig, MLPStack, RawLinearNet
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, lm_loss, mse_loss, train_both
 
@@ -46,6 +46,10 @@ def _uneven_dp_case():
     return MLPStack(dim=30, hidden=60, out=10), torch.randn(8, 5, 30), torch.randn(8, 5, 10), mse_loss
 
 
+def _gated_scale_case():
+    return GatedScaleNet(), torch.randn(8, 5, 32), torch.randn(8, 5, 32), mse_loss
+
+
 CASES = {"llama": _llama_case, "mlp_stack": _mlp_case, "raw_linear": _raw_case}
 MESHES = ("2d", "tp", "dp")
 TP4_CASES = {"llama": _llama_tp4_case}  # per-mesh overrides of CASES
@@ -74,7 +78,12 @@ def _make_check(case: str, mesh_name: str, optimizer: str):
 CHECKS = [_make_check(c, m, o) for c in CASES for m in MESHES for o in ("sgd", "adamw")]
 CASES["llama_kv2"] = _llama_kv_heads_not_divisible_case
 CASES["uneven_dp"] = _uneven_dp_case
-CHECKS += [_make_check("llama_kv2", "tp", "sgd"), _make_check("uneven_dp", "dp", "sgd")]
+CASES["gated_scale"] = _gated_scale_case
+CHECKS += [
+    _make_check("llama_kv2", "tp", "sgd"),
+    _make_check("uneven_dp", "dp", "sgd"),
+    _make_check("gated_scale", "2d", "sgd"),
+]
 for _check in CHECKS:
     setattr(sys.modules[__name__], _check.__name__, _check)
 
