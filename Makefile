@@ -31,7 +31,7 @@ bench: $(STAMP)
 
 # Rewrite the golden plan tables and emitted graphs under tests/golden after an intended change.
 golden: $(STAMP)
-	$(PY) -m pytest -q tests/test_plan.py tests/test_graphs.py --update-golden
+	$(PY) -m pytest -q tests/test_plan.py tests/test_graphs.py tests/test_hf_plans.py --update-golden
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache benchmarks/results

@@ -346,6 +346,14 @@ def _batched_matmul(node, layouts, tp):
     return None
 
 
+def _metadata_check(node, layouts, tp):
+    """``_assert_tensor_metadata`` checks dtype/device/layout: any layout passes.
+    A size or stride check would see the local shape, so it gets no rule."""
+    if node.kwargs.get("size") is not None or node.kwargs.get("stride") is not None:
+        return None
+    return Decision(None, dict(layouts))
+
+
 _ELEMENTWISE_LIKE = (
     aten._to_copy.default,
     aten.to.dtype,
@@ -360,6 +368,7 @@ _ELEMENTWISE_LIKE = (
 
 _RULES = (
     (_ELEMENTWISE_LIKE, _pointwise),
+    ((aten._assert_tensor_metadata.default,), _metadata_check),
     ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),
     (
         (

@@ -45,7 +45,7 @@ def build_plan(
             transposed=transposed,
             placements=placements,
             unit=_unit_of(fqn, captured.block_fqns),
-            collectives=collectives.get(fqn, ()) if axes.has_tp and fqn == getattr(site, "weight_fqn", None) else (),
+            collectives=collectives.get(fqn, ()) if axes.has_tp else (),
             note=note,
         )
     return Plan(
@@ -112,15 +112,22 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
         origin[site.node] = site.weight_fqn
     for site in sites.embeddings:
         origin[site.node] = site.weight_fqn
+    colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] == COLWISE}
     activations: list[str] = []
     seen = set()
     for (value, consumer), steps in lp.edges.items():
         for step in steps:
             key = (value, step)
-            if step.kind == ENTER_TP or key in seen:
+            if key in seen or (step.kind == ENTER_TP and consumer in colwise_nodes):
                 continue
             seen.add(key)
-            if step.kind == GATHER:
+            if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
+                text = f"bwd all-reduce grad (read by sharded {describe(consumer)})"
+                if value.op == "get_attr":
+                    by_weight.setdefault(value.target, []).append(text)
+                else:
+                    activations.append(f"bwd all-reduce grad of '{value.name}', read by sharded {describe(consumer)}")
+            elif step.kind == GATHER:
                 fqn = _region_origin(value, lp, origin)
                 if value in origin:
                     text = "fwd all-gather output"

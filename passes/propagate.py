@@ -30,9 +30,11 @@ q/k-norm weight applied to sharded heads).
 
 A sharded region that never reaches a rowwise linear gains nothing from
 staying sharded (an embedding whose output meets a norm, an LM head whose
-logits are returned): its source is gathered right away, once, and
-everything after it runs replicated. Propagation reruns until no such idle
-source is left.
+logits are returned). When it costs fewer collectives to gather its sources
+right away than to pay for its exits (gathers, and enter_tp on replicated
+inputs it consumes), its sources are gathered at once and everything after
+runs replicated; BERT's three summed embeddings instead stay sharded until
+their one LayerNorm. Propagation reruns until no region changes.
 
 With a user plan the roles come from the plan and only layouts are derived;
 a role that disagrees with the incoming layout costs a redistribute, never a
@@ -222,7 +224,55 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
 
 
 def _idle_sources(plan: LayoutPlan, sites: Sites) -> frozenset[fx.Node]:
-    """Colwise and embedding outputs whose sharded region reaches no rowwise linear."""
+    """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once."""
+    useful = _useful(plan, sites)
+    sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] == COLWISE}
+    sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
+    idle = set()
+    for region in _regions(plan, useful):
+        region_sources = region & sources
+        if region_sources and len(region_sources) <= _exit_cost(plan, region):
+            idle |= region_sources
+    return frozenset(idle)
+
+
+def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
+    """Connected idle sharded values (joined by uses that keep them sharded)."""
+    idle = {v for v, lay in plan.layouts.items() if _is_sharded(lay) and lay != "partial" and v not in useful}
+    regions, seen = [], set()
+    for start in idle:
+        if start in seen:
+            continue
+        region, frontier = set(), [start]
+        while frontier:
+            value = frontier.pop()
+            if value in region:
+                continue
+            region.add(value)
+            neighbours = [u for u in value.users if not _gathers(plan, value, u)]
+            neighbours += [i for i in value.all_input_nodes if not _gathers(plan, i, value)]
+            frontier += [n for n in neighbours if n in idle and n not in region]
+        seen |= region
+        regions.append(region)
+    return regions
+
+
+def _gathers(plan: LayoutPlan, value: fx.Node, consumer: fx.Node) -> bool:
+    return any(step.kind == GATHER for step in plan.edges.get((value, consumer), ()))
+
+
+def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
+    """Collectives a region costs where it meets the replicated world."""
+    gathered = {v for (v, c), steps in plan.edges.items() if v in region and _gathers(plan, v, c)}
+    entered = {
+        v for (v, c), steps in plan.edges.items()
+        if c in region and any(step.kind == ENTER_TP for step in steps)
+    }
+    return len(gathered) + len(entered)
+
+
+def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
+    """Sharded values on a path to a rowwise linear's input."""
     useful: set[fx.Node] = set()
     frontier = [s.input for s in sites.linears if plan.roles[s.weight_fqn] == ROWWISE]
     while frontier:
@@ -234,9 +284,7 @@ def _idle_sources(plan: LayoutPlan, sites: Sites) -> frozenset[fx.Node]:
             steps = plan.edges.get((source, value), ())
             if not any(step.kind == GATHER for step in steps):
                 frontier.append(source)
-    sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] == COLWISE}
-    sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
-    return frozenset(sources - useful)
+    return useful
 
 
 def _ndim(node: fx.Node) -> int:

@@ -1,0 +1,90 @@
+"""Small Hugging Face models (random weights, nothing downloaded) and their inputs.
+
+Every config is tiny (2 layers, hidden 64, 4 heads) with dropout off, so a
+single-device run is the exact reference. Decoder-only families use
+``use_cache=False`` (export cannot carry a KV cache object).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import transformers as hf
+
+VOCAB = 128
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCase:
+    name: str
+    build: object  # () -> nn.Module
+    uses_mask: bool = False  # feeds an attention_mask with padding
+
+    def inputs(self, batch: int = 4, seq: int = 16, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+        kwargs = {}
+        if self.uses_mask:
+            mask = torch.ones(batch, seq, dtype=torch.long)
+            mask[::2, seq - 3 :] = 0  # right padding on every other sequence
+            kwargs["attention_mask"] = mask
+        return ids, kwargs
+
+
+def _llama():
+    return hf.LlamaForCausalLM(hf.LlamaConfig(**_DECODER))
+
+
+def _mistral():
+    return hf.MistralForCausalLM(hf.MistralConfig(**_DECODER))
+
+
+def _qwen2():
+    return hf.Qwen2ForCausalLM(hf.Qwen2Config(**_DECODER))
+
+
+def _qwen3():
+    return hf.Qwen3ForCausalLM(hf.Qwen3Config(**_DECODER, head_dim=16))
+
+
+def _bert():
+    config = hf.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return hf.BertModel(config)
+
+
+CASES = {
+    case.name: case
+    for case in (
+        HFCase("llama", _llama),
+        HFCase("mistral", _mistral),
+        HFCase("qwen2", _qwen2),
+        HFCase("qwen3", _qwen3),
+        HFCase("bert", _bert, uses_mask=True),
+    )
+}
+
+
+def main_output(output) -> torch.Tensor:
+    """Logits of a causal LM, the last hidden state of an encoder."""
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state

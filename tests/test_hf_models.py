@@ -1,0 +1,101 @@
+"""Hugging Face models sharded with a plain ``autoshard(model, mesh, ...)`` on real gloo ranks.
+
+One 4-process group (2x2 mesh) runs every check: logits against the
+single-device model, loss and every parameter after 3 AdamW steps, and the
+tp collectives of one training step (exactly 4 per block).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.comm_stats import CollectiveCounter
+from tests.distributed import distributed_tests
+from tests.hf_cases import CASES, VOCAB, main_output
+from tests.parity import assert_parity, dp_slice, rel_error, train_both
+
+# tp collectives per block per training step: 2 forward all-reduces (attention out,
+# MLP out), 2 backward (one per colwise group); Qwen3's q/k norms read a replicated
+# weight on sharded heads, whose gradients are all-reduced: 2 more.
+PER_BLOCK = {"llama": 4, "mistral": 4, "qwen2": 4, "qwen3": 6, "bert": 4}
+LOGITS_TOL = 1e-5
+LOSS_TOL = 1e-4
+PARAM_TOL = 5e-4  # after AdamW (eps 1e-6), relative to max(|p|, 1e-2): see tests/parity.py
+
+
+def _loss(output, targets):
+    out = main_output(output)
+    if targets.dtype == torch.long:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
+    return F.mse_loss(out, targets)
+
+
+def _targets(case, ids):
+    if hasattr(case.build(), "lm_head"):
+        return torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(1))
+    return torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _make_check(name: str):
+    case = CASES[name]
+
+    def check(ctx):
+        mesh = ctx.mesh_2d
+        torch.manual_seed(0)
+        model = case.build()
+        ids, kwargs = case.inputs()
+        local_ids = dp_slice(ids, mesh)
+        local_kwargs = {k: dp_slice(v, mesh) for k, v in kwargs.items()}
+
+        sharded = autoshard.autoshard(model, mesh, example_inputs=(local_ids,), example_kwargs=local_kwargs)
+        with torch.no_grad():
+            got = main_output(sharded(local_ids, **local_kwargs))
+            want = main_output(model(local_ids, **local_kwargs))
+        assert rel_error(got, want) <= LOGITS_TOL, f"{name}: output rel error {rel_error(got, want):.2e}"
+
+        num_blocks = model.config.num_hidden_layers
+        axes = {a: mesh.get_group(a) for a in mesh.mesh_dim_names}
+        with CollectiveCounter(axes) as forward:
+            outputs = sharded(local_ids, **local_kwargs).to_tuple()
+        with CollectiveCounter(axes) as backward:
+            sum(o.float().pow(2).mean() for o in outputs).backward()  # every output gets a gradient
+        plan = sharded.autoshard_plan
+        measured = forward.count("tp") + backward.count("tp")
+        assert measured == _planned(plan), (name, measured, _planned(plan), forward.stats(), backward.stats())
+        for block in plan.units[1:]:
+            assert _planned(plan, block) == PER_BLOCK[name], (name, block, _planned(plan, block))
+        assert len(plan.units) == num_blocks + 1
+
+        torch.manual_seed(0)
+        run = train_both(
+            case.build(), mesh, ids, _targets(case, ids), _loss,
+            optimizer="adamw", lr=1e-3, adam_eps=1e-6, scale_floor=1e-2, kwargs=kwargs,
+        )
+        assert_parity(run, loss_tol=LOSS_TOL, param_tol=PARAM_TOL)
+
+    check.__name__ = check.__qualname__ = f"check_{name}"
+    check.__module__ = __name__
+    return check
+
+
+def _planned(plan, unit=None) -> int:
+    """tp collectives the plan lists per training step, in one unit or in all."""
+    count = sum(
+        1
+        for entry in plan.params.values()
+        if unit is None or entry.unit == unit
+        for c in entry.collectives
+        if c.startswith(("fwd", "bwd all-reduce"))  # not "bwd input grad all-reduced with ..." (shared)
+    )
+    return count + (len(plan.activations) if unit is None else 0)
+
+
+CHECKS = [_make_check(name) for name in CASES]
+for _check in CHECKS:
+    setattr(sys.modules[__name__], _check.__name__, _check)
+
+outcomes, test_hf_model = distributed_tests(CHECKS)
