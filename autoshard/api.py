@@ -70,13 +70,14 @@ def autoshard(
     tp_group = axes.group_name("tp") if axes.has_tp else None
     if tp_group is not None:
         insert_redistributes(gm, layout_plan, tp_group)
-    rewrite_linears(gm, sites, layout_plan.roles, tp_group)
+    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp)
     parts = partition(gm, captured.block_fqns)
     sharded = materialize(
         parts,
         model,
         final_plan,
         axes,
+        captured.aliases,
         sync_module_states=sync_module_states,
         reshard_after_forward=reshard_after_forward,
     )
@@ -142,8 +143,12 @@ def _check_plan_params(given: Plan, param_shapes) -> None:
                 f"{list(param_shapes[fqn])}"
             )
         dp = entry.placements.get(DP)
-        if dp not in (None, "R", "S(0)"):
-            raise ValueError(f"autoshard: plan gives '{fqn}' dp placement {dp!r}; expected 'S(0)' or 'R'")
+        allowed = ("S(1)", "R") if entry.role == "vocab_parallel" else ("S(0)", "R")
+        if dp not in (None, *allowed):
+            raise ValueError(
+                f"autoshard: plan gives '{fqn}' ({entry.role}) dp placement {dp!r}; expected "
+                f"{' or '.join(repr(a) for a in allowed)}"
+            )
 
 
 def _check_plan_consistent(given: Plan, final: Plan) -> None:

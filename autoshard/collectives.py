@@ -21,6 +21,10 @@ once here. ``reduce_partial`` closes a rowwise linear. ``gather_shards`` ends a
 sharded region whose consumer needs the full tensor (embedding output, LM head
 logits). ``take_shard`` starts a sharded region from a replicated value.
 
+``vocab_shard_ids`` is no collective: it maps token ids onto this rank's rows
+of a vocabulary-sharded embedding (the tied-embedding layout), whose masked
+lookup is then closed by ``reduce_partial``.
+
 Groups are named by ``ProcessGroup.group_name`` (the functional-collective
 convention), so the ops carry no Python objects and trace cleanly.
 """
@@ -145,6 +149,23 @@ def _take_shard_backward(ctx, grad):
     return _all_gather(grad, ctx.dim, ctx.group_name), None, None
 
 
+# --- vocab_shard_ids: this rank's rows of a vocabulary-sharded table -----------
+
+
+@torch.library.custom_op(f"{_LIB}::vocab_shard_ids", mutates_args=())
+def vocab_shard_ids(ids: torch.Tensor, rows_per_rank: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local_ids, in_shard)``: ids relative to this rank's vocabulary rows (0 where
+    the row lives elsewhere) and a ``[..., 1]`` float mask of the ids it holds."""
+    local = ids - _group_rank(group_name) * rows_per_rank
+    in_shard = (local >= 0) & (local < rows_per_rank)
+    return torch.where(in_shard, local, 0), in_shard.unsqueeze(-1).to(torch.get_default_dtype())
+
+
+@vocab_shard_ids.register_fake
+def _(ids, rows_per_rank, group_name):
+    return torch.empty_like(ids), ids.new_empty((*ids.shape, 1), dtype=torch.get_default_dtype())
+
+
 def _keep_group(ctx, inputs, output):
     ctx.group_name = inputs[-1]
 
@@ -162,6 +183,7 @@ ENTER_TP = torch.ops.autoshard.enter_tp.default
 REDUCE_PARTIAL = torch.ops.autoshard.reduce_partial.default
 GATHER_SHARDS = torch.ops.autoshard.gather_shards.default
 TAKE_SHARD = torch.ops.autoshard.take_shard.default
+VOCAB_SHARD_IDS = torch.ops.autoshard.vocab_shard_ids.default
 
 FORWARD_COLLECTIVES = (REDUCE_PARTIAL, GATHER_SHARDS)
 BACKWARD_COLLECTIVES = (ENTER_TP, TAKE_SHARD)

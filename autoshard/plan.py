@@ -15,6 +15,10 @@ Roles
                   (``S(1)``); the output is partial and all-reduced once.
 ``colwise_bias``  bias of a colwise linear: tp ``S(0)``, replicated over dp.
 ``rowwise_bias``  bias of a rowwise linear, added after the all-reduce.
+``vocab_parallel`` an embedding table tied to the LM head, stored
+                  ``[vocab, dim]``: tp cuts the vocabulary rows (``S(0)``),
+                  FSDP cuts dim 1 (``S(1)``); the lookup is masked to the
+                  local rows and all-reduced, the head is colwise.
 ``replicate``     everything else (norm weights, a linear left unsharded):
                   tp ``R``, sharded over dp like any FSDP parameter.
 
@@ -31,7 +35,7 @@ from collections.abc import Mapping
 
 PLAN_VERSION = 1
 
-ROLES = ("colwise", "rowwise", "colwise_bias", "rowwise_bias", "replicate")
+ROLES = ("colwise", "rowwise", "colwise_bias", "rowwise_bias", "vocab_parallel", "replicate")
 
 
 @dataclasses.dataclass(frozen=True)

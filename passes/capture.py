@@ -70,13 +70,16 @@ class CapturedGraph:
 
     ``block_fqns`` are the modules that become one FSDP unit each (see
     :func:`find_blocks`; a block that cannot be one call stays in the root),
-    in forward order.
+    in forward order. A tied parameter (one tensor under several FQNs) is
+    read in the graph by its first FQN in ``named_parameters()`` order;
+    ``aliases`` maps its other FQNs to that one.
     """
 
     gm: fx.GraphModule
     param_shapes: dict[str, tuple[int, ...]]
     block_fqns: tuple[str, ...]
     inputs: InputSignature
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # tied FQN -> canonical FQN
 
 
 class CaptureError(ValueError):
@@ -84,7 +87,6 @@ class CaptureError(ValueError):
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedGraph:
-    _refuse_tied_parameters(model)
     try:
         exported = torch.export.export(model, tuple(args), kwargs or {}, strict=False)
     except Exception as err:  # export raises many types; the user needs one
@@ -97,6 +99,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
+    aliases = _tied_aliases(model)
+    _read_tied_parameters_by_one_name(graph, aliases)
     graph.eliminate_dead_code()
     gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
@@ -104,7 +108,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     arg_names = tuple(inspect.signature(model.forward).parameters)
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names)
-    return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs)
+    return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs, aliases)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -134,17 +138,26 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     return tuple(blocks)
 
 
-def _refuse_tied_parameters(model: nn.Module) -> None:
-    """One tensor under two FQNs needs one layout valid for both uses: not supported yet."""
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    for tied in names.values():
-        if len(tied) > 1:
-            raise NotImplementedError(
-                f"autoshard: parameters {', '.join(repr(n) for n in tied)} are one tensor "
-                f"(tied weights); tied weights are not supported"
-            )
+    return {alias: tied[0] for tied in names.values() for alias in tied[1:]}
+
+
+def _read_tied_parameters_by_one_name(graph: fx.Graph, aliases: dict[str, str]) -> None:
+    """Export reads a tied tensor under any of its names: read it under the canonical one."""
+    reads: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        fqn = aliases.get(node.target, node.target)
+        if fqn in reads:
+            node.replace_all_uses_with(reads[fqn])
+            graph.erase_node(node)
+        else:
+            node.target = fqn
+            reads[fqn] = node
 
 
 def _user_frame(err: BaseException) -> str:

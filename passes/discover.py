@@ -79,10 +79,15 @@ Site = LinearSite | EmbeddingSite
 
 @dataclasses.dataclass(frozen=True)
 class Sites:
-    """All sites of a graph, in graph order, and who uses each parameter."""
+    """All sites of a graph, in graph order.
+
+    ``tied`` are the weights read by one embedding and one linear (an input
+    embedding tied to the LM head): one tensor, two uses, one layout.
+    """
 
     linears: tuple[LinearSite, ...]
     embeddings: tuple[EmbeddingSite, ...]
+    tied: frozenset[str] = frozenset()
 
     @property
     def all(self) -> tuple[Site, ...]:
@@ -187,25 +192,37 @@ def find_embedding_sites(gm: fx.GraphModule, param_shapes) -> tuple[EmbeddingSit
 
 
 def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> Sites:
-    """All sites; a parameter used by two sites or by a site and another op is an error.
-
-    Tied weights (one parameter in two roles) need one layout valid for both
-    uses; that is not supported yet and would otherwise be silently wrong.
-    """
-    sites = Sites(find_linear_sites(gm, param_shapes), find_embedding_sites(gm, param_shapes))
+    """All sites. A parameter may feed one site, or be the tied weight of one
+    embedding and one bias-free ``[out, in]`` linear; any other sharing of a
+    sharded weight has no single layout valid for all its uses and is an error."""
+    linears, embeddings = find_linear_sites(gm, param_shapes), find_embedding_sites(gm, param_shapes)
     owners: dict[str, list[Site]] = defaultdict(list)
-    for site in sites.all:
+    for site in (*linears, *embeddings):
         for fqn in site.param_fqns:
             owners[fqn].append(site)
+    tied = set()
     for fqn, users in owners.items():
-        if len(users) > 1:
-            where = "; ".join(describe(s.node) for s in users)
-            raise NotImplementedError(
-                f"autoshard: parameter '{fqn}' (shape {list(param_shapes[fqn])}) is used by "
-                f"{len(users)} linear/embedding ops ({where}); tied weights are not supported"
-            )
+        if len(users) == 1:
+            continue
+        if _is_tied_pair(fqn, users):
+            tied.add(fqn)
+            continue
+        where = "; ".join(describe(s.node) for s in users)
+        raise NotImplementedError(
+            f"autoshard: parameter '{fqn}' (shape {list(param_shapes[fqn])}) is used by "
+            f"{len(users)} linear/embedding ops ({where}); only an embedding tied to one linear "
+            f"(an LM head) can share a weight"
+        )
     _check_params_used_only_by_their_site(gm, owners)
-    return sites
+    return Sites(linears, embeddings, frozenset(tied))
+
+
+def _is_tied_pair(fqn: str, users: list) -> bool:
+    if len(users) != 2:
+        return False
+    kinds = {type(u) for u in users}
+    linear = next((u for u in users if isinstance(u, LinearSite)), None)
+    return kinds == {LinearSite, EmbeddingSite} and linear.orientation == OUT_IN and linear.weight_fqn == fqn
 
 
 def _check_params_used_only_by_their_site(gm: fx.GraphModule, owners) -> None:
@@ -213,11 +230,12 @@ def _check_params_used_only_by_their_site(gm: fx.GraphModule, owners) -> None:
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in owners:
             continue
-        (site,) = owners[node.target]
-        own = set(site.nodes) if isinstance(site, LinearSite) else {site.node}
+        own = set()
+        for site in owners[node.target]:
+            own |= set(site.nodes) if isinstance(site, LinearSite) else {site.node}
         users = set(node.users) | {u for t in node.users if t.target in _TRANSPOSES for u in t.users}
         for user in users - own:
             raise NotImplementedError(
-                f"autoshard: parameter '{node.target}' feeds {describe(site.node)} and also "
+                f"autoshard: parameter '{node.target}' feeds {describe(owners[node.target][0].node)} and also "
                 f"{describe(user)}; a sharded weight used outside its linear op is not supported"
             )

@@ -37,6 +37,7 @@ def materialize(
     model: nn.Module,
     plan: Plan,
     axes: MeshAxes,
+    aliases: dict[str, str],
     *,
     sync_module_states: bool = True,
     reshard_after_forward: bool = True,
@@ -47,6 +48,8 @@ def materialize(
     originals = dict(model.named_parameters())
     for fqn, entry in plan.params.items():
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
+    for alias, canonical in aliases.items():  # tied: the same Parameter under every name
+        _set(root, alias, root.get_parameter(canonical))
     _copy_buffers(root, model, device, sync_module_states)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
     for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
@@ -105,8 +108,12 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
 
 
 def _set(root: nn.Module, fqn: str, param: nn.Parameter) -> None:
-    owner_path, _, name = fqn.rpartition(".")
-    owner = root.get_submodule(owner_path) if owner_path else root
+    *path, name = fqn.split(".")
+    owner = root
+    for part in path:  # a tied name's module may not exist in the graph's modules yet
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
     if name in owner._parameters:
         owner._parameters[name] = param
     else:
@@ -158,12 +165,23 @@ def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_
     dp_mesh = axes.submesh(DP)
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
+    dp_dim = {
+        params[fqn]: placement(entry.placements[DP])
+        for fqn, entry in plan.params.items()
+        if entry.placements.get(DP, "R") != "R"
+    }
+
+    def shard_dim(param):  # S(1) where tp already cuts dim 0 (a tied vocabulary table)
+        return dp_dim.get(param)
+
     for gm in part.blocks.values():
         own = {p for p in gm.parameters() if p in ignored}
-        fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None)
+        fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None,
+                    shard_placement_fn=shard_dim)
     # The root keeps its parameters between forward and backward (FSDP2 default for the root):
     # the head runs first in backward and would re-gather immediately.
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None,
+                shard_placement_fn=shard_dim)
     group = dp_mesh.get_group()
     for param in ignored:
         param.register_post_accumulate_grad_hook(lambda p, group=group: _average_grad(p, group))

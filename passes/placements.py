@@ -12,7 +12,17 @@ from __future__ import annotations
 import torch.fx as fx
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, Sites
-from autoshard.passes.propagate import COLWISE, ENTER_TP, GATHER, REPLICATE, ROWWISE, TAKE_SHARD, LayoutPlan
+from autoshard.passes.propagate import (
+    COLWISE,
+    COLWISE_LIKE,
+    ENTER_TP,
+    GATHER,
+    REPLICATE,
+    ROWWISE,
+    TAKE_SHARD,
+    VOCAB_PARALLEL,
+    LayoutPlan,
+)
 
 from autoshard.errors import describe
 from autoshard.mesh import DP, TP, MeshAxes
@@ -33,9 +43,14 @@ def build_plan(
     for fqn, shape in captured.param_shapes.items():
         site = site_by_param.get(fqn)
         role, transposed, tp_dim, note = _role_of(fqn, site, layout_plan.roles)
+        tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
+        if tied_names:
+            note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
         placements = {}
         if axes.has_dp:
             default_dp = "R" if role == "colwise_bias" or not shape else "S(0)"
+            if role == VOCAB_PARALLEL:
+                default_dp = "S(1)"  # tp cuts the vocabulary rows (dim 0); FSDP takes dim 1
             placements[DP] = (dp_placements or {}).get(fqn, default_dp)
         if axes.has_tp:
             placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
@@ -62,11 +77,19 @@ _EMBEDDING_NOTE = (
 )
 
 
+_VOCAB_PARALLEL_NOTE = (
+    "embedding and LM head share [vocab, dim]; tp cuts vocabulary rows (lookup masked to the "
+    "local rows, output all-reduced; head colwise over the vocabulary), FSDP cuts dim 1"
+)
+
+
 def _role_of(fqn: str, site, roles: dict[str, str]):
     """(role, transposed, tp-sharded stored dim or None, note)."""
     if site is None:
         return REPLICATE, False, None, ""
     role = roles[site.weight_fqn]
+    if role == VOCAB_PARALLEL:
+        return VOCAB_PARALLEL, False, 0, _VOCAB_PARALLEL_NOTE
     if isinstance(site, EmbeddingSite):
         if role == COLWISE:
             return COLWISE, False, 1, _EMBEDDING_NOTE
@@ -96,7 +119,7 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
     colwise_by_input: dict[fx.Node, list[str]] = {}
     for site in sites.linears:
         role = lp.roles[site.weight_fqn]
-        if role == COLWISE:
+        if role in COLWISE_LIKE:
             colwise_by_input.setdefault(site.input, []).append(site.weight_fqn)
         elif role == ROWWISE:
             by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce output")
@@ -112,7 +135,10 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
         origin[site.node] = site.weight_fqn
     for site in sites.embeddings:
         origin[site.node] = site.weight_fqn
-    colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] == COLWISE}
+    for site in sites.embeddings:
+        if lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
+            by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce embedding output")
+    colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
     activations: list[str] = []
     seen = set()
     for (value, consumer), steps in lp.edges.items():

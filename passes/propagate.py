@@ -53,6 +53,11 @@ from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.errors import describe
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
+# A weight tied between the input embedding and the LM head, stored [vocab, dim]
+# with its vocabulary rows cut over tp: the head is colwise over the vocabulary,
+# the embedding a masked lookup whose partial output is all-reduced.
+VOCAB_PARALLEL = "vocab_parallel"
+COLWISE_LIKE = (COLWISE, VOCAB_PARALLEL)
 
 ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
 
@@ -148,11 +153,11 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
             continue  # a folded bias add or weight transpose: handled with its site
         site = site_of.get(node)
         if isinstance(site, LinearSite):
-            role = _linear_role(site, seen(site.input), roles, fixed_roles)
+            role = _linear_role(site, seen(site.input), roles, fixed_roles, site.weight_fqn in sites.tied)
             _check_divisible(site, role, tp)
             roles[site.weight_fqn] = role
             x_dim = _ndim(site.input) - 1
-            if role == COLWISE:
+            if role in COLWISE_LIKE:
                 # A gathered input still needs enter_tp: colwise input-gradients are partial.
                 require(site.input, node, None, then=(Redistribute(ENTER_TP),))
                 layouts[node] = layouts[site.output] = _ndim(site.output) - 1
@@ -164,15 +169,16 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
                 require(site.input, node, None)
                 layouts[node] = layouts[site.output] = None
         elif isinstance(site, EmbeddingSite):
-            role = roles.get(site.weight_fqn, COLWISE)
-            if role not in (COLWISE, REPLICATE):
+            tied = site.weight_fqn in sites.tied
+            sharded_role = VOCAB_PARALLEL if tied else COLWISE
+            role = roles.get(site.weight_fqn, sharded_role)
+            if role not in (sharded_role, REPLICATE):
                 raise ValueError(
-                    f"autoshard: embedding '{site.weight_fqn}' can be 'colwise' (embedding dim "
-                    f"sharded) or 'replicate', not {role!r}"
+                    f"autoshard: embedding '{site.weight_fqn}' can be {sharded_role!r} or 'replicate', not {role!r}"
                 )
             _check_divisible(site, role, tp)
             roles[site.weight_fqn] = role
-            layouts[node] = _ndim(node) - 1 if role == COLWISE else None
+            layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
         elif node.op == "output":
             for value in node.all_input_nodes:
                 require(value, node, None)
@@ -226,7 +232,7 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
 def _idle_sources(plan: LayoutPlan, sites: Sites) -> frozenset[fx.Node]:
     """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once."""
     useful = _useful(plan, sites)
-    sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] == COLWISE}
+    sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
     sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
     idle = set()
     for region in _regions(plan, useful):
@@ -291,24 +297,29 @@ def _ndim(node: fx.Node) -> int:
     return node.meta["val"].dim()
 
 
-def _linear_role(site: LinearSite, input_layout, roles, fixed_roles) -> str:
+def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool) -> str:
     if fixed_roles is not None:
         role = fixed_roles.get(site.weight_fqn)
-        if role not in (COLWISE, ROWWISE, REPLICATE):
+        allowed = (VOCAB_PARALLEL, REPLICATE) if tied else (COLWISE, ROWWISE, REPLICATE)
+        if role not in allowed:
             raise ValueError(
                 f"autoshard: plan gives linear weight '{site.weight_fqn}' role {role!r}; "
-                f"expected 'colwise', 'rowwise' or 'replicate'"
+                f"expected one of {', '.join(repr(r) for r in allowed)}"
             )
         return role
+    if tied:
+        return roles.get(site.weight_fqn, VOCAB_PARALLEL)  # the embedding may have decided replicate
     return ROWWISE if input_layout == _ndim(site.input) - 1 else COLWISE
 
 
 def _check_divisible(site, role: str, tp: int) -> None:
     if role == REPLICATE or tp == 1:
         return
-    if isinstance(site, EmbeddingSite):
+    if isinstance(site, EmbeddingSite) and role == VOCAB_PARALLEL:
+        size, what = site.num_embeddings, "vocabulary rows"
+    elif isinstance(site, EmbeddingSite):
         size, what = site.embedding_dim, "embedding dim"
-    elif role == COLWISE:
+    elif role in COLWISE_LIKE:
         size, what = site.out_features, "output features"
     else:
         size, what = site.in_features, "input features"

@@ -6,6 +6,9 @@ The materialized weights are stored so that tp always shards dim 1 (see
 * colwise   ``y = x @ W_t  (+ b)``      with ``W_t [in, out]`` (``aten.matmul``)
 * rowwise   ``y = reduce_partial(x @ W.T) (+ b)`` with ``W [out, in]``
   (``aten.linear``); the bias is added once, after the all-reduce
+* vocab_parallel (a tied LM head ``[vocab, dim]``): ``linear(x, W)`` on this
+  rank's vocabulary rows, colwise over the vocabulary; its embedding use
+  becomes a lookup masked to those rows, closed by ``reduce_partial``
 * replicate the op is left as the user wrote it.
 
 A site's ``node`` keeps its identity as the site's full output, so edges
@@ -14,21 +17,29 @@ recorded by earlier passes stay valid; new nodes are inserted before it.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
-from autoshard.passes.discover import LinearSite, Sites
-from autoshard.passes.propagate import COLWISE, ROWWISE
+from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL
 
 from autoshard import collectives
 
 aten = torch.ops.aten
 
 
-def rewrite_linears(gm: fx.GraphModule, sites: Sites, roles: dict[str, str], tp_group: str | None) -> None:
+def rewrite_linears(
+    gm: fx.GraphModule, sites: Sites, roles: dict[str, str], tp_group: str | None, tp: int = 1
+) -> None:
     for site in sites.linears:
         role = roles[site.weight_fqn]
-        if role in (COLWISE, ROWWISE):
+        if role in (COLWISE, ROWWISE, VOCAB_PARALLEL):
             _rewrite(gm.graph, site, role, tp_group)
+    if tp_group is not None:
+        for site in sites.embeddings:
+            if roles[site.weight_fqn] == VOCAB_PARALLEL:
+                _rewrite_vocab_parallel_lookup(gm.graph, site, tp_group, site.num_embeddings // tp)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
 
@@ -41,7 +52,7 @@ def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None)
     with graph.inserting_before(node):
         if role == COLWISE:
             product = graph.call_function(aten.matmul.default, (x, site.weight_node))
-        else:
+        else:  # rowwise [out, in], or the tied head [vocab, dim] cut over its vocabulary rows
             product = graph.call_function(aten.linear.default, (x, site.weight_node))
         _inherit(product, node, f"{node.name}_local")
         if role == ROWWISE and tp_group is not None:
@@ -53,6 +64,27 @@ def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None)
     else:
         node.replace_all_uses_with(product)
         graph.erase_node(node)
+
+
+def _rewrite_vocab_parallel_lookup(graph: fx.Graph, site: EmbeddingSite, tp_group: str, rows: int) -> None:
+    """``embedding(W, ids)`` on this rank's vocabulary rows: masked, then all-reduced."""
+    node = site.node
+    ids = node.args[1]
+    with graph.inserting_before(node):
+        shard_ids = graph.call_function(collectives.VOCAB_SHARD_IDS, (ids, rows, tp_group))
+        _inherit(shard_ids, node, f"{node.name}_shard_ids")
+        local_ids = graph.call_function(operator.getitem, (shard_ids, 0))
+        _inherit(local_ids, node, f"{node.name}_local_ids")
+        in_shard = graph.call_function(operator.getitem, (shard_ids, 1))
+        _inherit(in_shard, node, f"{node.name}_in_shard")
+    node.update_arg(1, local_ids)
+    with graph.inserting_after(node):
+        masked = graph.call_function(aten.mul.Tensor, (node, in_shard))
+        _inherit(masked, node, f"{node.name}_masked")
+    with graph.inserting_after(masked):
+        reduced = graph.call_function(collectives.REDUCE_PARTIAL, (masked, tp_group))
+        _inherit(reduced, node, f"{node.name}_reduced")
+    node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not masked)
 
 
 def _current_input(site: LinearSite) -> fx.Node:

@@ -47,6 +47,11 @@ def _llama():
     return hf.LlamaForCausalLM(hf.LlamaConfig(**_DECODER))
 
 
+def _llama_tied():
+    """Input embedding and LM head are one parameter."""
+    return hf.LlamaForCausalLM(hf.LlamaConfig(**{**_DECODER, "tie_word_embeddings": True}))
+
+
 def _mistral():
     return hf.MistralForCausalLM(hf.MistralConfig(**_DECODER))
 
@@ -77,6 +82,7 @@ CASES = {
     case.name: case
     for case in (
         HFCase("llama", _llama),
+        HFCase("llama_tied", _llama_tied),
         HFCase("mistral", _mistral),
         HFCase("qwen2", _qwen2),
         HFCase("qwen3", _qwen3),

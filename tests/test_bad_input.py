@@ -123,21 +123,25 @@ def test_example_inputs_must_be_a_tuple(mesh_2x2):
         autoshard.autoshard(MLPStack(), mesh_2x2, example_inputs=FEATURES)
 
 
-class Tied(nn.Module):
+class SharedTwice(nn.Module):
+    """One weight in two linears: no single tp layout fits both uses."""
+
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(64, 32)
-        self.head = nn.Linear(32, 64, bias=False)
-        self.head.weight = self.emb.weight
+        self.a = nn.Linear(32, 32, bias=False)
+        self.b = nn.Linear(32, 32, bias=False)
+        self.b.weight = self.a.weight
 
-    def forward(self, ids):
-        return self.head(self.emb(ids))
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
 
 
-def test_tied_weights_are_refused_by_name(mesh_2x2):
-    model = Tied()
-    with leaves_untouched(model), pytest.raises(NotImplementedError, match="'emb.weight'.*tied weights"):
-        autoshard.autoshard(model, mesh_2x2, example_inputs=(torch.randint(0, 64, (2, 8)),))
+def test_a_weight_shared_by_two_linears_is_refused_by_name(mesh_2x2):
+    model = SharedTwice()
+    with leaves_untouched(model), pytest.raises(NotImplementedError) as err:
+        autoshard.autoshard(model, mesh_2x2, example_inputs=(FEATURES,))
+    assert "'a.weight' (shape [32, 32]) is used by 2 linear/embedding ops" in str(err.value)
+    assert "test_bad_input.py" in str(err.value) and "self.a(x)" in str(err.value)
 
 
 def test_plan_for_another_mesh_is_rejected(mesh_2x2):
@@ -166,7 +170,7 @@ def test_inconsistent_plan_edit_is_explained(mesh_2x2):
 def test_unknown_role_in_plan(mesh_2x2):
     data = autoshard.plan(MLPStack(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,)).to_dict()
     data["params"]["blocks.0.fc1.weight"]["role"] = "rowwise_bias"
-    with pytest.raises(ValueError, match="role 'rowwise_bias'; expected 'colwise', 'rowwise' or 'replicate'"):
+    with pytest.raises(ValueError, match="role 'rowwise_bias'; expected one of 'colwise', 'rowwise', 'replicate'"):
         autoshard.autoshard(MLPStack(), mesh_2x2, example_inputs=(FEATURES,), plan=data)
 
 
