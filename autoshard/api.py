@@ -30,13 +30,14 @@ def plan(
     *,
     example_inputs: tuple,
     example_kwargs: dict | None = None,
+    on_indivisible: str = "replicate",
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
     ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
     plan for a mesh that does not exist in this process.
     """
-    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None)[0]
+    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, on_indivisible)[0]
 
 
 def autoshard(
@@ -48,6 +49,7 @@ def autoshard(
     plan: Plan | Mapping | None = None,
     sync_module_states: bool = True,
     reshard_after_forward: bool = True,
+    on_indivisible: str = "replicate",
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -61,11 +63,16 @@ def autoshard(
     initialized differently still agree. The user's model is never modified.
     The graph is captured for the shapes of ``example_inputs``; a call with
     other shapes raises a ``ValueError`` naming the input.
+    ``on_indivisible``: a weight whose sharded dim does not divide by tp (a
+    vocabulary of 50257 on tp=2) is replicated over tp and the plan says why
+    (``"replicate"``), or raises a ``ValueError`` naming it (``"error"``).
     """
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
-    final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan)
+    final_plan, captured, sites, layout_plan = _plan(
+        model, axes, example_inputs, example_kwargs, plan, on_indivisible
+    )
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
     if tp_group is not None:
@@ -93,7 +100,9 @@ def _axes(mesh) -> MeshAxes:
     return read_mesh(mesh)
 
 
-def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given):
+def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, on_indivisible="replicate"):
+    if on_indivisible not in ("replicate", "error"):
+        raise ValueError(f"autoshard: on_indivisible must be 'replicate' or 'error', got {on_indivisible!r}")
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
     given = _as_plan(given)
@@ -108,7 +117,7 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given):
         weights = {s.weight_fqn for s in sites.all}
         roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
         dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
-    layout_plan = propagate(captured.gm, sites, axes.tp, roles)
+    layout_plan = propagate(captured.gm, sites, axes.tp, roles, on_indivisible)
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if given is not None:
         _check_plan_consistent(given, final)

@@ -43,6 +43,8 @@ def build_plan(
     for fqn, shape in captured.param_shapes.items():
         site = site_by_param.get(fqn)
         role, transposed, tp_dim, note = _role_of(fqn, site, layout_plan.roles)
+        if site is not None and site.weight_fqn in layout_plan.notes and axes.has_tp:
+            note = layout_plan.notes[site.weight_fqn]
         tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
         if tied_names:
             note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")

@@ -89,24 +89,34 @@ class LayoutPlan:
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]]
     new_args: dict[fx.Node, tuple]
     tp: int
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)  # weight FQN -> why replicated
 
 
 def propagate(
-    gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, str] | None = None
+    gm: fx.GraphModule,
+    sites: Sites,
+    tp: int,
+    roles: dict[str, str] | None = None,
+    on_indivisible: str = "replicate",
 ) -> LayoutPlan:
-    """Assign roles (greedy, or from ``roles``) and layouts; check divisibility by ``tp``."""
+    """Assign roles (greedy, or from ``roles``) and layouts.
+
+    A weight whose sharded dim does not divide by ``tp`` is replicated over tp
+    (``on_indivisible="replicate"``, noted in the plan) or is an error
+    (``"error"``, and always when the role comes from a user plan).
+    """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
     gathered_early: frozenset[fx.Node] = frozenset()
     while True:
-        plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early)
+        plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible)
         idle = _idle_sources(plan, sites) - gathered_early
         if not idle:
             return plan
         gathered_early |= idle
 
 
-def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_early) -> LayoutPlan:
+def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible) -> LayoutPlan:
     fixed_roles = roles
     roles = dict(roles or {})
     site_of = {s.node: s for s in sites.all}
@@ -114,6 +124,7 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
     layouts: dict[fx.Node, object] = {}
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
     new_args: dict[fx.Node, tuple] = {}
+    notes: dict[str, str] = {}
 
     def layout(value) -> object:
         return layouts.get(value) if isinstance(value, fx.Node) else None
@@ -121,6 +132,16 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
     def seen(value) -> object:
         """The layout consumers plan with: a source gathered early reads as replicated."""
         return None if value in gathered_early else layout(value)
+
+    def divisible_role(site, role: str) -> str:
+        """``role``, or replicate (noted) when a dim does not divide by tp and the plan is ours."""
+        reason = _indivisible(site, role, tp)
+        if reason is None:
+            return role
+        if fixed_roles is not None or on_indivisible == "error":
+            raise ValueError(f"autoshard: {reason}")
+        notes[site.weight_fqn] = f"replicated over tp: its {reason.split(' and its ')[1].split(';')[0]}"
+        return REPLICATE
 
     def partial_grad(value) -> tuple:
         """enter_tp for a replicated, gradient-carrying input of a sharded computation."""
@@ -154,7 +175,7 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
         site = site_of.get(node)
         if isinstance(site, LinearSite):
             role = _linear_role(site, seen(site.input), roles, fixed_roles, site.weight_fqn in sites.tied)
-            _check_divisible(site, role, tp)
+            role = divisible_role(site, role)
             roles[site.weight_fqn] = role
             x_dim = _ndim(site.input) - 1
             if role in COLWISE_LIKE:
@@ -176,7 +197,7 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
                 raise ValueError(
                     f"autoshard: embedding '{site.weight_fqn}' can be {sharded_role!r} or 'replicate', not {role!r}"
                 )
-            _check_divisible(site, role, tp)
+            role = divisible_role(site, role)
             roles[site.weight_fqn] = role
             layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
         elif node.op == "output":
@@ -201,7 +222,7 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
                 require(value, node, wanted, then)
             if decision.args is not None:
                 new_args[node] = decision.args
-    return LayoutPlan(roles, layouts, edges, new_args, tp)
+    return LayoutPlan(roles, layouts, edges, new_args, tp, notes)
 
 
 def _is_sharded(layout) -> bool:
@@ -312,9 +333,10 @@ def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool)
     return ROWWISE if input_layout == _ndim(site.input) - 1 else COLWISE
 
 
-def _check_divisible(site, role: str, tp: int) -> None:
+def _indivisible(site, role: str, tp: int) -> str | None:
+    """Why ``site`` cannot take ``role`` on ``tp`` ranks (a dim that does not divide), or None."""
     if role == REPLICATE or tp == 1:
-        return
+        return None
     if isinstance(site, EmbeddingSite) and role == VOCAB_PARALLEL:
         size, what = site.num_embeddings, "vocabulary rows"
     elif isinstance(site, EmbeddingSite):
@@ -323,12 +345,13 @@ def _check_divisible(site, role: str, tp: int) -> None:
         size, what = site.out_features, "output features"
     else:
         size, what = site.in_features, "input features"
-    if size % tp:
-        shape = list(site.weight_node.meta["val"].shape) if "val" in site.weight_node.meta else "?"
-        raise ValueError(
-            f"autoshard: parameter '{site.weight_fqn}' (shape {shape}) is {role} and its {what} "
-            f"({size}) do not divide by the tp axis size {tp}; at {describe(site.node)}"
-        )
+    if size % tp == 0:
+        return None
+    shape = list(site.weight_node.meta["val"].shape) if "val" in site.weight_node.meta else "?"
+    return (
+        f"parameter '{site.weight_fqn}' (shape {shape}) is {role} and its {what} ({size}) "
+        f"do not divide by the tp axis size {tp}; at {describe(site.node)}"
+    )
 
 
 def _check_roles_cover_sites(fixed_roles, sites: Sites) -> None:

@@ -66,7 +66,7 @@ def test_output_features_not_divisible_by_tp(fake_world):
     model = Narrow()
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     with leaves_untouched(model), pytest.raises(ValueError) as err:
-        autoshard.autoshard(model, mesh, example_inputs=(FEATURES,))
+        autoshard.autoshard(model, mesh, example_inputs=(FEATURES,), on_indivisible="error")
     message = str(err.value)
     assert "'up.weight'" in message and "[30, 32]" in message
     assert "output features (30)" in message and "tp axis size 4" in message
@@ -75,7 +75,25 @@ def test_output_features_not_divisible_by_tp(fake_world):
 
 def test_plan_reports_the_same_error_without_a_mesh():
     with pytest.raises(ValueError, match=r"'up.weight' \(shape \[30, 32\]\)"):
-        autoshard.plan(Narrow(), {"tp": 4}, example_inputs=(FEATURES,))
+        autoshard.plan(Narrow(), {"tp": 4}, example_inputs=(FEATURES,), on_indivisible="error")
+
+
+def test_by_default_an_indivisible_weight_is_replicated_and_explained():
+    plan = autoshard.plan(Narrow(), {"tp": 4}, example_inputs=(FEATURES,))
+    up, down = plan.params["up.weight"], plan.params["down.weight"]
+    assert (up.role, up.placements["tp"]) == ("replicate", "R")
+    assert up.note == "replicated over tp: its output features (30) do not divide by the tp axis size 4"
+    # down's input is then replicated: it is colwise, and its output gathered
+    assert (down.role, down.placements["tp"]) == ("colwise", "S(1)")
+
+
+def test_a_user_plan_asking_for_an_indivisible_layout_is_an_error(fake_world):
+    model = Narrow()
+    data = autoshard.plan(model, {"tp": 4}, example_inputs=(FEATURES,)).to_dict()
+    data["params"]["up.weight"].update(role="colwise", transposed=True, placements={"tp": "S(1)"})
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    with leaves_untouched(model), pytest.raises(ValueError, match=r"'up.weight' \(shape \[30, 32\]\) is colwise"):
+        autoshard.autoshard(model, mesh, example_inputs=(FEATURES,), plan=data)
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,12 @@ def _uneven_dp_case():
     return MLPStack(dim=30, hidden=60, out=10), torch.randn(8, 5, 30), torch.randn(8, 5, 10), mse_loss
 
 
+def _odd_vocab_case():
+    """Vocabulary 257 on tp=2: the LM head is replicated over tp (the plan says why)."""
+    model = Llama(LlamaConfig(vocab_size=257))
+    return model, torch.randint(0, 257, (4, 16)), torch.randint(0, 257, (4, 16)), lm_loss
+
+
 def _gated_scale_case():
     return GatedScaleNet(), torch.randn(8, 5, 32), torch.randn(8, 5, 32), mse_loss
 
@@ -79,10 +85,12 @@ CHECKS = [_make_check(c, m, o) for c in CASES for m in MESHES for o in ("sgd", "
 CASES["llama_kv2"] = _llama_kv_heads_not_divisible_case
 CASES["uneven_dp"] = _uneven_dp_case
 CASES["gated_scale"] = _gated_scale_case
+CASES["odd_vocab"] = _odd_vocab_case
 CHECKS += [
     _make_check("llama_kv2", "tp", "sgd"),
     _make_check("uneven_dp", "dp", "sgd"),
     _make_check("gated_scale", "2d", "sgd"),
+    _make_check("odd_vocab", "2d", "sgd"),
 ]
 for _check in CHECKS:
     setattr(sys.modules[__name__], _check.__name__, _check)
