@@ -46,7 +46,9 @@ class ParamSharding:
     (possibly transposed) global tensor that ``placements`` refer to.
     ``unit`` is the FSDP unit (block FQN, ``""`` for the root) whose
     all-gather carries it. ``collectives`` are the tp collectives the plan
-    inserts because of this parameter's linear or embedding.
+    inserts because of this parameter's linear or embedding. ``sections``
+    (a fused q|k|v or gate|up projection) are the output sections the stored
+    tp-sharded dim is permuted by, so each rank holds its share of each one.
     """
 
     role: str
@@ -56,6 +58,12 @@ class ParamSharding:
     unit: str = ""
     collectives: tuple[str, ...] = ()
     note: str = ""
+    sections: tuple[int, ...] = ()
+
+    def sharded_dim(self, axis: str) -> int | None:
+        """The stored dim ``axis`` cuts, or None when replicated over it."""
+        text = self.placements.get(axis, "R")
+        return None if text == "R" else placement(text).dim
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -70,6 +78,7 @@ class ParamSharding:
             "unit": self.unit,
             "collectives": list(self.collectives),
             "note": self.note,
+            "sections": list(self.sections),
         }
 
     @classmethod
@@ -90,6 +99,7 @@ class ParamSharding:
             unit=str(data.get("unit", "")),
             collectives=tuple(data.get("collectives", ())),
             note=str(data.get("note", "")),
+            sections=tuple(int(n) for n in data.get("sections", ())),
         )
 
 
@@ -147,6 +157,7 @@ class Plan:
         for fqn, p in self.params.items():
             stored = "x".join(map(str, p.stored_shape)) or "scalar"
             stored += " (T)" if p.transposed else ""
+            stored += f" [{'|'.join(map(str, p.sections))}]" if p.sections else ""
             row = [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>"]
             rows.append(row + (["; ".join(p.collectives) or "-"] if has_tp else []))
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -166,6 +177,8 @@ class Plan:
             out.append("")
             out += [f"activation: {a}" for a in self.activations]
         out.append("(T) stored transposed; placements are on the stored dims")
+        if any(p.sections for p in self.params.values()):
+            out.append("[a|b|c] fused output sections, permuted so each tp rank holds its share of each")
         if "dp" in self.mesh:
             out.append(
                 "dp: each FSDP unit all-gathers its S(0) parameters before forward (blocks again "
@@ -173,3 +186,29 @@ class Plan:
                 "are all-reduced"
             )
         return "\n".join(out)
+
+
+def placement(text: str):
+    """DTensor placement of a plan string: ``"R"`` or ``"S(d)"``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if text == "R":
+        return Replicate()
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"autoshard: unknown placement {text!r}; expected 'R' or 'S(d)'")
+
+
+def section_order(sections: tuple[int, ...], tp: int):
+    """Stored order of a fused dim: rank 0's chunk of every section, then rank 1's, ...
+    so that an even cut over tp gives each rank its share of each section."""
+    import torch
+
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    order = [
+        start + rank * (size // tp) + j
+        for rank in range(tp)
+        for start, size in zip(starts, sections, strict=True)
+        for j in range(size // tp)
+    ]
+    return torch.tensor(order, dtype=torch.long)

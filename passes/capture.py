@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+
 from autoshard.passes.partition import callable_blocks
 
 

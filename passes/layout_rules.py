@@ -24,9 +24,14 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
+    """``fused_sections``: the op splits a colwise output along its sharded dim into
+    these (global) sections; valid only once the producing weight's columns are
+    permuted so that every rank holds its share of each section (see propagate)."""
+
     output: object
     inputs: dict
     args: tuple | None = None
+    fused_sections: tuple[int, ...] | None = None
 
 
 def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | None:
@@ -236,13 +241,37 @@ def _slice_like(node, layouts, tp):
         along = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     along = _norm(along, ndim)
     if along == dim:
-        return None
+        return _fused_split(node, value, dim, tp)
     removes_dim = node.target in (aten.select.int, aten.unbind.int)
     out = dim - 1 if removes_dim and along < dim else dim
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         out = tuple(out for _ in val)
     return Decision(out, {value: dim})
+
+
+def _fused_split(node, value, dim, tp):
+    """split/chunk of a fused projection (q|k|v, gate|up) along its sharded dim.
+
+    Each section must divide by tp; ``split``/``chunk`` need equal sections
+    (their one size argument), ``split_with_sizes`` takes any.
+    """
+    size = _shape(value)[dim]
+    rest = node.args[2:]
+    if node.target == aten.split_with_sizes.default:
+        sections = tuple(node.args[1])
+        args = (value, [s // tp for s in sections], *rest)
+    elif node.target == aten.split.Tensor and size % node.args[1] == 0:
+        sections = (node.args[1],) * (size // node.args[1])
+        args = (value, node.args[1] // tp, *rest)
+    elif node.target == aten.chunk.default and size % node.args[1] == 0:
+        sections = (size // node.args[1],) * node.args[1]
+        args = None
+    else:
+        return None
+    if len(sections) < 2 or any(s % tp for s in sections):
+        return None
+    return Decision(tuple(dim for _ in sections), {value: dim}, args, sections)
 
 
 def _cat(node, layouts, tp):

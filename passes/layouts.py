@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch.fx as fx
-from autoshard.passes.propagate import ENTER_TP, GATHER, TAKE_SHARD, LayoutPlan
 
 from autoshard import collectives
+from autoshard.passes.propagate import ENTER_TP, GATHER, TAKE_SHARD, LayoutPlan
 
 _OP = {ENTER_TP: collectives.ENTER_TP, GATHER: collectives.GATHER_SHARDS, TAKE_SHARD: collectives.TAKE_SHARD}
 _NAME = {ENTER_TP: "enter_tp", GATHER: "gathered", TAKE_SHARD: "shard"}

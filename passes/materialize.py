@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from autoshard.passes.partition import Partitioned
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 from autoshard.mesh import DP, TP, MeshAxes
-from autoshard.plan import Plan
+from autoshard.passes.partition import Partitioned
+from autoshard.plan import Plan, placement, section_order
 from autoshard.state_dict import install_state_dict_hooks
 
 
@@ -60,7 +60,7 @@ def materialize(
     replicated_dp = {fqn for fqn, e in plan.params.items() if e.placements.get(DP) == "R"}
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward)
-    install_state_dict_hooks(root, transposed)
+    install_state_dict_hooks(root, plan, axes.tp)
     return root
 
 
@@ -84,17 +84,11 @@ def _follow_module_order(module: nn.Module, original: nn.Module) -> None:
             module._modules[name] = nn.ModuleDict(child._modules)
 
 
-def placement(text: str):
-    if text == "R":
-        return Replicate()
-    if text.startswith("S(") and text.endswith(")"):
-        return Shard(int(text[2:-1]))
-    raise ValueError(f"autoshard: unknown placement {text!r}; expected 'R' or 'S(d)'")
-
-
 def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bool) -> nn.Parameter:
     stored = original.detach()
     stored = stored.t() if entry.transposed else stored
+    if entry.sections:
+        stored = stored.index_select(entry.sharded_dim(TP), section_order(entry.sections, axes.tp))
     stored = stored.to(device=device, copy=True).contiguous()
     if sync and dist.get_world_size() > 1:
         dist.broadcast(stored, src=0)

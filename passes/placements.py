@@ -10,8 +10,11 @@ way. No parameter ever has two mesh axes on one dim (no ``_StridedShard``).
 from __future__ import annotations
 
 import torch.fx as fx
+
+from autoshard.errors import describe
+from autoshard.mesh import DP, TP, MeshAxes
 from autoshard.passes.capture import CapturedGraph
-from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, Sites
+from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
 from autoshard.passes.propagate import (
     COLWISE,
     COLWISE_LIKE,
@@ -23,9 +26,6 @@ from autoshard.passes.propagate import (
     VOCAB_PARALLEL,
     LayoutPlan,
 )
-
-from autoshard.errors import describe
-from autoshard.mesh import DP, TP, MeshAxes
 from autoshard.plan import ParamSharding, Plan
 
 
@@ -56,6 +56,9 @@ def build_plan(
             placements[DP] = (dp_placements or {}).get(fqn, default_dp)
         if axes.has_tp:
             placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
+        sections = ()
+        if axes.has_tp and site is not None and isinstance(site, LinearSite):
+            sections = layout_plan.fused.get(site.weight_fqn, ())
         entries[fqn] = ParamSharding(
             role=role,
             shape=shape,
@@ -64,6 +67,7 @@ def build_plan(
             unit=_unit_of(fqn, captured.block_fqns),
             collectives=collectives.get(fqn, ()) if axes.has_tp else (),
             note=note,
+            sections=sections,
         )
     return Plan(
         mesh=axes.to_dict(),

@@ -36,6 +36,12 @@ inputs it consumes), its sources are gathered at once and everything after
 runs replicated; BERT's three summed embeddings instead stay sharded until
 their one LayerNorm. Propagation reruns until no region changes.
 
+A fused projection (one colwise linear whose output is split along its
+sharded dim into q|k|v or gate|up) stays sharded: the weight's output
+columns are permuted at materialize time so each rank holds its share of
+every section, and the split takes local sizes. Whole heads stay on one rank
+because each section's view to heads must divide by tp like any other.
+
 With a user plan the roles come from the plan and only layouts are derived;
 a role that disagrees with the incoming layout costs a redistribute, never a
 wrong result.
@@ -47,10 +53,10 @@ import dataclasses
 
 import torch
 import torch.fx as fx
-from autoshard.passes import layout_rules
-from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 
 from autoshard.errors import describe
+from autoshard.passes import layout_rules
+from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
 # A weight tied between the input embedding and the LM head, stored [vocab, dim]
@@ -90,6 +96,7 @@ class LayoutPlan:
     new_args: dict[fx.Node, tuple]
     tp: int
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # weight FQN -> why replicated
+    fused: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
 
 
 def propagate(
@@ -125,6 +132,8 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
     new_args: dict[fx.Node, tuple] = {}
     notes: dict[str, str] = {}
+    fused: dict[str, tuple[int, ...]] = {}
+    output_site = {s.output: s for s in sites.linears}
 
     def layout(value) -> object:
         return layouts.get(value) if isinstance(value, fx.Node) else None
@@ -142,6 +151,17 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
             raise ValueError(f"autoshard: {reason}")
         notes[site.weight_fqn] = f"replicated over tp: its {reason.split(' and its ')[1].split(';')[0]}"
         return REPLICATE
+
+    def fuse(split: fx.Node, decision):
+        """Accept a split of a fused projection if the path back to its colwise weight
+        only reshapes other dims and nothing else reads the (permuted) columns."""
+        value = next(iter(decision.inputs))
+        site = _fused_origin(value, layouts, output_site)
+        if site is None or roles.get(site.weight_fqn) != COLWISE:
+            return None
+        if fused.setdefault(site.weight_fqn, decision.fused_sections) != decision.fused_sections:
+            return None
+        return decision
 
     def partial_grad(value) -> tuple:
         """enter_tp for a replicated, gradient-carrying input of a sharded computation."""
@@ -210,6 +230,8 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
             decision = None
             if any(lay is not None for lay in inputs.values()):
                 decision = layout_rules.apply(node, inputs, tp)
+            if decision is not None and decision.fused_sections is not None:
+                decision = fuse(node, decision)
             if decision is None:
                 for value in node.all_input_nodes:
                     require(value, node, None)
@@ -222,7 +244,24 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
                 require(value, node, wanted, then)
             if decision.args is not None:
                 new_args[node] = decision.args
-    return LayoutPlan(roles, layouts, edges, new_args, tp, notes)
+    return LayoutPlan(roles, layouts, edges, new_args, tp, notes, fused)
+
+
+def _fused_origin(value: fx.Node, layouts, output_site) -> LinearSite | None:
+    """The colwise site whose output reaches ``value`` through single-use reshapes of
+    other dims (the sharded dim keeps the site's full output size all the way)."""
+    node = value
+    while True:
+        site = output_site.get(node)
+        size = node.meta["val"].shape[layouts[node]] if isinstance(layouts.get(node), int) else None
+        if len(node.users) != 1 or size is None:
+            return None
+        if site is not None:
+            return site if size == site.out_features else None
+        sharded = [i for i in node.all_input_nodes if _is_sharded(layouts.get(i))]
+        if len(sharded) != 1:
+            return None
+        node = sharded[0]
 
 
 def _is_sharded(layout) -> bool:

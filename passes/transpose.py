@@ -21,10 +21,10 @@ import operator
 
 import torch
 import torch.fx as fx
-from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
-from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL
 
 from autoshard import collectives
+from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL
 
 aten = torch.ops.aten
 

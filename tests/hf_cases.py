@@ -64,6 +64,24 @@ def _qwen3():
     return hf.Qwen3ForCausalLM(hf.Qwen3Config(**_DECODER, head_dim=16))
 
 
+def _gpt2(vocab: int = VOCAB):
+    """Conv1D weights stored [in, out], a fused q|k|v projection, tied embeddings."""
+    config = hf.GPT2Config(
+        vocab_size=vocab,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return hf.GPT2LMHeadModel(config)
+
+
 def _bert():
     config = hf.BertConfig(
         vocab_size=VOCAB,
@@ -86,6 +104,7 @@ CASES = {
         HFCase("mistral", _mistral),
         HFCase("qwen2", _qwen2),
         HFCase("qwen3", _qwen3),
+        HFCase("gpt2", _gpt2),
         HFCase("bert", _bert, uses_mask=True),
     )
 }

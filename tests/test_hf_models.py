@@ -21,7 +21,7 @@ from tests.parity import assert_parity, dp_slice, rel_error, train_both
 # tp collectives per block per training step: 2 forward all-reduces (attention out,
 # MLP out), 2 backward (one per colwise group); Qwen3's q/k norms read a replicated
 # weight on sharded heads, whose gradients are all-reduced: 2 more.
-PER_BLOCK = {"llama": 4, "llama_tied": 4, "mistral": 4, "qwen2": 4, "qwen3": 6, "bert": 4}
+PER_BLOCK = {"llama": 4, "llama_tied": 4, "mistral": 4, "qwen2": 4, "qwen3": 6, "gpt2": 4, "bert": 4}
 LOGITS_TOL = 1e-5
 LOSS_TOL = 1e-4
 PARAM_TOL = 5e-4  # after AdamW (eps 1e-6), relative to max(|p|, 1e-2): see tests/parity.py
@@ -76,6 +76,13 @@ def _make_check(name: str):
             optimizer="adamw", lr=1e-3, adam_eps=1e-6, scale_floor=1e-2, kwargs=kwargs,
         )
         assert_parity(run, loss_tol=LOSS_TOL, param_tol=PARAM_TOL)
+
+        # the trained single-device weights load into the first sharded model (original layout in)
+        sharded.load_state_dict(run.reference.state_dict())
+        with torch.no_grad():
+            got = main_output(sharded(local_ids, **local_kwargs))
+            want = main_output(run.reference(local_ids, **local_kwargs))
+        assert rel_error(got, want) <= LOGITS_TOL, f"{name}: after load_state_dict {rel_error(got, want):.2e}"
 
     check.__name__ = check.__qualname__ = f"check_{name}"
     check.__module__ = __name__

@@ -63,6 +63,7 @@ def test_plan_dict_round_trips_through_json():
         "unit": "blocks.0",
         "collectives": ["bwd all-reduce input grad"],
         "note": "",
+        "sections": [],
     }
     assert Plan.from_dict(data) == plan
     assert str(Plan.from_dict(data)) == str(plan)
