@@ -27,6 +27,7 @@ from autoshard.plan import Plan, section_order
 
 def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int) -> None:
     transposed = {fqn for fqn, entry in plan.params.items() if entry.transposed}
+    # a tied parameter is one vocab_parallel table: never transposed or permuted
     permuted = {
         fqn: (entry.sharded_dim("tp"), section_order(entry.sections, tp))
         for fqn, entry in plan.params.items()
@@ -44,7 +45,7 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int) -> None:
                 state_dict[key] = state_dict[key].t()
 
     def to_stored_layout(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        params = dict(module.named_parameters())
+        params = dict(module.named_parameters(remove_duplicate=False))  # tied names too
         for fqn, param in params.items():
             key = prefix + fqn
             if key not in state_dict:
