@@ -251,13 +251,16 @@ def _slice_like(node, layouts, tp):
 
 
 def _fused_split(node, value, dim, tp):
-    """split/chunk of a fused projection (q|k|v, gate|up) along its sharded dim.
+    """split/chunk/slices of a fused projection (q|k|v, gate|up) along its sharded dim.
 
     Each section must divide by tp; ``split``/``chunk`` need equal sections
-    (their one size argument), ``split_with_sizes`` takes any.
+    (their one size argument), ``split_with_sizes`` takes any, and slices
+    count when all readers of the value are slices that tile it.
     """
     size = _shape(value)[dim]
     rest = node.args[2:]
+    if node.target == aten.slice.Tensor:
+        return _fused_slice(node, value, dim, size, tp)
     if node.target == aten.split_with_sizes.default:
         sections = tuple(node.args[1])
         args = (value, [s // tp for s in sections], *rest)
@@ -272,6 +275,36 @@ def _fused_split(node, value, dim, tp):
     if len(sections) < 2 or any(s % tp for s in sections):
         return None
     return Decision(tuple(dim for _ in sections), {value: dim}, args, sections)
+
+
+def _slice_bounds(node, size) -> tuple[int, int] | None:
+    start, end = (list(node.args[2:4]) + [None, None])[:2]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if step != 1:
+        return None
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None or end > size else (end + size if end < 0 else end)
+    return start, end
+
+
+def _fused_slice(node, value, dim, size, tp):
+    """``x[..., a:b]`` readers tiling a fused output (Phi-3's q|k|v slices)."""
+    tiles = []
+    for reader in value.users:
+        if reader.target != aten.slice.Tensor or _norm(reader.args[1], _ndim(value)) != dim:
+            return None
+        bounds = _slice_bounds(reader, size)
+        if bounds is None:
+            return None
+        tiles.append(bounds)
+    tiles.sort()
+    if tiles[0][0] != 0 or tiles[-1][1] != size or any(a[1] != b[0] for a, b in zip(tiles, tiles[1:])):
+        return None
+    sections = tuple(end - start for start, end in tiles)
+    if len(sections) < 2 or any(s % tp for s in sections):
+        return None
+    start, end = _slice_bounds(node, size)
+    return Decision(dim, {value: dim}, (value, node.args[1], start // tp, end // tp), sections)
 
 
 def _cat(node, layouts, tp):

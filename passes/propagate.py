@@ -156,7 +156,7 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
         """Accept a split of a fused projection if the path back to its colwise weight
         only reshapes other dims and nothing else reads the (permuted) columns."""
         value = next(iter(decision.inputs))
-        site = _fused_origin(value, layouts, output_site)
+        site = _fused_origin(value, layouts, output_site, readers=len(value.users))
         if site is None or roles.get(site.weight_fqn) != COLWISE:
             return None
         if fused.setdefault(site.weight_fqn, decision.fused_sections) != decision.fused_sections:
@@ -247,15 +247,17 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
     return LayoutPlan(roles, layouts, edges, new_args, tp, notes, fused)
 
 
-def _fused_origin(value: fx.Node, layouts, output_site) -> LinearSite | None:
+def _fused_origin(value: fx.Node, layouts, output_site, readers: int = 1) -> LinearSite | None:
     """The colwise site whose output reaches ``value`` through single-use reshapes of
-    other dims (the sharded dim keeps the site's full output size all the way)."""
-    node = value
+    other dims (the sharded dim keeps the site's full output size all the way).
+    ``value`` itself has ``readers`` users: the split, or the slices tiling it."""
+    node, allowed_users = value, readers
     while True:
         site = output_site.get(node)
         size = node.meta["val"].shape[layouts[node]] if isinstance(layouts.get(node), int) else None
-        if len(node.users) != 1 or size is None:
+        if len(node.users) != allowed_users or size is None:
             return None
+        allowed_users = 1
         if site is not None:
             return site if size == site.out_features else None
         sharded = [i for i in node.all_input_nodes if _is_sharded(layouts.get(i))]

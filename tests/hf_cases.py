@@ -64,6 +64,11 @@ def _qwen3():
     return hf.Qwen3ForCausalLM(hf.Qwen3Config(**_DECODER, head_dim=16))
 
 
+def _phi3():
+    """Fused q|k|v (GQA: unequal sections, read by slices) and gate|up (chunk)."""
+    return hf.Phi3ForCausalLM(hf.Phi3Config(**_DECODER, pad_token_id=0))
+
+
 def _gpt2(vocab: int = VOCAB):
     """Conv1D weights stored [in, out], a fused q|k|v projection, tied embeddings."""
     config = hf.GPT2Config(
@@ -104,6 +109,7 @@ CASES = {
         HFCase("mistral", _mistral),
         HFCase("qwen2", _qwen2),
         HFCase("qwen3", _qwen3),
+        HFCase("phi3", _phi3),
         HFCase("gpt2", _gpt2),
         HFCase("bert", _bert, uses_mask=True),
     )
