@@ -298,7 +298,7 @@ def _fused_slice(node, value, dim, size, tp):
             return None
         tiles.append(bounds)
     tiles.sort()
-    if tiles[0][0] != 0 or tiles[-1][1] != size or any(a[1] != b[0] for a, b in zip(tiles, tiles[1:])):
+    if tiles[0][0] != 0 or tiles[-1][1] != size or any(a[1] != b[0] for a, b in zip(tiles, tiles[1:], strict=False)):
         return None
     sections = tuple(end - start for start, end in tiles)
     if len(sections) < 2 or any(s % tp for s in sections):
