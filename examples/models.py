@@ -184,3 +184,16 @@ class GatedScaleNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.rsqrt((x * self.gain).pow(2).mean(-1, keepdim=True) + 1e-6)
         return x + self.down(F.silu(self.up(x)) * scale)
+
+
+class CumulativeMLP(nn.Module):
+    """An op with no tp layout rule (a cumulative sum over the hidden dim) between
+    the two linears of an MLP: the hidden activations must be gathered first."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.cumsum(F.gelu(self.up(x)), dim=-1) / 8.0)

@@ -13,6 +13,7 @@ parameter tensors, and no later pass writes to them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -89,7 +90,10 @@ class CaptureError(ValueError):
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedGraph:
     try:
-        exported = torch.export.export(model, tuple(args), kwargs or {}, strict=False)
+        with _refusing_custom_autograd_functions():
+            exported = torch.export.export(model, tuple(args), kwargs or {}, strict=False)
+    except NotImplementedError:
+        raise
     except Exception as err:  # export raises many types; the user needs one
         raise CaptureError(
             f"autoshard: could not capture {type(model).__name__} with torch.export "
@@ -137,6 +141,38 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
         return tuple(n for n, c in model.named_children() if any(True for _ in c.parameters()))
     visit("", model)
     return tuple(blocks)
+
+
+@contextlib.contextmanager
+def _refusing_custom_autograd_functions():
+    """Export inlines a custom ``autograd.Function``'s forward and drops its
+    backward, so the sharded model would train with different gradients than
+    the user's. Refuse, naming the Function and the line that applies it."""
+    original = torch.autograd.Function.apply.__func__
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            frame = _caller_outside_torch()
+            raise NotImplementedError(
+                f"autoshard: the model applies the custom autograd.Function {cls.__qualname__} at {frame}; "
+                f"capture keeps only its forward (its backward would be lost), so it is not supported"
+            )
+        return original(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = classmethod(original)
+
+
+def _caller_outside_torch() -> str:
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(torch_dir) and path != os.path.abspath(__file__):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return "?"
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:

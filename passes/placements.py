@@ -45,6 +45,12 @@ def build_plan(
         role, transposed, tp_dim, note = _role_of(fqn, site, layout_plan.roles)
         if site is not None and site.weight_fqn in layout_plan.notes and axes.has_tp:
             note = layout_plan.notes[site.weight_fqn]
+        source = getattr(site, "output", getattr(site, "node", None))
+        if site is not None and fqn == site.weight_fqn and source in layout_plan.gathered_early and axes.has_tp:
+            ends = layout_plan.gathered_early[source]
+            note = (note + "; " if note else "") + (
+                f"output all-gathered at once: no rowwise linear reads it (its sharded region ends at {ends})"
+            )
         tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
         if tied_names:
             note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
@@ -77,10 +83,7 @@ def build_plan(
     )
 
 
-_EMBEDDING_NOTE = (
-    "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim; "
-    "its output is all-gathered once"
-)
+_EMBEDDING_NOTE = "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim"
 
 
 _VOCAB_PARALLEL_NOTE = (

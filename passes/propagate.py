@@ -97,6 +97,8 @@ class LayoutPlan:
     tp: int
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # weight FQN -> why replicated
     fused: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
+    # colwise outputs gathered right after the matmul -> where their region would have ended
+    gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
 
 
 def propagate(
@@ -114,13 +116,13 @@ def propagate(
     """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
-    gathered_early: frozenset[fx.Node] = frozenset()
+    gathered_early: dict[fx.Node, str] = {}  # source -> where its region would have ended
     while True:
         plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible)
-        idle = _idle_sources(plan, sites) - gathered_early
+        idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in gathered_early}
         if not idle:
-            return plan
-        gathered_early |= idle
+            return dataclasses.replace(plan, gathered_early=gathered_early)
+        gathered_early.update(idle)
 
 
 def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible) -> LayoutPlan:
@@ -291,17 +293,25 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
     return frozenset(carries)
 
 
-def _idle_sources(plan: LayoutPlan, sites: Sites) -> frozenset[fx.Node]:
-    """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once."""
+def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
+    """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once,
+    each with the first place its region met the replicated world."""
     useful = _useful(plan, sites)
     sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
     sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
-    idle = set()
+    idle = {}
     for region in _regions(plan, useful):
         region_sources = region & sources
         if region_sources and len(region_sources) <= _exit_cost(plan, region):
-            idle |= region_sources
-    return frozenset(idle)
+            exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
+            first = min(exits, key=_position, default=None)
+            why = describe(first) if first is not None else "nowhere"
+            idle.update({source: why for source in region_sources})
+    return idle
+
+
+def _position(node: fx.Node) -> int:
+    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
 
 
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:

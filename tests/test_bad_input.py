@@ -197,3 +197,33 @@ def test_call_with_another_input_shape_names_the_input(mesh_2x2):
     assert sharded(TOKENS).shape == (2, 16, 256)
     with pytest.raises(ValueError, match=r"input 'tokens' has shape \[2, 8\].*sharded for shape \[2, 16\]"):
         sharded(TOKENS[:, :8])
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return torch.sign(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CustomFunctionOnWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 32))
+        self.out = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.out(torch.relu(x @ _StraightThrough.apply(self.w).t()))
+
+
+def test_custom_autograd_function_on_a_weight_is_refused(mesh_2x2):
+    model = CustomFunctionOnWeight()
+    with leaves_untouched(model), pytest.raises(NotImplementedError) as err:
+        autoshard.autoshard(model, mesh_2x2, example_inputs=(FEATURES,))
+    message = str(err.value)
+    assert "custom autograd.Function _StraightThrough" in message
+    assert "test_bad_input.py" in message and "_StraightThrough.apply(self.w)" in message
+    assert torch.autograd.Function.apply.__func__.__qualname__ == "Function.apply"  # restored

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from examples.models import GatedScaleNet, Llama, LlamaConfig, MLPStack, RawLinearNet
+from examples.models import CumulativeMLP, GatedScaleNet, Llama, LlamaConfig, MLPStack, RawLinearNet
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, lm_loss, mse_loss, train_both
 
@@ -52,6 +52,16 @@ def _odd_vocab_case():
     return model, torch.randint(0, 257, (4, 16)), torch.randint(0, 257, (4, 16)), lm_loss
 
 
+def _three_heads_case():
+    """3 heads on tp=2: the heads view has no sharded layout; q/k/v are gathered at once."""
+    model = Llama(LlamaConfig(dim=48, num_heads=3, num_kv_heads=3))
+    return model, torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16)), lm_loss
+
+
+def _no_rule_case():
+    return CumulativeMLP(), torch.randn(8, 5, 32), torch.randn(8, 5, 32), mse_loss
+
+
 def _gated_scale_case():
     return GatedScaleNet(), torch.randn(8, 5, 32), torch.randn(8, 5, 32), mse_loss
 
@@ -86,11 +96,15 @@ CASES["llama_kv2"] = _llama_kv_heads_not_divisible_case
 CASES["uneven_dp"] = _uneven_dp_case
 CASES["gated_scale"] = _gated_scale_case
 CASES["odd_vocab"] = _odd_vocab_case
+CASES["three_heads"] = _three_heads_case
+CASES["no_rule"] = _no_rule_case
 CHECKS += [
     _make_check("llama_kv2", "tp", "sgd"),
     _make_check("uneven_dp", "dp", "sgd"),
     _make_check("gated_scale", "2d", "sgd"),
     _make_check("odd_vocab", "2d", "sgd"),
+    _make_check("three_heads", "2d", "sgd"),
+    _make_check("no_rule", "2d", "sgd"),
 ]
 for _check in CHECKS:
     setattr(sys.modules[__name__], _check.__name__, _check)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard import Plan
-from examples.models import Llama, LlamaConfig, MLPStack, RawLinearNet
+from examples.models import CumulativeMLP, Llama, LlamaConfig, MLPStack, RawLinearNet
 from tests.cases import FEATURES, MODELS, TOKENS
 from tests.golden import check_golden
 
@@ -130,6 +130,21 @@ def test_embedding_and_head_are_planned_and_explained():
     assert emb.role == "colwise" and "embedding" in emb.note
     assert emb.collectives == ("fwd all-gather output",)
     assert head.collectives == ("bwd all-reduce input grad", "fwd all-gather output")
+
+
+def test_heads_that_do_not_divide_are_gathered_and_explained():
+    model = Llama(LlamaConfig(dim=48, num_heads=3, num_kv_heads=3))
+    plan = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    note = plan.params["layers.0.attention.wq.weight"].note
+    assert "output all-gathered at once" in note and "(view.default) at models.py" in note
+    assert "self.wq(x).view(bsz, seq, -1, self.head_dim)" in note
+
+
+def test_an_op_without_a_layout_rule_is_named_with_its_line():
+    plan = autoshard.plan(CumulativeMLP(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
+    up = plan.params["up.weight"]
+    assert "(cumsum.default) at models.py" in up.note and "torch.cumsum" in up.note
+    assert plan.params["down.weight"].role == "colwise"  # its input is replicated after the gather
 
 
 class _SharedNormTwice(nn.Module):
