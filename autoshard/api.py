@@ -31,13 +31,14 @@ def plan(
     example_inputs: tuple,
     example_kwargs: dict | None = None,
     on_indivisible: str = "replicate",
+    loss_parallel: bool = False,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
     ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
     plan for a mesh that does not exist in this process.
     """
-    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, on_indivisible)[0]
+    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, on_indivisible, loss_parallel)[0]
 
 
 def autoshard(
@@ -50,6 +51,7 @@ def autoshard(
     sync_module_states: bool = True,
     reshard_after_forward: bool = True,
     on_indivisible: str = "replicate",
+    loss_parallel: bool = False,
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -66,12 +68,15 @@ def autoshard(
     ``on_indivisible``: a weight whose sharded dim does not divide by tp (a
     vocabulary of 50257 on tp=2) is replicated over tp and the plan says why
     (``"replicate"``), or raises a ``ValueError`` naming it (``"error"``).
+    ``loss_parallel``: outputs sharded over their last dim (LM-head logits)
+    are returned as DTensors ``Shard(-1)`` on the tp mesh, never gathered;
+    compute the loss under ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
     final_plan, captured, sites, layout_plan = _plan(
-        model, axes, example_inputs, example_kwargs, plan, on_indivisible
+        model, axes, example_inputs, example_kwargs, plan, on_indivisible, loss_parallel
     )
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
@@ -100,7 +105,9 @@ def _axes(mesh) -> MeshAxes:
     return read_mesh(mesh)
 
 
-def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, on_indivisible="replicate"):
+def _plan(
+    model, axes: MeshAxes, example_inputs, example_kwargs, given, on_indivisible="replicate", loss_parallel=False
+):
     if on_indivisible not in ("replicate", "error"):
         raise ValueError(f"autoshard: on_indivisible must be 'replicate' or 'error', got {on_indivisible!r}")
     if not isinstance(example_inputs, tuple):
@@ -117,7 +124,7 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, on_indiv
         weights = {s.weight_fqn for s in sites.all}
         roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
         dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
-    layout_plan = propagate(captured.gm, sites, axes.tp, roles, on_indivisible)
+    layout_plan = propagate(captured.gm, sites, axes.tp, roles, on_indivisible, loss_parallel and axes.has_tp)
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if given is not None:
         _check_plan_consistent(given, final)

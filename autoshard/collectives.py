@@ -166,6 +166,28 @@ def _(ids, rows_per_rank, group_name):
     return torch.empty_like(ids), ids.new_empty((*ids.shape, 1), dtype=torch.get_default_dtype())
 
 
+# --- as_sharded_dtensor: a graph output left sharded (loss parallel) -------------
+
+_MESH_OF_GROUP: dict[tuple[str, str], object] = {}
+
+
+@torch.fx.wrap
+def as_sharded_dtensor(x: torch.Tensor, dim: int, group_name: str):
+    """The local shard ``x`` as a DTensor ``Shard(dim)`` on the tp group's mesh.
+
+    For outputs a loss consumes sharded (``loss_parallel``): no communication;
+    the DTensor's gradient comes back as this rank's shard.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    key = (group_name, x.device.type)
+    if key not in _MESH_OF_GROUP:
+        group = _resolve_process_group(group_name)
+        _MESH_OF_GROUP[key] = DeviceMesh.from_group(group, x.device.type, mesh_dim_names=("tp",))
+    return DTensor.from_local(x, _MESH_OF_GROUP[key], [Shard(dim)], run_check=False)
+
+
 def _keep_group(ctx, inputs, output):
     ctx.group_name = inputs[-1]
 

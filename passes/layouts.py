@@ -15,10 +15,15 @@ from collections import defaultdict
 import torch.fx as fx
 
 from autoshard import collectives
-from autoshard.passes.propagate import ENTER_TP, GATHER, TAKE_SHARD, LayoutPlan
+from autoshard.passes.propagate import ENTER_TP, GATHER, SHARDED_OUTPUT, TAKE_SHARD, LayoutPlan
 
-_OP = {ENTER_TP: collectives.ENTER_TP, GATHER: collectives.GATHER_SHARDS, TAKE_SHARD: collectives.TAKE_SHARD}
-_NAME = {ENTER_TP: "enter_tp", GATHER: "gathered", TAKE_SHARD: "shard"}
+_OP = {
+    ENTER_TP: collectives.ENTER_TP,
+    GATHER: collectives.GATHER_SHARDS,
+    TAKE_SHARD: collectives.TAKE_SHARD,
+    SHARDED_OUTPUT: collectives.as_sharded_dtensor,
+}
+_NAME = {ENTER_TP: "enter_tp", GATHER: "gathered", TAKE_SHARD: "shard", SHARDED_OUTPUT: "dtensor"}
 
 
 def insert_redistributes(gm: fx.GraphModule, plan: LayoutPlan, group_name: str) -> None:

@@ -22,6 +22,7 @@ from autoshard.passes.propagate import (
     GATHER,
     REPLICATE,
     ROWWISE,
+    SHARDED_OUTPUT,
     TAKE_SHARD,
     VOCAB_PARALLEL,
     LayoutPlan,
@@ -168,6 +169,13 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
                     text = "fwd all-gather output"
                 else:
                     text = f"fwd all-gather '{value.name}' for {describe(consumer)}"
+                if fqn is None:
+                    activations.append(text)
+                else:
+                    by_weight.setdefault(fqn, []).append(text)
+            elif step.kind == SHARDED_OUTPUT:
+                fqn = _region_origin(value, lp, origin)
+                text = "output returned sharded over the vocabulary (loss parallel), not gathered"
                 if fqn is None:
                     activations.append(text)
                 else:

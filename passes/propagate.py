@@ -66,6 +66,9 @@ VOCAB_PARALLEL = "vocab_parallel"
 COLWISE_LIKE = (COLWISE, VOCAB_PARALLEL)
 
 ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
+# loss parallel: a model output sharded on its last (vocabulary) dim leaves the graph as a
+# DTensor ``Shard(-1)`` on the tp mesh instead of being gathered
+SHARDED_OUTPUT = "sharded_output"
 
 _GRAD_STOPS = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
 
@@ -107,25 +110,30 @@ def propagate(
     tp: int,
     roles: dict[str, str] | None = None,
     on_indivisible: str = "replicate",
+    loss_parallel: bool = False,
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts.
 
     A weight whose sharded dim does not divide by ``tp`` is replicated over tp
     (``on_indivisible="replicate"``, noted in the plan) or is an error
     (``"error"``, and always when the role comes from a user plan).
+    ``loss_parallel`` returns outputs sharded on their last dim (LM-head
+    logits over the vocabulary) as DTensors instead of gathering them.
     """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
     gathered_early: dict[fx.Node, str] = {}  # source -> where its region would have ended
     while True:
-        plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible)
+        plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible, loss_parallel)
         idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in gathered_early}
         if not idle:
             return dataclasses.replace(plan, gathered_early=gathered_early)
         gathered_early.update(idle)
 
 
-def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible) -> LayoutPlan:
+def _propagate_once(
+    gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible, loss_parallel
+) -> LayoutPlan:
     fixed_roles = roles
     roles = dict(roles or {})
     site_of = {s.node: s for s in sites.all}
@@ -224,7 +232,11 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, gathered_ear
             layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
         elif node.op == "output":
             for value in node.all_input_nodes:
-                require(value, node, None)
+                lay = layout(value)
+                if loss_parallel and isinstance(lay, int) and lay == _ndim(value) - 1:
+                    edges[(value, node)] = (Redistribute(SHARDED_OUTPUT, lay),)
+                else:
+                    require(value, node, None)
         elif node.op in ("placeholder", "get_attr"):
             layouts[node] = None
         else:

@@ -105,3 +105,14 @@ def test_keyword_inputs_are_captured_and_checked(fake_world):
         "reduce_partial").run(sharded.code)
     with pytest.raises(ValueError, match=r"input 'mask' has shape \[2, 5, 64\]"):
         sharded(FEATURES, mask=torch.ones(2, 5, 64))
+
+
+def test_loss_parallel_returns_vocab_sharded_logits(fake_world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    build, inputs = MODELS["llama"]
+    sharded = autoshard.autoshard(build(), mesh, example_inputs=inputs, loss_parallel=True)
+    code = sharded.code
+    # the embedding output is still gathered; the head's logits leave the graph sharded
+    FileCheck().check_count("autoshard.gather_shards", 1, exactly=True).run(code)
+    FileCheck().check("aten.matmul.default").check(
+        "autoshard_collectives_as_sharded_dtensor(").check("tree_unflatten").run(code)

@@ -10,13 +10,15 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 import autoshard
 from autoshard.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests
-from tests.parity import assert_parity, dp_slice, full, lm_loss, mse_loss, train_both
+from tests.parity import assert_parity, dp_slice, full, lm_loss, mean_over_dp, mse_loss, rel_error, train_both
 
 
 def _llama(num_layers=2, tp=2):
@@ -206,6 +208,39 @@ def check_rowwise_after_a_replicated_linear_takes_its_shard(ctx):
     assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
 
 
+def check_loss_parallel_matches_the_gathered_loss(ctx):
+    """Logits stay vocab-sharded (a DTensor, never gathered) into a vocab-parallel
+    cross entropy; 3 SGD steps equal single-device training."""
+    mesh = ctx.mesh_2d
+    model, tokens = _llama()
+    targets = torch.randint(0, 256, (4, 16))
+    reference = copy.deepcopy(model)
+    local, local_targets = dp_slice(tokens, mesh), dp_slice(targets, mesh)
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(local,), loss_parallel=True)
+    assert "loss parallel" in sharded.autoshard_plan.params["output.weight"].collectives[-1]
+    opt_s = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(reference.parameters(), lr=0.1)
+    axes = {a: mesh.get_group(a) for a in mesh.mesh_dim_names}
+    for _ in range(3):
+        with CollectiveCounter(axes) as forward:
+            logits = sharded(local)
+        assert isinstance(logits, DTensor) and tuple(logits.placements) == (Shard(2),)
+        assert forward.stats()["tp"].counts.get("all_gather", 0) == 1  # the embedding only
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), local_targets.flatten())
+            loss.backward()
+        opt_s.step()
+        opt_s.zero_grad()
+        want = lm_loss(reference(tokens), targets)
+        want.backward()
+        opt_r.step()
+        opt_r.zero_grad()
+        got = mean_over_dp(loss.full_tensor(), mesh)
+        assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), (got.item(), want.item())
+    for key, value in sharded.state_dict().items():
+        assert rel_error(full(value), reference.state_dict()[key]) <= 1e-5, key
+
+
 def _train_with_plan(model, mesh, tokens, targets, plan, loss_fn=lm_loss):
     original = autoshard.autoshard
 
@@ -232,6 +267,7 @@ CHECKS = [
     check_ranks_that_initialized_differently_agree,
     check_edited_plan_is_applied,
     check_rowwise_after_a_replicated_linear_takes_its_shard,
+    check_loss_parallel_matches_the_gathered_loss,
 ]
 
 
