@@ -32,13 +32,16 @@ def plan(
     example_kwargs: dict | None = None,
     on_indivisible: str = "replicate",
     loss_parallel: bool = False,
+    dynamic_shapes=None,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
     ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
     plan for a mesh that does not exist in this process.
     """
-    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, on_indivisible, loss_parallel)[0]
+    return _plan(
+        model, _axes(mesh), example_inputs, example_kwargs, None, on_indivisible, loss_parallel, dynamic_shapes
+    )[0]
 
 
 def autoshard(
@@ -52,6 +55,7 @@ def autoshard(
     reshard_after_forward: bool = True,
     on_indivisible: str = "replicate",
     loss_parallel: bool = False,
+    dynamic_shapes=None,
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -71,12 +75,15 @@ def autoshard(
     ``loss_parallel``: outputs sharded over their last dim (LM-head logits)
     are returned as DTensors ``Shard(-1)`` on the tp mesh, never gathered;
     compute the loss under ``torch.distributed.tensor.parallel.loss_parallel()``.
+    ``dynamic_shapes`` (``torch.export``'s spec, e.g. ``({0: Dim("batch"),
+    1: Dim("seq")},)``) captures those dims symbolic: one plan and one graph
+    for every batch and sequence length.
     """
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
     final_plan, captured, sites, layout_plan = _plan(
-        model, axes, example_inputs, example_kwargs, plan, on_indivisible, loss_parallel
+        model, axes, example_inputs, example_kwargs, plan, on_indivisible, loss_parallel, dynamic_shapes
     )
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
@@ -106,7 +113,14 @@ def _axes(mesh) -> MeshAxes:
 
 
 def _plan(
-    model, axes: MeshAxes, example_inputs, example_kwargs, given, on_indivisible="replicate", loss_parallel=False
+    model,
+    axes: MeshAxes,
+    example_inputs,
+    example_kwargs,
+    given,
+    on_indivisible="replicate",
+    loss_parallel=False,
+    dynamic_shapes=None,
 ):
     if on_indivisible not in ("replicate", "error"):
         raise ValueError(f"autoshard: on_indivisible must be 'replicate' or 'error', got {on_indivisible!r}")
@@ -115,7 +129,7 @@ def _plan(
     given = _as_plan(given)
     if given is not None:
         _check_plan_mesh(given, axes)
-    captured = capture(model, example_inputs, example_kwargs)
+    captured = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
     dp_placements = None

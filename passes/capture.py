@@ -29,41 +29,49 @@ from autoshard.passes.partition import callable_blocks
 
 @dataclasses.dataclass(frozen=True)
 class InputSignature:
-    """Shapes and dtypes of the example inputs, by pytree path.
+    """Shapes and dtypes of the example inputs, by argument name and pytree path.
 
-    The graph is captured with static shapes, so the sharded module checks
-    every call against this signature and names the input that differs,
-    instead of failing deep inside a reshape.
+    A size is ``None`` where the dim was captured symbolic (``dynamic_shapes``);
+    every other size is baked into the graph, so the sharded module checks each
+    call against this signature and names the input that differs, instead of
+    failing deep inside a reshape.
     """
 
-    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    tensors: tuple[tuple[str, tuple[int | None, ...], torch.dtype], ...]
     arg_names: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict, arg_names: tuple[str, ...] = ()) -> InputSignature:
+    def of(cls, args: tuple, kwargs: dict, arg_names: tuple[str, ...] = (), placeholders=None) -> InputSignature:
         leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+        tensors = [(_path_name(path, arg_names), leaf) for path, leaf in leaves if isinstance(leaf, torch.Tensor)]
+        vals = [None] * len(tensors) if placeholders is None else placeholders
         return cls(tuple(
-            (_path_name(path, arg_names), tuple(leaf.shape), leaf.dtype)
-            for path, leaf in leaves
-            if isinstance(leaf, torch.Tensor)
+            (name, _static_sizes(leaf, val), leaf.dtype) for (name, leaf), val in zip(tensors, vals, strict=True)
         ), arg_names)
 
     def check(self, module, args, kwargs) -> None:
         """Forward pre-hook of the sharded module."""
         got = InputSignature.of(tuple(args), dict(kwargs), self.arg_names).tensors
-        if got == self.tensors:
-            return
-        for (name, shape, dtype), (_, got_shape, got_dtype) in zip(self.tensors, got, strict=False):
-            if (shape, dtype) != (got_shape, got_dtype):
+        if len(got) != len(self.tensors):
+            raise ValueError(
+                f"autoshard: the model was sharded for {len(self.tensors)} tensor inputs "
+                f"({', '.join(n for n, _, _ in self.tensors)}); got {len(got)}"
+            )
+        for (name, shape, dtype), (_, got_shape, got_dtype) in zip(self.tensors, got, strict=True):
+            fits = len(shape) == len(got_shape) and all(s in (None, g) for s, g in zip(shape, got_shape, strict=True))
+            if not fits or dtype != got_dtype:
+                wanted = [s if s is not None else "*" for s in shape]
                 raise ValueError(
                     f"autoshard: input {name} has shape {list(got_shape)} ({got_dtype}); the model was "
-                    f"sharded for shape {list(shape)} ({dtype}). Shard again with example_inputs of "
-                    f"the new shape (the graph is captured with static shapes)"
+                    f"sharded for shape {wanted} ({dtype}), '*' marking dynamic dims. Shard again with "
+                    f"example_inputs of the new shape, or mark the dim dynamic (dynamic_shapes)"
                 )
-        raise ValueError(
-            f"autoshard: the model was sharded for {len(self.tensors)} tensor inputs "
-            f"({', '.join(n for n, _, _ in self.tensors)}); got {len(got)}"
-        )
+
+
+def _static_sizes(leaf: torch.Tensor, val) -> tuple[int | None, ...]:
+    if not isinstance(val, torch.Tensor):
+        return tuple(leaf.shape)
+    return tuple(None if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +96,15 @@ class CaptureError(ValueError):
     """The model could not be captured as one graph."""
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedGraph:
+def capture(
+    model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None
+) -> CapturedGraph:
+    """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``."""
     try:
         with _refusing_custom_autograd_functions():
-            exported = torch.export.export(model, tuple(args), kwargs or {}, strict=False)
+            exported = torch.export.export(
+                model, tuple(args), kwargs or {}, dynamic_shapes=dynamic_shapes, strict=False
+            )
     except NotImplementedError:
         raise
     except Exception as err:  # export raises many types; the user needs one
@@ -112,7 +125,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         setattr(gm, attr, getattr(unlifted, attr))
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     arg_names = tuple(inspect.signature(model.forward).parameters)
-    inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names)
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
+    inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
     return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs, aliases)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -52,8 +53,19 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
 # --- helpers ------------------------------------------------------------------
 
 
-def _shape(value) -> tuple[int, ...]:
-    return tuple(value.meta["val"].shape)
+def size_expr(size) -> sympy.Expr:
+    """A dim size as a sympy expression: batch and sequence are symbols when the
+    graph was captured with dynamic shapes, every other size an integer."""
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def divides(size: sympy.Expr, tp: int) -> bool:
+    """``tp`` divides ``size`` for every value its symbols may take."""
+    return sympy.Mod(size, tp) == 0
+
+
+def _shape(value) -> tuple[sympy.Expr, ...]:
+    return tuple(size_expr(n) for n in value.meta["val"].shape)
 
 
 def _ndim(value) -> int:
@@ -137,10 +149,13 @@ def _map_reshape(in_shape, out_shape, dim, tp) -> int | None:
             p_out *= out_shape[j]
             j += 1
         while p_in != p_out:
-            if p_in < p_out and i < len(in_shape):
+            grow_in = _smaller(p_in, p_out)
+            if grow_in is None:
+                return None
+            if grow_in and i < len(in_shape):
                 p_in *= in_shape[i]
                 i += 1
-            elif j < len(out_shape):
+            elif not grow_in and j < len(out_shape):
                 p_out *= out_shape[j]
                 j += 1
             else:
@@ -152,7 +167,18 @@ def _map_reshape(in_shape, out_shape, dim, tp) -> int | None:
             if not lead_in or lead_in[0] != dim or not lead_out:
                 return None
             target = lead_out[0]
-            return target if out_shape[target] % tp == 0 else None
+            return target if divides(out_shape[target], tp) else None
+    return None
+
+
+def _smaller(a: sympy.Expr, b: sympy.Expr) -> bool | None:
+    """Whether ``a`` is the smaller of two products of dims (it divides ``b``), None if neither divides."""
+    num, den = sympy.fraction(sympy.cancel(b / a))
+    if den == 1 and num != 1:
+        return True
+    num, den = sympy.fraction(sympy.cancel(a / b))
+    if den == 1 and num != 1:
+        return False
     return None
 
 
@@ -258,6 +284,9 @@ def _fused_split(node, value, dim, tp):
     count when all readers of the value are slices that tile it.
     """
     size = _shape(value)[dim]
+    if not size.is_Integer:
+        return None
+    size = int(size)
     rest = node.args[2:]
     if node.target == aten.slice.Tensor:
         return _fused_slice(node, value, dim, size, tp)
@@ -277,10 +306,10 @@ def _fused_split(node, value, dim, tp):
     return Decision(tuple(dim for _ in sections), {value: dim}, args, sections)
 
 
-def _slice_bounds(node, size) -> tuple[int, int] | None:
+def _slice_bounds(node, size: int) -> tuple[int, int] | None:
     start, end = (list(node.args[2:4]) + [None, None])[:2]
     step = node.args[4] if len(node.args) > 4 else 1
-    if step != 1:
+    if step != 1 or not all(isinstance(b, int) or b is None for b in (start, end)):
         return None
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None or end > size else (end + size if end < 0 else end)
@@ -408,6 +437,14 @@ def _batched_matmul(node, layouts, tp):
     return None
 
 
+def _sym_size(node, layouts, tp):
+    """The size of a dim other than the sharded one is the same on every rank."""
+    found = _single_sharded_input(node, layouts)
+    if found is None or _norm(node.args[1], _ndim(found[0])) == found[1]:
+        return None
+    return Decision(None, dict(layouts))
+
+
 def _metadata_check(node, layouts, tp):
     """``_assert_tensor_metadata`` checks dtype/device/layout: any layout passes.
     A size or stride check would see the local shape, so it gets no rule."""
@@ -431,6 +468,7 @@ _ELEMENTWISE_LIKE = (
 _RULES = (
     (_ELEMENTWISE_LIKE, _pointwise),
     ((aten._assert_tensor_metadata.default,), _metadata_check),
+    ((aten.sym_size.int,), _sym_size),
     ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),
     (
         (

@@ -268,7 +268,8 @@ def _fused_origin(value: fx.Node, layouts, output_site, readers: int = 1) -> Lin
     node, allowed_users = value, readers
     while True:
         site = output_site.get(node)
-        size = node.meta["val"].shape[layouts[node]] if isinstance(layouts.get(node), int) else None
+        lay = layouts.get(node)
+        size = layout_rules.size_expr(node.meta["val"].shape[lay]) if isinstance(lay, int) else None
         if len(node.users) != allowed_users or size is None:
             return None
         allowed_users = 1
