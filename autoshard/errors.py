@@ -3,33 +3,43 @@
 from __future__ import annotations
 
 import os
+import traceback
 
 import torch.fx as fx
 
-_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(__import__(pkg).__file__)) + os.sep for pkg in ("torch", "autoshard")
+) + (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes") + os.sep,)
+
+
+def user_frame(frames) -> str:
+    """``file.py:42 `code``` of the innermost frame outside torch and autoshard, or ``"?"``.
+
+    ``frames`` are ``traceback.FrameSummary``-like (``filename``, ``lineno``,
+    ``line``), outermost first: the last one outside the libraries is the line
+    the user wrote.
+    """
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
+    if not user:
+        return "?"
+    frame = user[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
 
 
 def source_line(node: fx.Node | None) -> str:
-    """The user's source line that produced ``node`` ("file.py:42 `code`"), or ``"?"``.
-
-    The stack trace export records runs from the model down into torch; the last
-    frame outside the torch package is the line the user wrote.
-    """
+    """The user's source line that produced ``node`` ("file.py:42 `code`"), or ``"?"``,
+    read from the ``stack_trace`` export records for every node."""
     trace = (node.meta.get("stack_trace") or "") if node is not None else ""
-    frames = []
     lines = trace.strip().splitlines()
+    frames = []
     for i, line in enumerate(lines):
         line = line.strip()
-        if line.startswith('File "'):
+        if line.startswith('File "') and ", line " in line:
             path = line.split('"')[1]
-            lineno = line.split(", line ")[1].split(",")[0] if ", line " in line else "?"
+            lineno = line.split(", line ")[1].split(",")[0]
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            frames.append((path, lineno, code))
-    user = [f for f in frames if not os.path.abspath(f[0]).startswith(os.path.join(_TORCH_DIR, "torch"))]
-    if not (user or frames):
-        return "?"
-    path, lineno, code = (user or frames)[-1]
-    return f"{os.path.basename(path)}:{lineno} `{code}`"
+            frames.append(traceback.FrameSummary(path, int(lineno), "", line=code))
+    return user_frame(frames)
 
 
 def describe(node: fx.Node) -> str:

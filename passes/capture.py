@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import os
 import traceback
 
 import torch
@@ -24,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autoshard.errors import user_frame
 from autoshard.passes.partition import callable_blocks
 
 
@@ -110,7 +110,8 @@ def capture(
     except Exception as err:  # export raises many types; the user needs one
         raise CaptureError(
             f"autoshard: could not capture {type(model).__name__} with torch.export "
-            f"(strict=False) at {_user_frame(err)}: {type(err).__name__}: {_first_lines(str(err))}"
+            f"(strict=False) at {user_frame(traceback.extract_tb(err.__traceback__))}: "
+            f"{type(err).__name__}: {_first_lines(str(err))}"
         ) from err
     unlifted = exported.module()
     graph = unlifted.graph
@@ -167,7 +168,7 @@ def _refusing_custom_autograd_functions():
 
     def apply(cls, *args, **kwargs):
         if not cls.__module__.startswith("torch."):
-            frame = _caller_outside_torch()
+            frame = user_frame(traceback.extract_stack())
             raise NotImplementedError(
                 f"autoshard: the model applies the custom autograd.Function {cls.__qualname__} at {frame}; "
                 f"capture keeps only its forward (its backward would be lost), so it is not supported"
@@ -179,15 +180,6 @@ def _refusing_custom_autograd_functions():
         yield
     finally:
         torch.autograd.Function.apply = classmethod(original)
-
-
-def _caller_outside_torch() -> str:
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(torch_dir) and path != os.path.abspath(__file__):
-            return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
-    return "?"
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -210,19 +202,6 @@ def _read_tied_parameters_by_one_name(graph: fx.Graph, aliases: dict[str, str]) 
         else:
             node.target = fqn
             reads[fqn] = node
-
-
-def _user_frame(err: BaseException) -> str:
-    """``file.py:12 `code``` of the innermost traceback frame outside torch, or ``"?"``."""
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    frames = [
-        f for f in traceback.extract_tb(err.__traceback__) if not os.path.abspath(f.filename).startswith(torch_dir)
-    ]
-    frames = [f for f in frames if os.path.abspath(f.filename) != os.path.abspath(__file__)]
-    if not frames:
-        return "?"
-    frame = frames[-1]
-    return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
 
 
 def _path_name(path, arg_names: tuple[str, ...]) -> str:
