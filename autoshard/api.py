@@ -18,7 +18,7 @@ from autoshard.passes.layouts import insert_redistributes
 from autoshard.passes.materialize import materialize
 from autoshard.passes.partition import partition
 from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import propagate
+from autoshard.passes.propagate import ROWWISE, SEQ_DIM, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan
@@ -33,6 +33,7 @@ def plan(
     on_indivisible: str = "replicate",
     loss_parallel: bool = False,
     dynamic_shapes=None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
@@ -40,7 +41,15 @@ def plan(
     plan for a mesh that does not exist in this process.
     """
     return _plan(
-        model, _axes(mesh), example_inputs, example_kwargs, None, on_indivisible, loss_parallel, dynamic_shapes
+        model,
+        _axes(mesh),
+        example_inputs,
+        example_kwargs,
+        None,
+        on_indivisible,
+        loss_parallel,
+        dynamic_shapes,
+        sequence_parallel,
     )[0]
 
 
@@ -56,6 +65,7 @@ def autoshard(
     on_indivisible: str = "replicate",
     loss_parallel: bool = False,
     dynamic_shapes=None,
+    sequence_parallel: bool = False,
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -78,18 +88,33 @@ def autoshard(
     ``dynamic_shapes`` (``torch.export``'s spec, e.g. ``({0: Dim("batch"),
     1: Dim("seq")},)``) captures those dims symbolic: one plan and one graph
     for every batch and sequence length.
+    ``sequence_parallel``: norms, dropout and residual adds run sharded over
+    the sequence; each rowwise all-reduce becomes a reduce-scatter and each
+    colwise group's input an all-gather (reduce-scatter in backward).
     """
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
     final_plan, captured, sites, layout_plan = _plan(
-        model, axes, example_inputs, example_kwargs, plan, on_indivisible, loss_parallel, dynamic_shapes
+        model,
+        axes,
+        example_inputs,
+        example_kwargs,
+        plan,
+        on_indivisible,
+        loss_parallel,
+        dynamic_shapes,
+        sequence_parallel,
     )
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
     if tp_group is not None:
         insert_redistributes(gm, layout_plan, tp_group)
-    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp)
+    scatter = frozenset(
+        s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
+            s.weight_fqn] == ROWWISE
+    )
+    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter)
     parts = partition(gm, captured.block_fqns)
     sharded = materialize(
         parts,
@@ -121,6 +146,7 @@ def _plan(
     on_indivisible="replicate",
     loss_parallel=False,
     dynamic_shapes=None,
+    sequence_parallel=False,
 ):
     if on_indivisible not in ("replicate", "error"):
         raise ValueError(f"autoshard: on_indivisible must be 'replicate' or 'error', got {on_indivisible!r}")
@@ -138,7 +164,15 @@ def _plan(
         weights = {s.weight_fqn for s in sites.all}
         roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
         dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
-    layout_plan = propagate(captured.gm, sites, axes.tp, roles, on_indivisible, loss_parallel and axes.has_tp)
+    layout_plan = propagate(
+        captured.gm,
+        sites,
+        axes.tp,
+        roles,
+        on_indivisible,
+        loss_parallel and axes.has_tp,
+        sequence_parallel and axes.has_tp,
+    )
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if given is not None:
         _check_plan_consistent(given, final)

@@ -21,6 +21,11 @@ once here. ``reduce_partial`` closes a rowwise linear. ``gather_shards`` ends a
 sharded region whose consumer needs the full tensor (embedding output, LM head
 logits). ``take_shard`` starts a sharded region from a replicated value.
 
+With sequence parallelism the residual stream is sharded over the sequence:
+``reduce_scatter_partial`` (reduce-scatter forward, all-gather backward)
+closes a rowwise linear, and ``gather_for_colwise`` (all-gather forward,
+reduce-scatter backward) opens a colwise group.
+
 ``vocab_shard_ids`` is no collective: it maps token ids onto this rank's rows
 of a vocabulary-sharded embedding (the tied-embedding layout), whose masked
 lookup is then closed by ``reduce_partial``.
@@ -60,9 +65,17 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return torch.cat(torch.chunk(stacked, size, dim=0), dim=dim)
 
 
+def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Sum over ranks, keep this rank's chunk along ``dim``."""
+    size = _group_size(group_name)
+    stacked = torch.cat(torch.chunk(x, size, dim=dim), dim=0).contiguous()
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     size, rank = _group_size(group_name), _group_rank(group_name)
-    return torch.chunk(x, size, dim=dim)[rank].contiguous()
+    return torch.chunk(x, size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)  # never an alias
 
 
 def _gathered_shape(x: torch.Tensor, dim: int, group_name: str) -> list[int]:
@@ -149,6 +162,40 @@ def _take_shard_backward(ctx, grad):
     return _all_gather(grad, ctx.dim, ctx.group_name), None, None
 
 
+# --- sequence parallel: reduce_scatter_partial and gather_for_colwise -------------
+
+
+@torch.library.custom_op(f"{_LIB}::reduce_scatter_partial", mutates_args=())
+def reduce_scatter_partial(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Partial sums (a rowwise output) to their total, sharded along ``dim`` (the sequence)."""
+    return _reduce_scatter(x, dim, group_name)
+
+
+@reduce_scatter_partial.register_fake
+def _(x, dim, group_name):
+    return x.new_empty(_chunk_shape(x, dim, group_name))
+
+
+def _reduce_scatter_partial_backward(ctx, grad):
+    return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+@torch.library.custom_op(f"{_LIB}::gather_for_colwise", mutates_args=())
+def gather_for_colwise(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """A sequence-sharded input of colwise linears, all-gathered; their partial
+    input-gradients are summed and scattered back in one reduce-scatter."""
+    return _all_gather(x, dim, group_name)
+
+
+@gather_for_colwise.register_fake
+def _(x, dim, group_name):
+    return x.new_empty(_gathered_shape(x, dim, group_name))
+
+
+def _gather_for_colwise_backward(ctx, grad):
+    return _reduce_scatter(grad, ctx.dim, ctx.group_name), None, None
+
+
 # --- vocab_shard_ids: this rank's rows of a vocabulary-sharded table -----------
 
 
@@ -200,12 +247,16 @@ enter_tp.register_autograd(_enter_tp_backward, setup_context=_keep_group)
 reduce_partial.register_autograd(_reduce_partial_backward, setup_context=_keep_group)
 gather_shards.register_autograd(_gather_shards_backward, setup_context=_keep_dim_and_group)
 take_shard.register_autograd(_take_shard_backward, setup_context=_keep_dim_and_group)
+reduce_scatter_partial.register_autograd(_reduce_scatter_partial_backward, setup_context=_keep_dim_and_group)
+gather_for_colwise.register_autograd(_gather_for_colwise_backward, setup_context=_keep_dim_and_group)
 
 ENTER_TP = torch.ops.autoshard.enter_tp.default
 REDUCE_PARTIAL = torch.ops.autoshard.reduce_partial.default
 GATHER_SHARDS = torch.ops.autoshard.gather_shards.default
 TAKE_SHARD = torch.ops.autoshard.take_shard.default
 VOCAB_SHARD_IDS = torch.ops.autoshard.vocab_shard_ids.default
+REDUCE_SCATTER_PARTIAL = torch.ops.autoshard.reduce_scatter_partial.default
+GATHER_FOR_COLWISE = torch.ops.autoshard.gather_for_colwise.default
 
 FORWARD_COLLECTIVES = (REDUCE_PARTIAL, GATHER_SHARDS)
 BACKWARD_COLLECTIVES = (ENTER_TP, TAKE_SHARD)

@@ -36,6 +36,8 @@ _c10d = torch.ops.c10d
 _AUTOSHARD = {
     torch.ops.autoshard.reduce_partial: ("all_reduce", 1),
     torch.ops.autoshard.gather_shards: ("all_gather", 2),
+    torch.ops.autoshard.reduce_scatter_partial: ("reduce_scatter", 2),
+    torch.ops.autoshard.gather_for_colwise: ("all_gather", 2),
 }
 _FUNCTIONAL = {
     _funcol.all_reduce: ("all_reduce", 2),

@@ -15,15 +15,29 @@ from collections import defaultdict
 import torch.fx as fx
 
 from autoshard import collectives
-from autoshard.passes.propagate import ENTER_TP, GATHER, SHARDED_OUTPUT, TAKE_SHARD, LayoutPlan
+from autoshard.passes.propagate import (
+    ENTER_TP,
+    GATHER,
+    GATHER_FOR_COLWISE,
+    SHARDED_OUTPUT,
+    TAKE_SHARD,
+    LayoutPlan,
+)
 
 _OP = {
     ENTER_TP: collectives.ENTER_TP,
     GATHER: collectives.GATHER_SHARDS,
     TAKE_SHARD: collectives.TAKE_SHARD,
     SHARDED_OUTPUT: collectives.as_sharded_dtensor,
+    GATHER_FOR_COLWISE: collectives.GATHER_FOR_COLWISE,
 }
-_NAME = {ENTER_TP: "enter_tp", GATHER: "gathered", TAKE_SHARD: "shard", SHARDED_OUTPUT: "dtensor"}
+_NAME = {
+    ENTER_TP: "enter_tp",
+    GATHER: "gathered",
+    TAKE_SHARD: "shard",
+    SHARDED_OUTPUT: "dtensor",
+    GATHER_FOR_COLWISE: "gathered",
+}
 
 
 def insert_redistributes(gm: fx.GraphModule, plan: LayoutPlan, group_name: str) -> None:

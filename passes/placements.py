@@ -20,8 +20,10 @@ from autoshard.passes.propagate import (
     COLWISE_LIKE,
     ENTER_TP,
     GATHER,
+    GATHER_FOR_COLWISE,
     REPLICATE,
     ROWWISE,
+    SEQ_DIM,
     SHARDED_OUTPUT,
     TAKE_SHARD,
     VOCAB_PARALLEL,
@@ -126,18 +128,28 @@ def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:
 def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     """Describe each tp collective next to the weight that causes it."""
     by_weight: dict[str, list[str]] = {}
-    colwise_by_input: dict[fx.Node, list[str]] = {}
+    colwise_by_input: dict[fx.Node, list[LinearSite]] = {}
     for site in sites.linears:
         role = lp.roles[site.weight_fqn]
         if role in COLWISE_LIKE:
-            colwise_by_input.setdefault(site.input, []).append(site.weight_fqn)
+            colwise_by_input.setdefault(site.input, []).append(site)
+        elif role == ROWWISE and lp.layouts.get(site.output) == SEQ_DIM:
+            by_weight.setdefault(site.weight_fqn, []).append("fwd reduce-scatter output over the sequence")
         elif role == ROWWISE:
             by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce output")
-    for names in colwise_by_input.values():
+    for group in colwise_by_input.values():
+        names = [s.weight_fqn for s in group]
         shared = f" (shared by {len(names)}: {', '.join(_short(n) for n in names)})" if len(names) > 1 else ""
-        by_weight.setdefault(names[0], []).append(f"bwd all-reduce input grad{shared}")
+        steps = lp.edges.get((group[0].input, group[0].node), ())
+        if any(step.kind == GATHER_FOR_COLWISE for step in steps):
+            text = f"fwd all-gather input over the sequence, bwd reduce-scatter input grad{shared}"
+            shared_text = f"input gathered and its grad reduce-scattered with {_short(names[0])}"
+        else:
+            text = f"bwd all-reduce input grad{shared}"
+            shared_text = f"bwd input grad all-reduced with {_short(names[0])}"
+        by_weight.setdefault(names[0], []).append(text)
         for other in names[1:]:
-            by_weight.setdefault(other, []).append(f"bwd input grad all-reduced with {_short(names[0])}")
+            by_weight.setdefault(other, []).append(shared_text)
 
     origin = {}
     for site in sites.linears:
@@ -154,7 +166,7 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
     for (value, consumer), steps in lp.edges.items():
         for step in steps:
             key = (value, step)
-            if key in seen or (step.kind == ENTER_TP and consumer in colwise_nodes):
+            if key in seen or (step.kind in (ENTER_TP, GATHER_FOR_COLWISE) and consumer in colwise_nodes):
                 continue
             seen.add(key)
             if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
@@ -173,6 +185,10 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
                     activations.append(text)
                 else:
                     by_weight.setdefault(fqn, []).append(text)
+            elif step.kind == GATHER_FOR_COLWISE:
+                activations.append(
+                    f"fwd all-gather '{value.name}' (bwd reduce-scatter) for sharded {describe(consumer)}"
+                )
             elif step.kind == SHARDED_OUTPUT:
                 fqn = _region_origin(value, lp, origin)
                 text = "output returned sharded over the vocabulary (loss parallel), not gathered"

@@ -69,6 +69,10 @@ ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
 # loss parallel: a model output sharded on its last (vocabulary) dim leaves the graph as a
 # DTensor ``Shard(-1)`` on the tp mesh instead of being gathered
 SHARDED_OUTPUT = "sharded_output"
+# sequence parallel: a sequence-sharded input of colwise linears, all-gathered forward,
+# its partial gradient reduce-scattered backward (one op instead of gather + enter_tp)
+GATHER_FOR_COLWISE = "gather_for_colwise"
+SEQ_DIM = 1  # [batch, seq, hidden] activations
 
 _GRAD_STOPS = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
 
@@ -102,6 +106,7 @@ class LayoutPlan:
     fused: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
     # colwise outputs gathered right after the matmul -> where their region would have ended
     gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
+    sequence_parallel: bool = False
 
 
 def propagate(
@@ -111,6 +116,7 @@ def propagate(
     roles: dict[str, str] | None = None,
     on_indivisible: str = "replicate",
     loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts.
 
@@ -119,12 +125,17 @@ def propagate(
     (``"error"``, and always when the role comes from a user plan).
     ``loss_parallel`` returns outputs sharded on their last dim (LM-head
     logits over the vocabulary) as DTensors instead of gathering them.
+    ``sequence_parallel`` keeps the residual stream (norms, dropout, residual
+    adds) sharded over the sequence between blocks: reduce-scatter after each
+    rowwise linear, all-gather before each colwise group.
     """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
     gathered_early: dict[fx.Node, str] = {}  # source -> where its region would have ended
     while True:
-        plan = _propagate_once(gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible, loss_parallel)
+        plan = _propagate_once(
+            gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible, loss_parallel, sequence_parallel
+        )
         idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in gathered_early}
         if not idle:
             return dataclasses.replace(plan, gathered_early=gathered_early)
@@ -132,7 +143,7 @@ def propagate(
 
 
 def _propagate_once(
-    gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible, loss_parallel
+    gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible, loss_parallel, sequence_parallel
 ) -> LayoutPlan:
     fixed_roles = roles
     roles = dict(roles or {})
@@ -144,13 +155,32 @@ def _propagate_once(
     notes: dict[str, str] = {}
     fused: dict[str, tuple[int, ...]] = {}
     output_site = {s.output: s for s in sites.linears}
+    stream_entries: set[fx.Node] = set()
 
     def layout(value) -> object:
         return layouts.get(value) if isinstance(value, fx.Node) else None
 
     def seen(value) -> object:
-        """The layout consumers plan with: a source gathered early reads as replicated."""
+        """The layout consumers plan with: a source gathered early reads as replicated,
+        an embedding output under sequence parallelism as sequence-sharded."""
+        if value in stream_entries:
+            return SEQ_DIM
         return None if value in gathered_early else layout(value)
+
+    def seq_ok(value: fx.Node) -> bool:
+        """Whether ``value`` can be cut along the sequence; an error if the sequence
+        length may not divide by tp (checked with sympy on symbolic sizes)."""
+        shape = value.meta["val"].shape
+        if len(shape) != 3:
+            return False
+        seq = layout_rules.size_expr(shape[SEQ_DIM])
+        if not layout_rules.divides(seq, tp):
+            raise ValueError(
+                f"autoshard: sequence_parallel cuts the sequence over tp={tp}, but the sequence length "
+                f"{seq} of {describe(value)} may not divide by {tp}"
+                + ("; declare it divisible, e.g. seq = tp * Dim('chunks')" if not seq.is_Integer else "")
+            )
+        return True
 
     def divisible_role(site, role: str) -> str:
         """``role``, or replicate (noted) when a dim does not divide by tp and the plan is ours."""
@@ -191,11 +221,15 @@ def _propagate_once(
             steps = (Redistribute(GATHER, have),)
         elif have is None:
             steps = (Redistribute(TAKE_SHARD, wanted),)
+        elif isinstance(have, int):
+            steps = (Redistribute(GATHER, have), Redistribute(TAKE_SHARD, wanted))
         else:
             raise NotImplementedError(
                 f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
-                f"{wanted} but it is sharded on dim {have}"
+                f"{wanted} but it is {have}"
             )
+        if steps and steps[-1].kind == GATHER and then == (Redistribute(ENTER_TP),):
+            steps, then = steps[:-1] + (Redistribute(GATHER_FOR_COLWISE, steps[-1].dim),), ()
         if steps + then:
             edges[(value, consumer)] = steps + then
 
@@ -215,7 +249,7 @@ def _propagate_once(
             elif role == ROWWISE:
                 require(site.input, node, x_dim)
                 layouts[node] = "partial"
-                layouts[site.output] = None
+                layouts[site.output] = SEQ_DIM if sequence_parallel and seq_ok(site.output) else None
             else:
                 require(site.input, node, None)
                 layouts[node] = layouts[site.output] = None
@@ -230,6 +264,8 @@ def _propagate_once(
             role = divisible_role(site, role)
             roles[site.weight_fqn] = role
             layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
+            if sequence_parallel and seq_ok(node):
+                stream_entries.add(node)  # consumers read it sequence-sharded
         elif node.op == "output":
             for value in node.all_input_nodes:
                 lay = layout(value)
@@ -258,7 +294,7 @@ def _propagate_once(
                 require(value, node, wanted, then)
             if decision.args is not None:
                 new_args[node] = decision.args
-    return LayoutPlan(roles, layouts, edges, new_args, tp, notes, fused)
+    return LayoutPlan(roles, layouts, edges, new_args, tp, notes, fused, sequence_parallel=sequence_parallel)
 
 
 def _fused_origin(value: fx.Node, layouts, output_site, readers: int = 1) -> LinearSite | None:
@@ -311,7 +347,8 @@ def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
     each with the first place its region met the replicated world."""
     useful = _useful(plan, sites)
     sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
-    sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
+    if not plan.sequence_parallel:  # under sequence parallelism embeddings feed the sharded stream
+        sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
     idle = {}
     for region in _regions(plan, useful):
         region_sources = region & sources

@@ -30,12 +30,19 @@ aten = torch.ops.aten
 
 
 def rewrite_linears(
-    gm: fx.GraphModule, sites: Sites, roles: dict[str, str], tp_group: str | None, tp: int = 1
+    gm: fx.GraphModule,
+    sites: Sites,
+    roles: dict[str, str],
+    tp_group: str | None,
+    tp: int = 1,
+    scatter_sequence: frozenset[str] = frozenset(),
 ) -> None:
+    """``scatter_sequence``: rowwise weights whose output is reduce-scattered over the
+    sequence (sequence parallelism) instead of all-reduced."""
     for site in sites.linears:
         role = roles[site.weight_fqn]
         if role in (COLWISE, ROWWISE, VOCAB_PARALLEL):
-            _rewrite(gm.graph, site, role, tp_group)
+            _rewrite(gm.graph, site, role, tp_group, site.weight_fqn in scatter_sequence)
     if tp_group is not None:
         for site in sites.embeddings:
             if roles[site.weight_fqn] == VOCAB_PARALLEL:
@@ -44,7 +51,7 @@ def rewrite_linears(
     gm.graph.lint()
 
 
-def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None) -> None:
+def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None, scatter: bool = False) -> None:
     node = site.node
     x = _current_input(site)
     folded_bias = site.output is not node  # bias added by a separate `add` the site owns
@@ -56,7 +63,13 @@ def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None)
             product = graph.call_function(aten.linear.default, (x, site.weight_node))
         _inherit(product, node, f"{node.name}_local")
         if role == ROWWISE and tp_group is not None:
-            reduced = graph.call_function(collectives.REDUCE_PARTIAL, (product, tp_group))
+            if scatter:
+                reduced = graph.call_function(collectives.REDUCE_SCATTER_PARTIAL, (product, 1, tp_group))
+                if bias is not None:  # added on this rank's rows only: its gradient is partial
+                    bias = graph.call_function(collectives.ENTER_TP, (bias, tp_group))
+                    _inherit(bias, node, f"{site.bias_node.name}_enter_tp")
+            else:
+                reduced = graph.call_function(collectives.REDUCE_PARTIAL, (product, tp_group))
             _inherit(reduced, node, f"{node.name}_reduced")
             product = reduced
     if bias is not None:

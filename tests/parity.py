@@ -90,14 +90,17 @@ def train_both(
     adam_eps=1e-8,
     scale_floor=1e-30,
     kwargs=None,
+    shard_kwargs=None,
 ) -> ParityRun:
     """``inputs``/``targets`` are the global batch (dim 0 split over dp); so is every
-    tensor in ``kwargs`` (an attention mask)."""
+    tensor in ``kwargs`` (an attention mask). ``shard_kwargs`` go to ``autoshard``."""
     reference = copy.deepcopy(model)
     local_in, local_tgt = dp_slice(inputs, mesh), dp_slice(targets, mesh)
     kwargs = kwargs or {}
     local_kwargs = {k: dp_slice(v, mesh) for k, v in kwargs.items()}
-    sharded = autoshard.autoshard(model, mesh, example_inputs=(local_in,), example_kwargs=local_kwargs)
+    sharded = autoshard.autoshard(
+        model, mesh, example_inputs=(local_in,), example_kwargs=local_kwargs, **(shard_kwargs or {})
+    )
     make = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=lr or 0.1),
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr or 1e-2, weight_decay=0.1, eps=adam_eps),

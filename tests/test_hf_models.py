@@ -101,7 +101,28 @@ def _planned(plan, unit=None) -> int:
     return count + (len(plan.activations) if unit is None else 0)
 
 
+def _make_sequence_parallel_check(name: str):
+    case = CASES[name]
+
+    def check(ctx):
+        torch.manual_seed(0)
+        ids, kwargs = case.inputs()
+        run = train_both(
+            case.build(), ctx.mesh_2d, ids, _targets(case, ids), _loss,
+            optimizer="adamw", lr=1e-3, adam_eps=1e-6, scale_floor=1e-2, kwargs=kwargs,
+            shard_kwargs={"sequence_parallel": True},
+        )
+        code = run.sharded.get_submodule(run.sharded.autoshard_plan.units[1]).code
+        assert code.count("reduce_scatter_partial") == 2 and code.count("gather_for_colwise") == 2
+        assert_parity(run, loss_tol=LOSS_TOL, param_tol=PARAM_TOL)
+
+    check.__name__ = check.__qualname__ = f"check_{name}_sequence_parallel"
+    check.__module__ = __name__
+    return check
+
+
 CHECKS = [_make_check(name) for name in CASES]
+CHECKS += [_make_sequence_parallel_check(name) for name in ("llama", "qwen3", "bert")]
 for _check in CHECKS:
     setattr(sys.modules[__name__], _check.__name__, _check)
 

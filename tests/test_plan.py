@@ -147,6 +147,19 @@ def test_an_op_without_a_layout_rule_is_named_with_its_line():
     assert plan.params["down.weight"].role == "colwise"  # its input is replicated after the gather
 
 
+def test_sequence_parallel_needs_a_sequence_that_divides_by_tp():
+    from torch.export import Dim
+
+    model = Llama(LlamaConfig())
+    free = ({1: Dim("seq", min=2, max=64)},)
+    with pytest.raises(ValueError, match=r"sequence length s\w* of node 'embedding'.* may not divide by 2; declare"):
+        autoshard.plan(model, {"tp": 2}, example_inputs=(TOKENS,), dynamic_shapes=free, sequence_parallel=True)
+    chunks = Dim("chunks", min=1, max=32)
+    even = ({1: 2 * chunks},)
+    plan = autoshard.plan(model, {"tp": 2}, example_inputs=(TOKENS,), dynamic_shapes=even, sequence_parallel=True)
+    assert "reduce-scatter" in plan.params["layers.0.attention.wo.weight"].collectives[0]
+
+
 class _SharedNormTwice(nn.Module):
     """``norms.0`` runs twice around a root op: it cannot be one FSDP call."""
 

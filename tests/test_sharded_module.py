@@ -189,7 +189,7 @@ def check_edited_plan_is_applied(ctx):
     assert tuple(w1.placements) == (Shard(0), Replicate()) and tuple(w1.shape) == (128, 64)
     forward, backward = _count_step(sharded, local, ctx.mesh_2d)
     assert forward.count("tp") + backward.count("tp") == 4 * 2 + 3 - 2
-    run = _train_with_plan(model, ctx.mesh_2d, tokens, targets, edited)
+    run = train_both(model, ctx.mesh_2d, tokens, targets, lm_loss, shard_kwargs={"plan": edited})
     assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
 
 
@@ -201,7 +201,7 @@ def check_rowwise_after_a_replicated_linear_takes_its_shard(ctx):
     data = autoshard.plan(model, ctx.mesh_2d, example_inputs=(dp_slice(x, ctx.mesh_2d),)).to_dict()
     for fqn in ("blocks.0.fc1.weight", "blocks.0.fc1.bias"):
         data["params"][fqn].update(role="replicate", transposed=False, placements={"dp": "S(0)", "tp": "R"})
-    run = _train_with_plan(model, ctx.mesh_2d, x, y, autoshard.Plan.from_dict(data), loss_fn=mse_loss)
+    run = train_both(model, ctx.mesh_2d, x, y, mse_loss, shard_kwargs={"plan": autoshard.Plan.from_dict(data)})
     applied = run.sharded.autoshard_plan
     assert [a for a in applied.activations if "take shard" in a], applied.activations
     assert "take_shard" in run.sharded.get_submodule("blocks.0").code
@@ -272,17 +272,24 @@ def check_symbolic_batch_and_sequence(ctx):
         assert rel_error(full(value), reference.state_dict()[key]) <= 1e-5, key
 
 
-def _train_with_plan(model, mesh, tokens, targets, plan, loss_fn=lm_loss):
-    original = autoshard.autoshard
-
-    def with_plan(m, msh, **kwargs):
-        return original(m, msh, plan=plan, **kwargs)
-
-    autoshard.autoshard = with_plan
-    try:
-        return train_both(model, mesh, tokens, targets, loss_fn)
-    finally:
-        autoshard.autoshard = original
+def check_sequence_parallel(ctx):
+    """Norms and residuals sharded over the sequence: per block 2 all-gathers and 2
+    reduce-scatters forward, the mirror backward plus the 2 norm-weight gradient
+    all-reduces; 3 SGD steps equal single-device training."""
+    mesh = ctx.mesh_2d
+    model, tokens = _llama()
+    targets = torch.randint(0, 256, (4, 16))
+    _, sharded, local = _shard_llama(mesh)
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(local,), sequence_parallel=True)
+    forward, backward = _count_step(sharded, local, mesh)
+    # forward: the embedding output, the head's input and its logits add 3 all-gathers
+    assert forward.stats()["tp"].counts == {"all_gather": 2 * 2 + 3, "reduce_scatter": 2 * 2}, forward.stats()
+    # backward: per block 2 reduce-scatters, 2 all-gathers, 2 norm-weight all-reduces; the
+    # final norm's weight, the head's input and the embedding's sequence shard add 1 + 1 + 1
+    assert backward.stats()["tp"].counts == {"reduce_scatter": 2 * 2 + 1, "all_gather": 2 * 2 + 1,
+                                             "all_reduce": 2 * 2 + 1}, backward.stats()
+    run = train_both(model, mesh, tokens, targets, lm_loss, shard_kwargs={"sequence_parallel": True})
+    assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
 
 
 CHECKS = [
@@ -300,6 +307,7 @@ CHECKS = [
     check_rowwise_after_a_replicated_linear_takes_its_shard,
     check_loss_parallel_matches_the_gathered_loss,
     check_symbolic_batch_and_sequence,
+    check_sequence_parallel,
 ]
 
 
