@@ -68,6 +68,9 @@ def build_plan(
         sections = ()
         if axes.has_tp and site is not None and isinstance(site, LinearSite):
             sections = layout_plan.fused.get(site.weight_fqn, ())
+        padding = _dp_padding(shape, transposed, placements.get(DP), axes.dp)
+        if padding:
+            note = (note + "; " if note else "") + padding
         entries[fqn] = ParamSharding(
             role=role,
             shape=shape,
@@ -84,6 +87,17 @@ def build_plan(
         units=("", *captured.block_fqns),
         activations=tuple(activations) if axes.has_tp else (),
     )
+
+
+def _dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
+    """Say so when FSDP2 must pad: the dp-sharded stored dim does not divide by dp."""
+    if dp_placement is None or dp_placement == "R" or dp <= 1:
+        return ""
+    dim = int(dp_placement[2:-1])
+    stored = tuple(reversed(shape)) if transposed else tuple(shape)
+    if len(stored) <= dim or stored[dim] % dp == 0:
+        return ""
+    return f"stored dim {dim} ({stored[dim]}) does not divide by dp={dp}: FSDP2 pads the last shard"
 
 
 _EMBEDDING_NOTE = "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim"

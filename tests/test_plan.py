@@ -185,3 +185,11 @@ def test_a_block_that_runs_twice_stays_in_the_root_unit(fake_world):
     assert not isinstance(sharded.get_submodule("norms.0"), torch.fx.GraphModule)
     assert sharded.code.count("aten.layer_norm.default") == 2  # both calls of norms.0, in the root
     assert sharded(FEATURES).shape == FEATURES.shape
+
+
+def test_dims_that_do_not_divide_by_dp_are_padded_and_explained():
+    plan = autoshard.plan(MLPStack(dim=30, hidden=60, out=10), {"dp": 4}, example_inputs=(torch.randn(2, 5, 30),))
+    fc1 = plan.params["blocks.0.fc1.weight"]
+    assert fc1.placements == {"dp": "S(0)"} and fc1.stored_shape == (30, 60)
+    assert fc1.note == "stored dim 0 (30) does not divide by dp=4: FSDP2 pads the last shard"
+    assert plan.params["blocks.0.fc1.bias"].note == ""  # 60 divides by 4
