@@ -171,11 +171,18 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
         origin[site.node] = site.weight_fqn
     for site in sites.embeddings:
         origin[site.node] = site.weight_fqn
-    for site in sites.embeddings:
         if lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
             by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce embedding output")
     colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
     activations: list[str] = []
+
+    def record(fqn: str | None, text: str) -> None:
+        """Next to its weight when one explains it, else among the activation collectives."""
+        if fqn is None:
+            activations.append(text)
+        else:
+            by_weight.setdefault(fqn, []).append(text)
+
     seen = set()
     for (value, consumer), steps in lp.edges.items():
         for step in steps:
@@ -184,35 +191,25 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
                 continue
             seen.add(key)
             if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
-                text = f"bwd all-reduce grad (read by sharded {describe(consumer)})"
                 if value.op == "get_attr":
-                    by_weight.setdefault(value.target, []).append(text)
+                    record(value.target, f"bwd all-reduce grad (read by sharded {describe(consumer)})")
                 else:
-                    activations.append(f"bwd all-reduce grad of '{value.name}', read by sharded {describe(consumer)}")
+                    record(None, f"bwd all-reduce grad of '{value.name}', read by sharded {describe(consumer)}")
             elif step.kind == GATHER:
-                fqn = _region_origin(value, lp, origin)
-                if value in origin:
-                    text = "fwd all-gather output"
-                else:
-                    text = f"fwd all-gather '{value.name}' for {describe(consumer)}"
-                if fqn is None:
-                    activations.append(text)
-                else:
-                    by_weight.setdefault(fqn, []).append(text)
-            elif step.kind == GATHER_FOR_COLWISE:
-                activations.append(
-                    f"fwd all-gather '{value.name}' (bwd reduce-scatter) for sharded {describe(consumer)}"
+                text = "fwd all-gather output" if value in origin else (
+                    f"fwd all-gather '{value.name}' for {describe(consumer)}"
                 )
+                record(_region_origin(value, lp, origin), text)
+            elif step.kind == GATHER_FOR_COLWISE:
+                record(None, f"fwd all-gather '{value.name}' (bwd reduce-scatter) for sharded {describe(consumer)}")
             elif step.kind == SHARDED_OUTPUT:
-                fqn = _region_origin(value, lp, origin)
-                text = "output returned sharded over the vocabulary (loss parallel), not gathered"
-                if fqn is None:
-                    activations.append(text)
-                else:
-                    by_weight.setdefault(fqn, []).append(text)
+                record(
+                    _region_origin(value, lp, origin),
+                    "output returned sharded over the vocabulary (loss parallel), not gathered",
+                )
             elif step.kind == TAKE_SHARD:
-                activations.append(
-                    f"take shard of '{value.name}' on dim {step.dim} for {describe(consumer)} (bwd all-gather)"
+                record(
+                    None, f"take shard of '{value.name}' on dim {step.dim} for {describe(consumer)} (bwd all-gather)"
                 )
     return {k: tuple(v) for k, v in by_weight.items()}, activations
 
