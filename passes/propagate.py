@@ -350,18 +350,17 @@ def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
     if not plan.sequence_parallel:  # under sequence parallelism embeddings feed the sharded stream
         sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
     idle = {}
+    position: dict[fx.Node, int] = {}
     for region in _regions(plan, useful):
         region_sources = region & sources
         if region_sources and len(region_sources) <= _exit_cost(plan, region):
             exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
-            first = min(exits, key=_position, default=None)
+            if exits and not position:
+                position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
+            first = min(exits, key=position.__getitem__, default=None)
             why = describe(first) if first is not None else "nowhere"
             idle.update({source: why for source in region_sources})
     return idle
-
-
-def _position(node: fx.Node) -> int:
-    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
 
 
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:

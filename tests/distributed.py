@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import sys
 import traceback
 
 import pytest
@@ -69,7 +70,11 @@ def distributed_tests(checks):
     """``(fixture, test)`` for a test file: one spawn for the file, one test per check.
 
     Bind both at module level: ``outcomes, test_checks = distributed_tests(CHECKS)``.
+    Checks made by a factory are also set as attributes of their module, so the
+    spawned ranks can unpickle them by name.
     """
+    for check in checks:
+        setattr(sys.modules[check.__module__], check.__name__, check)
 
     @pytest.fixture(scope="module")
     def outcomes():
