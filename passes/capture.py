@@ -9,11 +9,20 @@ backend feeds its dynamo graph through the same export.
 
 The user's model is only read: the captured module refers to the model's own
 parameter tensors, and no later pass writes to them.
+
+A model built on the meta device (``with torch.device("meta"):``) is captured
+entirely on meta: its example inputs and the buffers the user already filled
+(a rotary table) are moved there for tracing, through a twin of the model that
+shares its modules' parameters and code. Shapes are all capture needs, and
+code that moves tensors to its input's device (``.to(x.device)``, a rotary
+``torch.arange(..., device=x.device)``) then never mixes devices. Such graphs
+create tensors on ``meta``; materialize rewrites those devices to the mesh's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import traceback
@@ -100,10 +109,14 @@ def capture(
     model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None
 ) -> CapturedGraph:
     """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``."""
+    traced, traced_args, traced_kwargs = model, tuple(args), kwargs or {}
+    if parameters_on_meta(model):
+        traced = _twin_on_meta(model)
+        traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (traced_args, traced_kwargs))
     try:
         with _refusing_custom_autograd_functions():
             exported = torch.export.export(
-                model, tuple(args), kwargs or {}, dynamic_shapes=dynamic_shapes, strict=False
+                traced, traced_args, traced_kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
     except NotImplementedError:
         raise
@@ -130,6 +143,46 @@ def capture(
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
     return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs, aliases)
+
+
+def parameters_on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device: all its parameters there, or none.
+
+    A model with some parameters on meta and others holding values is refused:
+    it can be neither traced on one device nor materialized as one unit.
+    """
+    on_meta = {name: p.is_meta for name, p in model.named_parameters()}
+    if all(on_meta.values()) != any(on_meta.values()):
+        meta = next(n for n, m in on_meta.items() if m)
+        real = next(n for n, m in on_meta.items() if not m)
+        raise ValueError(
+            f"autoshard: parameter '{meta}' is on the meta device but '{real}' is on "
+            f"{model.get_parameter(real).device}; build the whole model on meta (its values then come from "
+            f"load_state_dict after sharding) or none of it"
+        )
+    return any(on_meta.values())
+
+
+def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("meta")
+
+
+def _twin_on_meta(model: nn.Module) -> nn.Module:
+    """``model``'s module tree, shallow-copied, with the same parameters and every buffer on meta.
+
+    The user's modules are not touched: each twin gets its own ``_modules`` and
+    ``_buffers`` dicts. A module reachable under two names stays one twin.
+    """
+    twins: dict[int, nn.Module] = {}
+
+    def twin(module: nn.Module) -> nn.Module:
+        if id(module) not in twins:
+            clone = twins[id(module)] = copy.copy(module)
+            clone._buffers = {n: None if b is None else _to_meta(b) for n, b in module._buffers.items()}
+            clone._modules = {n: None if c is None else twin(c) for n, c in module._modules.items()}
+        return twins[id(module)]
+
+    return twin(model)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:

@@ -15,6 +15,15 @@ into a tp DTensor for FSDP2 to reduce-scatter over dp.
 Parameters with dp placement ``R`` (colwise biases, whose dim 0 is already
 cut by tp) stay out of FSDP; their gradients are all-reduced (mean) over dp
 right after they are accumulated.
+
+A model built on the meta device has no values to copy. Its parameters are
+wrapped and handed to FSDP2 on meta (both only cut shapes), and only then
+is each rank's local shard allocated on the mesh's device, uninitialized
+(``torch.empty``, as ``nn.Module.to_empty``): no full or tp-sized tensor is
+ever allocated, nothing is broadcast, and ``load_state_dict`` fills the
+values. Persistent buffers are allocated the same way (the state dict holds
+them); a non-persistent buffer the forward reads (a rotary table) has a value
+nowhere, so it must be filled on the model before sharding, or it is refused.
 """
 
 from __future__ import annotations
@@ -23,10 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from autoshard.mesh import DP, TP, MeshAxes
+from autoshard.passes.capture import parameters_on_meta
 from autoshard.passes.partition import Partitioned
 from autoshard.plan import Plan, placement, section_order
 from autoshard.state_dict import install_state_dict_hooks
@@ -45,21 +56,26 @@ def materialize(
     root = part.root
     _follow_module_order(root, model)
     device = torch.device(axes.mesh.device_type)
+    _copy_buffers(root, model, device, sync_module_states)
+    deferred = parameters_on_meta(model)  # shards are allocated after FSDP2 has cut them
     originals = dict(model.named_parameters())
     for fqn, entry in plan.params.items():
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
-    for alias, canonical in aliases.items():  # tied: the same Parameter under every name
-        _set(root, alias, root.get_parameter(canonical))
-    _copy_buffers(root, model, device, sync_module_states)
+    _tie(root, aliases)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
     for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
         _name_param_reads(gm, prefix, transposed)
         if axes.has_tp:
             _read_params_locally(gm)
-        gm.recompile()
+    _create_tensors_on(root, device)
     replicated_dp = {fqn for fqn, e in plan.params.items() if e.placements.get(DP) == "R"}
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward)
+    if deferred:
+        _allocate_local_shards(root, device)
+        _tie(root, aliases)
+    if axes.has_dp:
+        _average_grads_over_dp(root, replicated_dp, axes)
     install_state_dict_hooks(root, plan, axes.tp)
     return root
 
@@ -85,13 +101,17 @@ def _follow_module_order(module: nn.Module, original: nn.Module) -> None:
 
 
 def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bool) -> nn.Parameter:
+    """A tp DTensor on ``device``, or on meta (shapes only) for a meta ``original``."""
     stored = original.detach()
     stored = stored.t() if entry.transposed else stored
     if entry.sections:
         stored = stored.index_select(entry.sharded_dim(TP), section_order(entry.sections, axes.tp))
-    stored = stored.to(device=device, copy=True).contiguous()
-    if sync and dist.get_world_size() > 1:
-        dist.broadcast(stored, src=0)
+    if stored.is_meta:
+        stored = stored.contiguous()
+    else:
+        stored = stored.to(device=device, copy=True).contiguous()
+        if sync and dist.get_world_size() > 1:
+            dist.broadcast(stored, src=0)
     if axes.has_tp:
         tp = placement(entry.placements[TP])
         if axes.has_dp and entry.placements.get(DP) == "R":
@@ -99,6 +119,12 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         else:
             stored = distribute_tensor(stored, axes.submesh(TP), [tp], src_data_rank=None)
     return nn.Parameter(stored, requires_grad=original.requires_grad)
+
+
+def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
+    """A tied parameter: the same Parameter under every name."""
+    for alias, canonical in aliases.items():
+        _set(root, alias, root.get_parameter(canonical))
 
 
 def _set(root: nn.Module, fqn: str, param: nn.Parameter) -> None:
@@ -120,16 +146,60 @@ def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool) -> None
     Constants the capture lifted out of the forward (``torch.tensor(...)`` in
     the code) are buffers of the graph but not of the model: non-persistent,
     so ``state_dict()`` has the model's keys and nothing else.
+
+    A persistent buffer on meta is allocated uninitialized, for
+    ``load_state_dict`` to fill; a non-persistent one on meta is refused.
     """
     model_buffers = dict(model.named_buffers())
     persistent = set(model.state_dict(keep_vars=True))
-    for fqn, buffer in list(root.named_buffers()):
+    graph_buffers = [(fqn, model_buffers.get(fqn, buffer)) for fqn, buffer in root.named_buffers()]
+    _refuse_buffers_without_values([fqn for fqn, b in graph_buffers if b.is_meta and fqn not in persistent])
+    for fqn, buffer in graph_buffers:
         owner_path, _, name = fqn.rpartition(".")
         owner = root.get_submodule(owner_path)
-        value = model_buffers.get(fqn, buffer).detach().to(device=device, copy=True)
-        if sync and dist.get_world_size() > 1 and value.is_floating_point():
-            dist.broadcast(value, src=0)
+        if buffer.is_meta:
+            value = torch.empty_like(buffer, device=device)
+        else:
+            value = buffer.detach().to(device=device, copy=True)
+            if sync and dist.get_world_size() > 1 and value.is_floating_point():
+                dist.broadcast(value, src=0)
         owner.register_buffer(name, value, persistent=fqn in persistent)
+
+
+def _refuse_buffers_without_values(fqns: list[str]) -> None:
+    if fqns:
+        raise ValueError(
+            f"autoshard: non-persistent buffer(s) {', '.join(repr(f) for f in fqns)} are on the meta device: "
+            f"the forward reads them but no state dict holds them, so they have no value anywhere. Fill them "
+            f"on the model before autoshard (e.g. `model.get_submodule(path).name = tensor`, computed as the "
+            f"module's __init__ does)"
+        )
+
+
+def _create_tensors_on(root: fx.GraphModule, device: torch.device) -> None:
+    """Tensors the forward creates (``torch.arange(..., device=x.device)``) on ``device``,
+    not on the meta device a meta model was captured on; also inside nested graphs
+    (the body of an autocast region)."""
+
+    def place(arg):
+        return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+    for gm in root.modules():
+        if isinstance(gm, fx.GraphModule):
+            for node in gm.graph.nodes:
+                node.args = pytree.tree_map(place, node.args)
+                node.kwargs = pytree.tree_map(place, node.kwargs)
+            gm.recompile()
+
+
+def _allocate_local_shards(root: nn.Module, device: torch.device) -> None:
+    """Every parameter still on meta becomes its local shard on ``device``, uninitialized.
+
+    ``nn.Module._apply`` is what ``to_empty`` runs; FSDP2 modules re-register
+    their sharded parameters after it. Buffers are real by now and kept.
+    """
+    with torch.no_grad():
+        root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
 def _name_param_reads(gm: fx.GraphModule, prefix: str, transposed: frozenset[str]) -> None:
@@ -176,8 +246,13 @@ def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_
     # the head runs first in backward and would re-gather immediately.
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None,
                 shard_placement_fn=shard_dim)
-    group = dp_mesh.get_group()
-    for param in ignored:
+
+
+def _average_grads_over_dp(root: nn.Module, replicated_dp: set[str], axes: MeshAxes) -> None:
+    """Gradients of the parameters FSDP2 ignores (dp placement ``R``), averaged as FSDP2's."""
+    group = axes.submesh(DP).get_group()
+    params = dict(root.named_parameters())
+    for param in {params[f] for f in replicated_dp if f in params}:
         param.register_post_accumulate_grad_hook(lambda p, group=group: _average_grad(p, group))
 
 
