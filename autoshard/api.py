@@ -22,6 +22,7 @@ from autoshard.passes.propagate import ROWWISE, SEQ_DIM, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan
+from autoshard.retarget import check_activations_carry, retarget
 
 
 def plan(
@@ -152,9 +153,8 @@ def _plan(
         raise ValueError(f"autoshard: on_indivisible must be 'replicate' or 'error', got {on_indivisible!r}")
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
-    given = _as_plan(given)
-    if given is not None:
-        _check_plan_mesh(given, axes)
+    saved = _as_plan(given)
+    given = _check_plan_mesh(saved, axes) if saved is not None else None
     captured = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
@@ -176,6 +176,11 @@ def _plan(
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if given is not None:
         _check_plan_consistent(given, final)
+        if given is not saved:
+            check_activations_carry(
+                saved, final, captured, sites, roles, dp_placements, loss_parallel and axes.has_tp,
+                sequence_parallel and axes.has_tp,
+            )
     return final, captured, sites, layout_plan
 
 
@@ -187,9 +192,9 @@ def _as_plan(given) -> Plan | None:
     raise ValueError(f"autoshard: `plan` must be a Plan or its dict, got {type(given).__name__}")
 
 
-def _check_plan_mesh(given: Plan, axes: MeshAxes) -> None:
-    if dict(given.mesh) != axes.to_dict():
-        raise ValueError(f"autoshard: the plan is for mesh {dict(given.mesh)} but the mesh is {axes.to_dict()}")
+def _check_plan_mesh(given: Plan, axes: MeshAxes) -> Plan:
+    """``given`` on this mesh: retargeted when made for another mesh shape, or a ValueError."""
+    return retarget(given, axes.to_dict())
 
 
 def _check_plan_params(given: Plan, param_shapes) -> None:

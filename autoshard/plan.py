@@ -121,6 +121,19 @@ class Plan:
     def roles(self) -> dict[str, str]:
         return {fqn: p.role for fqn, p in self.params.items()}
 
+    def for_mesh(self, sizes: Mapping[str, int]) -> Plan:
+        """This plan on a mesh of other sizes (``{"tp": 4}``, ``{"dp": 4}``, ...), pure data.
+
+        Roles and dp choices are kept; placements, tp collectives, fused
+        sections and notes are derived again for the new mesh. A tp-sharded dim
+        (or fused section) that does not divide by the new tp size is a
+        ``ValueError`` naming the parameter; so is a plan without a tp axis
+        retargeted to a mesh with one. See :mod:`autoshard.retarget`.
+        """
+        from autoshard.retarget import retarget
+
+        return retarget(self, sizes)
+
     def to_dict(self) -> dict:
         return {
             "version": self.version,

@@ -45,30 +45,23 @@ def build_plan(
     site_by_param = {fqn: s for s in sites.all for fqn in s.param_fqns}
     for fqn, shape in captured.param_shapes.items():
         site = site_by_param.get(fqn)
-        role, transposed, tp_dim, note = _role_of(fqn, site, layout_plan.roles)
+        role, transposed, note = _role_of(fqn, site, layout_plan.roles)
         if site is not None and site.weight_fqn in layout_plan.notes and axes.has_tp:
             note = layout_plan.notes[site.weight_fqn]
         source = getattr(site, "output", getattr(site, "node", None))
         if site is not None and fqn == site.weight_fqn and source in layout_plan.gathered_early and axes.has_tp:
             ends = layout_plan.gathered_early[source]
             note = (note + "; " if note else "") + (
-                f"output all-gathered at once: no rowwise linear reads it (its sharded region ends at {ends})"
+                f"{GATHERED_EARLY}no rowwise linear reads it (its sharded region ends at {ends})"
             )
         tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
         if tied_names:
             note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
-        placements = {}
-        if axes.has_dp:
-            default_dp = "R" if role == "colwise_bias" or not shape else "S(0)"
-            if role == VOCAB_PARALLEL:
-                default_dp = "S(1)"  # tp cuts the vocabulary rows (dim 0); FSDP takes dim 1
-            placements[DP] = (dp_placements or {}).get(fqn, default_dp)
-        if axes.has_tp:
-            placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
+        placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn))
         sections = ()
         if axes.has_tp and site is not None and isinstance(site, LinearSite):
             sections = layout_plan.fused.get(site.weight_fqn, ())
-        padding = _dp_padding(shape, transposed, placements.get(DP), axes.dp)
+        padding = dp_padding(shape, transposed, placements.get(DP), axes.dp)
         if padding:
             note = (note + "; " if note else "") + padding
         entries[fqn] = ParamSharding(
@@ -89,7 +82,39 @@ def build_plan(
     )
 
 
-def _dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
+# The stored dim tp cuts, per role: every linear weight and embedding table is an
+# [in, out] / [out, in] block cut on dim 1; a colwise bias and a vocabulary-parallel
+# table on dim 0; the rest is replicated over tp.
+TP_DIM_BY_ROLE: dict[str, int | None] = {
+    COLWISE: 1,
+    ROWWISE: 1,
+    "colwise_bias": 0,
+    "rowwise_bias": None,
+    VOCAB_PARALLEL: 0,
+    REPLICATE: None,
+}
+
+
+def default_dp_placement(role: str, shape) -> str:
+    """FSDP shards dim 0, except a colwise bias (already cut by tp) and scalars stay
+    replicated, and a vocabulary-parallel table gives dim 0 to tp and dim 1 to FSDP."""
+    if role == VOCAB_PARALLEL:
+        return "S(1)"
+    return "R" if role == "colwise_bias" or not shape else "S(0)"
+
+
+def param_placements(role: str, shape, axes: MeshAxes, dp_placement: str | None = None) -> dict[str, str]:
+    """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides dp's)."""
+    placements = {}
+    if axes.has_dp:
+        placements[DP] = dp_placement or default_dp_placement(role, shape)
+    if axes.has_tp:
+        tp_dim = TP_DIM_BY_ROLE[role]
+        placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
+    return placements
+
+
+def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
     """Say so when FSDP2 must pad: the dp-sharded stored dim does not divide by dp."""
     if dp_placement is None or dp_placement == "R" or dp <= 1:
         return ""
@@ -98,6 +123,10 @@ def _dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> s
     if len(stored) <= dim or stored[dim] % dp == 0:
         return ""
     return f"stored dim {dim} ({stored[dim]}) does not divide by dp={dp}: FSDP2 pads the last shard"
+
+
+# Opens the note of a colwise output gathered right away (tp-only; retargeting drops it without tp).
+GATHERED_EARLY = "output all-gathered at once: "
 
 
 _EMBEDDING_NOTE = "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim"
@@ -110,26 +139,26 @@ _VOCAB_PARALLEL_NOTE = (
 
 
 def _role_of(fqn: str, site, roles: dict[str, str]):
-    """(role, transposed, tp-sharded stored dim or None, note)."""
+    """(role, transposed, note); the tp-sharded dim follows from the role (``TP_DIM_BY_ROLE``)."""
     if site is None:
-        return REPLICATE, False, None, ""
+        return REPLICATE, False, ""
     role = roles[site.weight_fqn]
     if role == VOCAB_PARALLEL:
-        return VOCAB_PARALLEL, False, 0, _VOCAB_PARALLEL_NOTE
+        return VOCAB_PARALLEL, False, _VOCAB_PARALLEL_NOTE
     if isinstance(site, EmbeddingSite):
         if role == COLWISE:
-            return COLWISE, False, 1, _EMBEDDING_NOTE
-        return REPLICATE, False, None, ""
+            return COLWISE, False, _EMBEDDING_NOTE
+        return REPLICATE, False, ""
     is_bias = fqn == site.bias_fqn
     if role == COLWISE:
         if is_bias:
-            return "colwise_bias", False, 0, ""
-        return COLWISE, site.orientation == OUT_IN, 1, ""
+            return "colwise_bias", False, ""
+        return COLWISE, site.orientation == OUT_IN, ""
     if role == ROWWISE:
         if is_bias:
-            return "rowwise_bias", False, None, ""
-        return ROWWISE, site.orientation == IN_OUT, 1, ""
-    return REPLICATE, False, None, ""
+            return "rowwise_bias", False, ""
+        return ROWWISE, site.orientation == IN_OUT, ""
+    return REPLICATE, False, ""
 
 
 def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:

@@ -162,10 +162,10 @@ def test_a_weight_shared_by_two_linears_is_refused_by_name(mesh_2x2):
     assert "test_bad_input.py" in str(err.value) and "self.a(x)" in str(err.value)
 
 
-def test_plan_for_another_mesh_is_rejected(mesh_2x2):
+def test_plan_without_tp_for_a_tp_mesh_is_rejected(mesh_2x2):
     model = MLPStack()
-    plan = autoshard.plan(model, {"tp": 4}, example_inputs=(FEATURES,))
-    with leaves_untouched(model), pytest.raises(ValueError, match=r"plan is for mesh \{'tp': 4\}"):
+    plan = autoshard.plan(model, {"dp": 4}, example_inputs=(FEATURES,))
+    with leaves_untouched(model), pytest.raises(ValueError, match=r"plan for mesh dp=4 has no tp axis"):
         autoshard.autoshard(model, mesh_2x2, example_inputs=(FEATURES,), plan=plan)
 
 

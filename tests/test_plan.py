@@ -193,3 +193,125 @@ def test_dims_that_do_not_divide_by_dp_are_padded_and_explained():
     assert fc1.placements == {"dp": "S(0)"} and fc1.stored_shape == (30, 60)
     assert fc1.note == "stored dim 0 (30) does not divide by dp=4: FSDP2 pads the last shard"
     assert plan.params["blocks.0.fc1.bias"].note == ""  # 60 divides by 4
+
+
+def _llama_heads_divide_by_4():
+    return Llama(LlamaConfig(num_heads=8, num_kv_heads=4))
+
+
+RETARGET_MODELS = {
+    "llama_8_heads": (_llama_heads_divide_by_4, (TOKENS,)),
+    "mlp_stack": (MLPStack, (FEATURES,)),
+    "raw_linear": (RawLinearNet, (FEATURES,)),
+    "padded_mlp": (lambda: MLPStack(dim=30, hidden=60, out=12), (torch.randn(2, 5, 30),)),
+}
+RETARGETS = [
+    ({"dp": 2, "tp": 2}, {"tp": 4}),
+    ({"dp": 2, "tp": 2}, {"dp": 4}),
+    ({"dp": 2, "tp": 2}, {"dp": 4, "tp": 1}),
+    ({"tp": 4}, {"dp": 2, "tp": 2}),
+    ({"tp": 2}, {"dp": 8}),
+]
+
+
+@pytest.mark.parametrize("source, target", RETARGETS, ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
+@pytest.mark.parametrize("model_name", RETARGET_MODELS)
+def test_a_saved_plan_retargeted_equals_planning_afresh(model_name, source, target):
+    """When planning afresh makes the same decisions, retargeting the saved JSON gives the same plan:
+    placements, sections, collectives, notes (FSDP padding of 30 over dp=4 or 8 included)."""
+    build, inputs = RETARGET_MODELS[model_name]
+    saved = json.loads(json.dumps(autoshard.plan(build(), source, example_inputs=inputs).to_dict()))
+    retargeted = Plan.from_dict(saved).for_mesh(target)
+    fresh = autoshard.plan(build(), target, example_inputs=inputs)
+    assert retargeted == fresh
+    assert str(retargeted) == str(fresh)
+
+
+def test_retargeting_keeps_edited_roles_and_dp_choices():
+    plan = autoshard.plan(MLPStack(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,)).to_dict()
+    plan["params"]["blocks.0.fc2.weight"].update(role="replicate", placements={"dp": "S(0)", "tp": "R"})
+    plan["params"]["blocks.0.fc2.bias"].update(role="replicate")
+    plan["params"]["blocks.1.fc1.weight"]["placements"]["dp"] = "R"
+    moved = Plan.from_dict(plan).for_mesh({"dp": 1, "tp": 4})
+    assert moved.mesh == {"dp": 1, "tp": 4}
+    assert moved.params["blocks.0.fc2.weight"].role == "replicate"
+    assert moved.params["blocks.0.fc2.weight"].placements == {"dp": "S(0)", "tp": "R"}
+    assert moved.params["blocks.1.fc1.weight"].placements == {"dp": "R", "tp": "S(1)"}
+    assert moved.params["blocks.1.fc2.weight"].placements == {"dp": "S(0)", "tp": "S(1)"}
+    assert moved.roles() == Plan.from_dict(plan).roles()
+    dp_only = Plan.from_dict(plan).for_mesh({"dp": 4})
+    assert dp_only.params["blocks.1.fc1.weight"].placements == {"dp": "R"}
+    assert all(not p.collectives and not p.sections for p in dp_only.params.values()) and not dp_only.activations
+
+
+def test_a_dim_that_does_not_divide_by_the_new_tp_is_named():
+    plan = autoshard.plan(MLPStack(hidden=66, out=12), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
+    with pytest.raises(ValueError) as err:
+        plan.for_mesh({"tp": 4})
+    message = str(err.value)
+    assert "plan for mesh dp=2 x tp=2 cannot be used on tp=4" in message
+    assert (
+        "parameter 'blocks.0.fc1.weight' (colwise) has tp-sharded stored dim 1 of size 66, which does not divide "
+        "by tp=4; parameter 'blocks.0.fc1.bias' (colwise_bias) has tp-sharded stored dim 0 of size 66"
+    ) in message
+    assert "(and 6 more)" in message  # fc2 of each block too; the head's 12 divides
+    assert plan.for_mesh({"tp": 6}).params["blocks.0.fc1.weight"].placements == {"tp": "S(1)"}  # 66 = 6 * 11
+
+
+def test_a_fused_section_that_does_not_divide_by_the_new_tp_is_named():
+    plan = autoshard.plan(MLPStack(), {"tp": 2}, example_inputs=(FEATURES,)).to_dict()
+    plan["params"]["blocks.0.fc1.weight"]["sections"] = [30, 34]  # 64 divides by 4, 30 and 34 do not
+    fault = r"'blocks.0.fc1.weight' \(colwise\) has tp-sharded stored dim 1 fused from sections \[30\|34\]"
+    with pytest.raises(ValueError, match=fault + r", which do not each divide by tp=4"):
+        Plan.from_dict(plan).for_mesh({"tp": 4})
+
+
+def test_a_weight_replicated_over_tp_stays_replicated_when_retargeted():
+    """Retargeting never changes a role: the head (6 outputs) replicated on tp=4 stays so on tp=2."""
+    plan = autoshard.plan(MLPStack(out=6), {"dp": 2, "tp": 4}, example_inputs=(FEATURES,))
+    head = plan.params["head.weight"]
+    assert head.role == "replicate" and "(6) do not divide by the tp axis size 4" in head.note
+    moved = plan.for_mesh({"tp": 2}).params["head.weight"]
+    assert moved.role == "replicate" and moved.placements == {"tp": "R"}
+    assert moved.note == (
+        "replicated over tp as planned for tp=4: its output features (6) do not divide by 4 "
+        "(they do by 2: plan afresh to shard it)"
+    )
+    assert "tp axis size 8" in plan.for_mesh({"tp": 8}).params["head.weight"].note
+    assert plan.for_mesh({"dp": 2}).params["head.weight"].note == ""  # the tp note goes with the tp axis
+    padded = plan.for_mesh({"dp": 4}).params["head.weight"]  # stored [6, 32] as a replicated weight
+    assert padded.note == "stored dim 0 (6) does not divide by dp=4: FSDP2 pads the last shard"
+
+
+def test_a_plan_without_tp_is_not_retargeted_to_a_tp_mesh():
+    plan = autoshard.plan(MLPStack(), {"dp": 4}, example_inputs=(FEATURES,))
+    assert plan.for_mesh({"dp": 2}) == autoshard.plan(MLPStack(), {"dp": 2}, example_inputs=(FEATURES,))
+    with pytest.raises(ValueError, match=r"plan for mesh dp=4 has no tp axis, so it cannot be used on dp=2 x tp=2"):
+        plan.for_mesh({"dp": 2, "tp": 2})
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['pp'\]"):
+        plan.for_mesh({"pp": 2})
+
+
+def test_a_retargeted_plan_is_applied(fake_world):
+    model = _llama_heads_divide_by_4()
+    saved = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,)).to_dict()
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(TOKENS,), plan=saved)
+    assert sharded.autoshard_plan == autoshard.plan(model, {"tp": 4}, example_inputs=(TOKENS,))
+    out_features, in_features = model.layers[0].attention.wk.weight.shape
+    assert sharded.get_parameter("layers.0.attention.wk.weight").to_local().shape == (in_features, out_features // 4)
+
+
+def test_heads_that_divide_by_the_old_tp_only_are_named_when_applied(fake_world):
+    """2 kv heads divide by tp=2, not by 4: the plan's tables cannot tell, applying it does."""
+    model = Llama(LlamaConfig())
+    saved = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,)).to_dict()
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    with pytest.raises(ValueError) as err:
+        autoshard.autoshard(model, mesh, example_inputs=(TOKENS,), plan=saved)
+    message = str(err.value)
+    assert "plan for mesh dp=2 x tp=2 does not carry over to tp=4" in message
+    assert "'layers.0.attention.wk.weight' on tp=4: adds 'fwd all-gather output'" in message
+    assert "ends at node 'view_1' (view.default) at models.py:63" in message
+    assert "self.wk(x).view(bsz, seq, -1, self.head_dim)" in message
+    assert "plan afresh with autoshard.plan(model, {'tp': 4}, ...)" in message

@@ -1,0 +1,196 @@
+"""Retarget: carry a saved plan to a mesh of another shape without planning again.
+
+A plan's decisions are its roles and its dp placements; neither depends on the
+mesh's sizes, so both are kept as they are. What is derived from them and the
+mesh is recomputed: placements (an axis that appears gets its default, one that
+disappears is dropped), tp collectives and fused sections (none without a tp
+axis; a fused dim's stored order is computed per tp size when materializing),
+and the notes about tp replication and FSDP padding.
+
+Divisibility is checked on the plan's own shapes: every stored dim tp cuts, and
+each fused section, must divide by the new tp size. A weight the plan replicated
+over tp stays replicated. Whether activations still divide (heads over tp) is
+not in the plan's tables; :func:`check_activations_carry` finds out when the
+plan is applied to the model.
+
+A plan made without a tp axis holds no tp decisions to carry: its roles were
+never checked against tp (heads, fused sections, dims that do not divide) and
+it records no tp collectives, so it is not retargeted to a mesh with tp.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from autoshard.mesh import DP, MeshAxes, axes_from_sizes
+from autoshard.passes.placements import GATHERED_EARLY, TP_DIM_BY_ROLE, build_plan, dp_padding, param_placements
+from autoshard.plan import ParamSharding, Plan
+
+# The note propagate writes for a weight replicated because a dim does not divide by tp.
+_REPLICATED = re.compile(r"replicated over tp: its (?P<what>.+?) \((?P<size>\d+)\) do not divide by the tp axis size "
+                         r"(?P<tp>\d+)")
+
+
+def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
+    """``plan`` on a mesh of ``sizes`` (``{"dp": 4}``, ``{"tp": 4}``, ``{"dp": 2, "tp": 2}``).
+
+    Raises a ``ValueError`` naming the parameter, its stored dim and size when
+    a tp-sharded dim (or a fused section) does not divide by the new tp size,
+    and when ``plan`` has no tp axis but ``sizes`` has.
+    """
+    new = _axes(sizes)
+    old = _axes(plan.mesh)
+    if new.to_dict() == old.to_dict():
+        return plan
+    if new.has_tp and not old.has_tp:
+        raise ValueError(
+            f"autoshard: the plan for mesh {_text(old)} has no tp axis, so it cannot be used on {_text(new)}: "
+            f"its roles were never checked against tp sharding and it records no tp collectives; "
+            f"plan afresh with autoshard.plan(model, {new.to_dict()}, ...)"
+        )
+    if new.has_tp:
+        _check_divisible(plan, old, new)
+    return Plan(
+        mesh=new.to_dict(),
+        params={fqn: _retarget_entry(entry, old, new) for fqn, entry in plan.params.items()},
+        units=plan.units,
+        activations=plan.activations if new.has_tp else (),
+        version=plan.version,
+    )
+
+
+def check_activations_carry(
+    given: Plan,
+    final: Plan,
+    captured,
+    sites,
+    roles: dict[str, str],
+    dp_placements: dict[str, str],
+    loss_parallel: bool,
+    sequence_parallel: bool,
+) -> None:
+    """A retargeted plan must lay activations out as it did on its own mesh.
+
+    ``final`` is what ``given``'s roles give on the new mesh. The same roles are
+    propagated again on the tp size ``given`` was made for; any tp collective or
+    fused section that differs means an activation (a view to heads, a fused
+    split) divides by the old tp size but not the new one, and the roles would
+    only run with extra redistributes: that is an error naming what changed.
+    """
+    from autoshard.passes.propagate import propagate
+
+    old = _axes(given.mesh)
+    new = _axes(final.mesh)
+    if not (old.has_tp and new.has_tp) or old.tp == new.tp:
+        return
+    layout_plan = propagate(captured.gm, sites, old.tp, roles, "error", loss_parallel, sequence_parallel)
+    before = build_plan(captured, sites, layout_plan, old, dp_placements)
+    changed = []
+    for fqn, now in final.params.items():
+        was = before.params[fqn]
+        if (was.collectives, was.sections) != (now.collectives, now.sections):
+            line = f"  '{fqn}' on tp={new.tp}: {_change(was, now)}"
+            changed.append(line + (f"\n    note: {now.note}" if now.note else ""))
+    added = [f"  activation: {a}" for a in final.activations if a not in before.activations]
+    if changed or added:
+        raise ValueError(
+            f"autoshard: the plan for mesh {_text(old)} does not carry over to {_text(new)}: with its roles, "
+            f"activations that divide by tp={old.tp} do not divide by tp={new.tp} (a view to heads or a fused "
+            f"split), so the tp collectives change:\n" + "\n".join(changed + added)
+            + f"\nplan afresh with autoshard.plan(model, {new.to_dict()}, ...)"
+        )
+
+
+def _axes(sizes: Mapping[str, int]) -> MeshAxes:
+    axes = axes_from_sizes(dict(sizes))
+    bad = {a: n for a, n in axes.sizes if n < 1}
+    if bad:
+        raise ValueError(f"autoshard: mesh axis sizes must be positive, got {bad}")
+    return axes
+
+
+def _text(axes: MeshAxes) -> str:
+    return " x ".join(f"{a}={n}" for a, n in axes.sizes)
+
+
+def _change(was: ParamSharding, now: ParamSharding) -> str:
+    added = [c for c in now.collectives if c not in was.collectives]
+    dropped = [c for c in was.collectives if c not in now.collectives]
+    parts = [f"adds {c!r}" for c in added] + [f"drops {c!r}" for c in dropped]
+    if was.sections != now.sections:
+        parts.append(f"fused sections {list(was.sections)} become {list(now.sections)}")
+    return "; ".join(parts)
+
+
+def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
+    """Every stored dim tp cuts, and each fused section of it, divides by the new tp."""
+    tp = new.tp
+    faults = []
+    for fqn, entry in plan.params.items():
+        dim = TP_DIM_BY_ROLE[entry.role]
+        if dim is None or len(entry.stored_shape) <= dim:
+            continue
+        size = entry.stored_shape[dim]
+        where = f"parameter '{fqn}' ({entry.role}) has tp-sharded stored dim {dim}"
+        if size % tp:
+            faults.append(f"{where} of size {size}, which does not divide by tp={tp}")
+        elif any(s % tp for s in entry.sections):
+            sections = "|".join(map(str, entry.sections))
+            faults.append(f"{where} fused from sections [{sections}], which do not each divide by tp={tp}")
+    if faults:
+        more = f" (and {len(faults) - 3} more)" if len(faults) > 3 else ""
+        raise ValueError(
+            f"autoshard: the plan for mesh {_text(old)} cannot be used on {_text(new)}: "
+            + "; ".join(faults[:3]) + more
+            + ". Plan afresh for this mesh (autoshard.plan), or give such a weight role 'replicate' in the plan"
+        )
+
+
+def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> ParamSharding:
+    dp_choice = entry.placements.get(DP) if old.has_dp else None
+    placements = param_placements(entry.role, entry.shape, new, dp_choice)
+    return ParamSharding(
+        role=entry.role,
+        shape=entry.shape,
+        transposed=entry.transposed,
+        placements=placements,
+        unit=entry.unit,
+        collectives=entry.collectives if new.has_tp else (),
+        note=_retarget_note(entry, placements, old, new),
+        sections=entry.sections if new.has_tp else (),
+    )
+
+
+def _retarget_note(entry: ParamSharding, placements: Mapping[str, str], old: MeshAxes, new: MeshAxes) -> str:
+    """The note with its padding recomputed for the new dp and its tp parts for the new tp."""
+    note = entry.note
+    old_padding = dp_padding(entry.shape, entry.transposed, entry.placements.get(DP), old.dp)
+    if old_padding:
+        note = note.removesuffix(old_padding).removesuffix("; ")
+    if not new.has_tp:
+        note = _drop_from(note, GATHERED_EARLY)
+        note = _drop_from(note, "replicated over tp: ")
+    elif new.tp != old.tp:
+        note = _REPLICATED.sub(lambda m: _replicated_note(m, new.tp), note)
+    padding = dp_padding(entry.shape, entry.transposed, placements.get(DP), new.dp)
+    if padding:
+        note = (note + "; " if note else "") + padding
+    return note
+
+
+def _drop_from(note: str, marker: str) -> str:
+    """``note`` without the part that opens with ``marker`` (tp parts come last, before padding)."""
+    at = note.find(marker)
+    return note if at < 0 else note[:at].removesuffix("; ")
+
+
+def _replicated_note(match: re.Match, tp: int) -> str:
+    what, size, old_tp = match["what"], int(match["size"]), match["tp"]
+    if size % tp:
+        return f"replicated over tp: its {what} ({size}) do not divide by the tp axis size {tp}"
+    return (
+        f"replicated over tp as planned for tp={old_tp}: its {what} ({size}) do not divide by {old_tp} "
+        f"(they do by {tp}: plan afresh to shard it)"
+    )
+
