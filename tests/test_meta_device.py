@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -170,6 +172,36 @@ def check_one_axis_meshes_and_colwise_biases(ctx):
     _assert_same_state(sharded, reference)
 
 
+class GainMLP(nn.Module):
+    """An MLP scaled by a persistent buffer: its value comes from the state dict."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x))) * self.gain
+
+
+def check_persistent_buffers_come_from_the_state_dict(ctx):
+    mesh = ctx.mesh_2d
+    torch.manual_seed(0)
+    on_cpu = GainMLP()
+    with torch.device("meta"):
+        on_meta = GainMLP()
+    x = dp_slice(torch.randn(8, 5, 32), mesh)
+    sharded = autoshard.autoshard(on_meta, mesh, example_inputs=(x,))
+    gain = sharded.get_buffer("gain")
+    assert gain.device.type == "cpu" and gain.shape == (32,)
+    assert on_meta.gain.is_meta
+    sharded.load_state_dict(on_cpu.state_dict())
+    assert torch.equal(sharded.get_buffer("gain"), on_cpu.gain)
+    assert torch.equal(sharded.state_dict()["gain"], on_cpu.gain)
+    torch.testing.assert_close(sharded(x), on_cpu(x), rtol=1e-5, atol=1e-5)
+
+
 def check_hf_llama_needs_its_rotary_buffer_filled(ctx):
     """HF's ``inv_freq`` is a non-persistent buffer: refused while on meta; once filled
     (from a rotary module built on CPU), the tied HF Llama shards, loads and matches."""
@@ -211,6 +243,7 @@ CHECKS = [
     check_no_full_size_tensor_is_allocated,
     check_load_sharded_state_dict,
     check_one_axis_meshes_and_colwise_biases,
+    check_persistent_buffers_come_from_the_state_dict,
     check_hf_llama_needs_its_rotary_buffer_filled,
     check_unfilled_non_persistent_buffers_are_refused,
 ]
@@ -228,6 +261,9 @@ def test_meta_model_plans_like_the_cpu_model():
     want = str(autoshard.plan(on_cpu, {"dp": 2, "tp": 2}, example_inputs=(tokens,)))
     assert str(autoshard.plan(on_meta, {"dp": 2, "tp": 2}, example_inputs=(tokens,))) == want
     assert str(autoshard.plan(bare, {"dp": 2, "tp": 2}, example_inputs=(tokens,))) == want
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=64), 1: torch.export.Dim("seq", min=2, max=64)},)
+    symbolic = autoshard.plan(bare, {"dp": 2, "tp": 2}, example_inputs=(tokens,), dynamic_shapes=dynamic)
+    assert str(symbolic) == want
 
 
 def test_partly_meta_model_is_refused():
