@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes
 from autoshard.passes.placements import GATHERED_EARLY, TP_DIM_BY_ROLE, build_plan, dp_padding, param_placements
+from autoshard.passes.propagate import propagate
 from autoshard.plan import ParamSharding, Plan
 
 # The note propagate writes for a weight replicated because a dim does not divide by tp.
@@ -75,11 +76,9 @@ def check_activations_carry(
     ``final`` is what ``given``'s roles give on the new mesh. The same roles are
     propagated again on the tp size ``given`` was made for; any tp collective or
     fused section that differs means an activation (a view to heads, a fused
-    split) divides by the old tp size but not the new one, and the roles would
+    split) divides by one tp size and not the other, and the roles would
     only run with extra redistributes: that is an error naming what changed.
     """
-    from autoshard.passes.propagate import propagate
-
     old = _axes(given.mesh)
     new = _axes(final.mesh)
     if not (old.has_tp and new.has_tp) or old.tp == new.tp:
@@ -96,8 +95,9 @@ def check_activations_carry(
     if changed or added:
         raise ValueError(
             f"autoshard: the plan for mesh {_text(old)} does not carry over to {_text(new)}: with its roles, "
-            f"activations that divide by tp={old.tp} do not divide by tp={new.tp} (a view to heads or a fused "
-            f"split), so the tp collectives change:\n" + "\n".join(changed + added)
+            f"activations are laid out differently on tp={new.tp} than on tp={old.tp} (a view to heads or a "
+            f"fused split divides by one and not the other), so the tp collectives change:\n"
+            + "\n".join(changed + added)
             + f"\nplan afresh with autoshard.plan(model, {new.to_dict()}, ...)"
         )
 

@@ -311,7 +311,20 @@ def test_heads_that_divide_by_the_old_tp_only_are_named_when_applied(fake_world)
         autoshard.autoshard(model, mesh, example_inputs=(TOKENS,), plan=saved)
     message = str(err.value)
     assert "plan for mesh dp=2 x tp=2 does not carry over to tp=4" in message
+    assert "laid out differently on tp=4 than on tp=2" in message
     assert "'layers.0.attention.wk.weight' on tp=4: adds 'fwd all-gather output'" in message
     assert "ends at node 'view_1' (view.default) at models.py:63" in message
     assert "self.wk(x).view(bsz, seq, -1, self.head_dim)" in message
     assert "plan afresh with autoshard.plan(model, {'tp': 4}, ...)" in message
+
+
+def test_heads_that_divide_by_the_new_tp_only_are_named_when_applied(fake_world):
+    """The other way round: on tp=4 the kv heads were gathered and wo made colwise;
+    on tp=2 the heads stay sharded into that colwise wo, so the plan's layout does not hold."""
+    model = Llama(LlamaConfig())
+    saved = autoshard.plan(model, {"tp": 4}, example_inputs=(TOKENS,))
+    assert saved.params["layers.0.attention.wo.weight"].role == "colwise"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"plan for mesh tp=4 does not carry over to dp=2 x tp=2: .* laid out "
+                                         r"differently on tp=2 than on tp=4"):
+        autoshard.autoshard(model, mesh, example_inputs=(TOKENS,), plan=saved)
