@@ -1,0 +1,403 @@
+"""``torch.compile(model, backend=autoshard.backend(mesh))``: shard what dynamo captures.
+
+Dynamo hands a backend one FX graph per region between graph breaks, with the
+model's parameters and buffers as graph inputs (the tensors themselves, and a
+map from their flat names to the original FQNs). For each graph the backend:
+
+1. rebuilds a module that holds those tensors at their original FQNs and whose
+   forward replays the graph (:class:`_GraphAsModule`); the replay keeps each
+   node's ``nn_module_stack``, so blocks are found as in the eager path;
+2. runs the eager pipeline on it (:func:`autoshard.autoshard`): the same
+   capture, plan, rewrite, FSDP2 units and checks, hence the same plan;
+3. compiles each FSDP block of the sharded module with ``compiler``
+   (``"inductor"`` or ``"aot_eager"``, any dynamo backend name) while FSDP2's
+   hooks around the blocks stay eager, as they must (the root's own code,
+   embedding and head, runs eagerly too);
+4. returns a function that runs the sharded module on the graph's user inputs.
+
+The model's parameters
+----------------------
+Dynamo keeps the model's parameter objects referenced (weak references and
+use counts that ``torch.utils.swap_tensors`` refuses) and its guards check
+their type and shape on every call, so they cannot turn into the sharded
+DTensors in place without a recompile that would then trace the user's code
+on transposed shards. The contract instead:
+
+* From the first call on, the trained tensors are the sharded parameters:
+  ``backend.parameters()``, ``backend.state_dict()`` (original FQNs and
+  layout, as ``autoshard``'s), ``backend.plan``.
+* The model's own parameters and buffers keep their metadata, so guards hold
+  and nothing recompiles, but their storage is released: each rank holds only
+  its shards. Reading them (running the uncompiled model) is an error.
+* An optimizer built before the first call (from ``model.parameters()``)
+  keeps working: on its next ``step()`` each released parameter in its param
+  groups is replaced by its sharded parameter (a global optimizer step
+  pre-hook). An optimizer that already holds state for a released parameter
+  raises a ``RuntimeError`` naming it.
+
+Each graph between graph breaks gets its own plan and FSDP root; a parameter
+read by two graphs is refused (it would be sharded twice). A graph compiled
+again (new input shapes) is refused with a clear error: the full weights it
+would be planned from are gone; capture with the shapes of training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+from torch._dynamo.backends.registry import lookup_backend
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autoshard.plan import Plan
+
+_DYNAMO_SELF = "L['self']"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInputs:
+    """What each placeholder of a dynamo graph is: a user input, or a model tensor by FQN."""
+
+    kinds: tuple[str, ...]  # "input", "parameter" or "buffer", per placeholder
+    fqns: tuple[str, ...]  # original FQN ("" for user inputs)
+
+    @property
+    def user_positions(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.kinds) if k == "input")
+
+
+def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
+    """Match dynamo's placeholders to the original FQNs of the tensors they carry.
+
+    Dynamo names a lifted parameter ``L_self_modules_layers_modules_0_..._parameters_weight_``
+    and records ``dynamo_flat_name_to_original_fqn``; the placeholder ends with the
+    FQN spelled in that scheme.
+    """
+    fqns = set((gm.meta.get("dynamo_flat_name_to_original_fqn") or {}).values())
+    spelled = {}
+    for fqn in fqns:
+        *path, name = fqn.split(".")
+        stem = "".join(f"modules_{p}_" for p in path)
+        spelled[f"_{stem}parameters_{name}_"] = ("parameter", fqn)
+        spelled[f"_{stem}buffers_{name}_"] = ("buffer", fqn)
+    kinds, names = [], []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        match = [v for k, v in spelled.items() if node.target.endswith(k)]
+        if match and isinstance(value, torch.Tensor):
+            kind, fqn = max(match, key=lambda kv: len(kv[1]))
+            kinds.append("parameter" if isinstance(value, nn.Parameter) else kind)
+            names.append(fqn)
+        else:
+            kinds.append("input")
+            names.append("")
+    return GraphInputs(tuple(kinds), tuple(names))
+
+
+class _GraphAsModule(nn.Module):
+    """A dynamo graph as a module: its model tensors registered at their original FQNs.
+
+    Modules along each FQN are plain ``nn.Module``s, except that a module
+    whose children are numbered (``layers.0``, ``layers.1``) is a
+    ``ModuleDict``, so the repeated blocks are found as in the user's model.
+    The forward replays the graph node by node with node metadata preserved,
+    so the captured ATen graph carries the user's ``nn_module_stack``.
+    """
+
+    def __init__(self, graph: fx.GraphModule, inputs: GraphInputs, example_inputs):
+        super().__init__()
+        object.__setattr__(self, "_graph", graph)  # not a submodule: its tensors are ours
+        self._inputs = inputs
+        numbered = _numbered_parents(f for f in inputs.fqns if f)
+        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs):
+            if kind == "input":
+                continue
+            owner, name = _make_owner(self, fqn, numbered)
+            if kind == "parameter":
+                owner._parameters[name] = value
+            else:
+                owner.register_buffer(name, value)
+
+    def forward(self, *user_inputs):
+        given = iter(user_inputs)
+        args = [
+            next(given) if kind == "input" else self._tensor(kind, fqn)
+            for kind, fqn in zip(self._inputs.kinds, self._inputs.fqns)
+        ]
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(self._graph).run(*args)
+
+    def _tensor(self, kind: str, fqn: str) -> torch.Tensor:
+        return self.get_parameter(fqn) if kind == "parameter" else self.get_buffer(fqn)
+
+
+def _numbered_parents(fqns) -> set[str]:
+    parents = set()
+    for fqn in fqns:
+        parts = fqn.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                parents.add(".".join(parts[:i]))
+    return parents
+
+
+def _make_owner(root: nn.Module, fqn: str, numbered: set[str]) -> tuple[nn.Module, str]:
+    *path, name = fqn.split(".")
+    owner = root
+    for i, part in enumerate(path):
+        if part not in owner._modules:
+            here = ".".join(path[: i + 1])
+            owner._modules[part] = nn.ModuleDict() if here in numbered else nn.Module()
+        owner = owner._modules[part]
+    return owner, name
+
+
+def _user_fqn_paths(graph: fx.GraphModule) -> None:
+    """Rewrite dynamo's module paths (``L['self'].layers.0``) to FQNs (``layers.0``)."""
+    for node in graph.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        node.meta["nn_module_stack"] = {
+            key: (_fqn_of_dynamo_path(path), cls) for key, (path, cls) in stack.items()
+        }
+
+
+def _fqn_of_dynamo_path(path: str) -> str:
+    if path.startswith(_DYNAMO_SELF):
+        path = path[len(_DYNAMO_SELF):].lstrip(".")
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+# released model tensor -> the sharded parameter that replaces it (read by the optimizer hook)
+_REPLACEMENTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OPTIMIZER_HOOK = []
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Replace released model parameters in ``optimizer`` by their sharded parameters."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, param in enumerate(params):
+            replacement = _REPLACEMENTS.get(param)
+            if replacement is None:
+                continue
+            if optimizer.state.get(param):
+                raise RuntimeError(
+                    f"autoshard backend: the optimizer holds state for '{replacement.autoshard_fqn}' as it was "
+                    f"before sharding; build the optimizer before the first step or after the first call"
+                )
+            params[i] = replacement
+
+
+def _install_optimizer_hook() -> None:
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_repoint_optimizer))
+
+
+@dataclasses.dataclass
+class _ShardedGraph:
+    module: fx.GraphModule
+    inputs: GraphInputs
+    released: list[torch.Tensor]
+
+    def __call__(self, *args):
+        if self.released:
+            _release(self.released)
+            self.released = []
+        out = self.module(*(args[i] for i in self.inputs.user_positions))
+        return out
+
+
+def _release(tensors: list[torch.Tensor]) -> None:
+    """Free the storage of the model's own tensors; their metadata (guarded by dynamo) stays."""
+    for tensor in tensors:
+        tensor.detach().untyped_storage().resize_(0)
+
+
+class AutoshardBackend:
+    """A dynamo backend that shards each captured graph over ``mesh``; see the module doc.
+
+    ``compiler`` compiles each FSDP block of the sharded graph (a dynamo
+    backend name: ``"inductor"``, ``"aot_eager"``, ``"eager"``).
+    ``autoshard_options`` are :func:`autoshard.autoshard`'s keywords
+    (``sequence_parallel``, ``on_indivisible``, ``reshard_after_forward``...).
+    """
+
+    def __init__(self, mesh: DeviceMesh | None, compiler: str = "inductor", **autoshard_options):
+        if "example_inputs" in autoshard_options or "plan" in autoshard_options:
+            raise ValueError("autoshard.backend: example inputs come from dynamo; `plan` is made per graph")
+        self.mesh = mesh
+        self.compiler = compiler
+        self.options = autoshard_options
+        self.sharded: list[fx.GraphModule] = []
+        self._sharded_params: dict[int, str] = {}  # id of a model parameter -> its FQN, once sharded
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        from autoshard.api import autoshard
+
+        mesh = self.mesh if self.mesh is not None else default_mesh()
+        inputs = read_graph_inputs(gm, example_inputs)
+        self._refuse_resharding(gm, inputs, example_inputs)
+        _user_fqn_paths(gm)
+        as_module = _GraphAsModule(gm, inputs, example_inputs)
+        user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
+        sharded = autoshard(as_module, mesh, example_inputs=user_inputs, **self.options)
+        _compile_blocks(sharded, self.compiler)
+        self.sharded.append(sharded)
+        _install_optimizer_hook()
+        model_params = dict(as_module.named_parameters(remove_duplicate=False))
+        for fqn, param in sharded.named_parameters(remove_duplicate=False):
+            param.autoshard_fqn = fqn
+            _REPLACEMENTS[model_params[fqn]] = param
+            self._sharded_params[id(model_params[fqn])] = fqn
+        released = [example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind != "input"]
+        return _ShardedGraph(sharded, inputs, released)
+
+    def _refuse_resharding(self, gm, inputs: GraphInputs, example_inputs) -> None:
+        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs):
+            if kind == "parameter" and id(value) in self._sharded_params:
+                raise NotImplementedError(
+                    f"autoshard backend: parameter '{fqn}' was already sharded for an earlier graph; dynamo "
+                    f"captured it again (a graph break that reads it on both sides, or a recompile for new "
+                    f"input shapes). Keep each parameter's reads in one graph and call the model with the "
+                    f"shapes it was first compiled for; the first graph was sharded for "
+                    f"{self._first_shapes()}"
+                )
+
+    def _first_shapes(self) -> str:
+        if not self.sharded:
+            return "no inputs"
+        return str(self.sharded[0].autoshard_plan.mesh)
+
+    @property
+    def plan(self) -> Plan:
+        """The plans of every sharded graph, as one plan (each parameter is in exactly one)."""
+        if not self.sharded:
+            raise RuntimeError("autoshard backend: nothing is sharded before the compiled model's first call")
+        plans = [s.autoshard_plan for s in self.sharded]
+        params = {fqn: entry for p in plans for fqn, entry in p.params.items()}
+        units = tuple(u for p in plans for u in p.units)
+        activations = tuple(a for p in plans for a in p.activations)
+        return Plan(plans[0].mesh, params, units, activations)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for module in self.sharded:
+            yield from module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for module in self.sharded:
+            yield from module.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in its original FQNs and layout, values DTensors."""
+        merged = {}
+        for module in self.sharded:
+            merged.update(module.state_dict())
+        return merged
+
+    def load_state_dict(self, state_dict, strict: bool = True) -> None:
+        for module in self.sharded:
+            own = {k: v for k, v in state_dict.items() if k in module.state_dict(keep_vars=True)}
+            module.load_state_dict(own, strict=strict)
+
+
+def _compile_blocks(sharded: fx.GraphModule, compiler: str) -> None:
+    """Compile each FSDP block's computation; FSDP2's hooks stay around it, eager.
+
+    The compiled function sees plain tensors only: each parameter's
+    ``to_local()`` runs eagerly before it (dynamo cannot trace DTensor's
+    ``to_local`` backward), and its local tensors are passed in as inputs.
+    """
+    for fqn in sharded.autoshard_plan.units:
+        if fqn:
+            block = sharded.get_submodule(fqn)
+            block.forward = _LocalCompiled(block, compiler)
+
+
+class _LocalCompiled:
+    """``block.forward`` as a compiled function of (local parameter tensors, inputs).
+
+    The compiler is called directly on the block's ATen graph, at the first
+    call with that call's tensors as examples: nested ``torch.compile`` is
+    inert while dynamo runs a compiled graph, and a direct call also skips a
+    second bytecode trace.
+    """
+
+    def __init__(self, block: fx.GraphModule, compiler: str):
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        reads = [n for n in block.graph.nodes if n.op == "call_method" and n.target == "to_local"]
+        self._param_names = tuple(n.args[0].target for n in reads)
+        for node in reads:
+            env[node] = graph.placeholder(node.name)
+        for node in block.graph.nodes:
+            if node in env or (node.op == "get_attr" and all(u in env for u in node.users)):
+                continue
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        self._block = block
+        self._local_graph = fx.GraphModule(block, graph)
+        self._compiler = compiler
+        self._compiled = None
+
+    def __call__(self, *args):
+        block = self._block
+        inputs = [*(block.get_parameter(name).to_local() for name in self._param_names), *args]
+        if self._compiled is None:
+            self._compiled = lookup_backend(self._compiler)(self._local_graph, inputs)
+        return self._compiled(*inputs)
+
+
+def default_mesh() -> DeviceMesh:
+    """All ranks as ``dp x tp`` with tp the ranks of one host (``LOCAL_WORLD_SIZE``, as torchrun sets).
+
+    Tensor parallelism needs the fast links inside a host; FSDP's traffic
+    crosses hosts. The mesh made current by ``with mesh:`` wins over this.
+    """
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import _mesh_resources, init_device_mesh
+
+    current = _mesh_resources.get_current_mesh() if _mesh_resources.mesh_stack else None
+    if current is not None:
+        return current
+    if not dist.is_initialized():
+        raise ValueError("autoshard backend: no mesh given and no process group initialized")
+    world = dist.get_world_size()
+    tp = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % tp:
+        raise ValueError(f"autoshard backend: LOCAL_WORLD_SIZE={tp} does not divide the world size {world}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", **autoshard_options) -> AutoshardBackend:
+    """A backend for ``torch.compile(model, backend=autoshard.backend(mesh))``.
+
+    ``mesh`` defaults to :func:`default_mesh`. ``compiler`` compiles the
+    sharded blocks (``"inductor"`` or ``"aot_eager"``); other keywords are
+    :func:`autoshard.autoshard`'s.
+    """
+    return AutoshardBackend(mesh, compiler, **autoshard_options)
+
+
+def _registered(gm: fx.GraphModule, example_inputs, options: dict | None = None, **unused):
+    """``torch.compile(model, backend="autoshard", options={"mesh": mesh, "compiler": "aot_eager"})``."""
+    options = dict(options or {})
+    return AutoshardBackend(options.pop("mesh", None), options.pop("compiler", "inductor"), **options)(
+        gm, example_inputs
+    )
+
+
+def register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "autoshard" not in _BACKENDS:
+        register_backend(name="autoshard")(_registered)
