@@ -78,6 +78,9 @@ def autoshard(
     planning; the plan applied is ``result.autoshard_plan``.
     ``sync_module_states`` broadcasts rank 0's weights first, so ranks that
     initialized differently still agree. The user's model is never modified.
+    A model built on the meta device is sharded from shapes: each rank's local
+    shards are allocated uninitialized, for ``result.load_state_dict`` to fill;
+    non-persistent buffers the forward reads must hold values beforehand.
     The graph is captured for the shapes of ``example_inputs``; a call with
     other shapes raises a ``ValueError`` naming the input.
     ``on_indivisible``: a weight whose sharded dim does not divide by tp (a
