@@ -12,6 +12,7 @@ block in forward and two in backward.
 
 from autoshard import collectives  # noqa: F401  (registers the torch.ops.autoshard ops)
 from autoshard.api import autoshard, plan
+from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.plan import ParamSharding, Plan
 
-__all__ = ["autoshard", "plan", "Plan", "ParamSharding"]
+__all__ = ["autoshard", "plan", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest"]

@@ -2,21 +2,31 @@
 
 The sharded module registers every parameter under its original FQN, but
 colwise weights are stored transposed and fused projections with their
-output columns permuted. Two hooks on the root hide that:
+output columns permuted. :class:`StoredLayout` converts one entry between
+the two layouts; two hooks on the root apply it to every state dict:
 
 * ``state_dict()``: each transposed entry is returned as ``value.t()``. On a
   DTensor that is a view that swaps the placements (``(S(0), S(1))`` on
   ``[in, out]`` becomes ``(S(1), S(0))`` on ``[out, in]``), so no data moves
   and ``full_tensor()`` has the original shape and layout. A fused entry is
   first all-gathered over tp and its columns put back in order (the one case
-  that communicates: a permutation is not a placement).
+  that communicates: a permutation is not a placement). The state dict's
+  ``_metadata`` (module versions) is the original model's, so a saved full
+  state dict is the one the model itself would save.
 * ``load_state_dict(sd)``: each incoming entry is brought to the stored layout
   (transposed, permuted) and, when it is a plain (full) tensor, cut into this
   rank's shard of the parameter's DTensor layout (every rank holds the full
   value, so no communication). DTensor entries are redistributed by ``copy_``.
+
+Optimizer state (``exp_avg``, ``momentum_buffer``) lives in the stored layout
+too; ``autoshard.checkpoint`` converts it with the same :class:`StoredLayout`.
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -25,24 +35,86 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from autoshard.plan import Plan, section_order
 
 
-def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int) -> None:
-    transposed = {fqn for fqn, entry in plan.params.items() if entry.transposed}
-    # a tied parameter is one vocab_parallel table: never transposed or permuted
-    permuted = {
-        fqn: (entry.sharded_dim("tp"), section_order(entry.sections, tp))
-        for fqn, entry in plan.params.items()
-        if entry.sections and tp > 1
-    }
+@dataclasses.dataclass(frozen=True)
+class StoredLayout:
+    """How each parameter's stored tensor differs from the original one.
+
+    ``transposed``: FQNs stored as ``W.t()``. ``permuted``: FQN -> (stored dim,
+    section order) of fused projections; a tied parameter is one
+    vocab_parallel table and is never transposed or permuted.
+    """
+
+    transposed: frozenset[str]
+    permuted: Mapping[str, tuple[int, torch.Tensor]]
+    original_shapes: Mapping[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, plan: Plan, tp: int) -> StoredLayout:
+        return cls(
+            transposed=frozenset(fqn for fqn, entry in plan.params.items() if entry.transposed),
+            permuted={
+                fqn: (entry.sharded_dim("tp"), section_order(entry.sections, tp))
+                for fqn, entry in plan.params.items()
+                if entry.sections and tp > 1
+            },
+            original_shapes={fqn: tuple(entry.shape) for fqn, entry in plan.params.items()},
+        )
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        """FQNs whose stored tensor is not the original one."""
+        return tuple(fqn for fqn in self.original_shapes if self.is_changed(fqn))
+
+    def is_changed(self, fqn: str) -> bool:
+        return fqn in self.transposed or fqn in self.permuted
+
+    def to_original(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """Stored -> original layout (a view for a transpose; a tp gather for fused sections)."""
+        if fqn in self.permuted:
+            dim, order = self.permuted[fqn]
+            value = _unpermute(value, dim, torch.argsort(order))
+        return value.t() if fqn in self.transposed else value
+
+    def to_stored(self, fqn: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor | str:
+        """Original -> stored layout, as a DTensor laid out like ``param`` when ``value`` is plain.
+
+        Returns an error message for a value of the wrong rank; a value of the
+        wrong size is returned as is, for the caller to report with the original shape.
+        """
+        if fqn in self.transposed:
+            if value.dim() != 2:
+                return f"must be 2-D, got shape {list(value.shape)}"
+            value = value.t()
+        if fqn in self.permuted:
+            dim, order = self.permuted[fqn]
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if value.shape[dim] != order.numel():
+                return value
+            value = value.index_select(dim, order.to(value.device))
+        if isinstance(param, DTensor) and not isinstance(value, DTensor):
+            if tuple(value.shape) != tuple(param.shape):
+                return value
+            value = distribute_tensor(
+                value.detach().to(param.device).contiguous(),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            )
+        return value
+
+
+def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int, model: nn.Module | None = None) -> None:
+    """``model`` (the user's module) supplies the state dict ``_metadata`` (module versions)."""
+    layout = StoredLayout.of(plan, tp)
+    metadata = copy.deepcopy(getattr(model.state_dict(), "_metadata", None)) if model is not None else None
 
     def to_original_layout(module, state_dict, prefix, local_metadata):
-        for fqn, (dim, order) in permuted.items():
+        for fqn in layout.changed:
             key = prefix + fqn
             if key in state_dict:
-                state_dict[key] = _unpermute(state_dict[key], dim, torch.argsort(order))
-        for fqn in transposed:
-            key = prefix + fqn
-            if key in state_dict:
-                state_dict[key] = state_dict[key].t()
+                state_dict[key] = layout.to_original(fqn, state_dict[key])
+        if metadata is not None and hasattr(state_dict, "_metadata"):
+            _use_original_metadata(state_dict._metadata, metadata, prefix)
 
     def to_stored_layout(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names too
@@ -50,31 +122,23 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int) -> None:
             key = prefix + fqn
             if key not in state_dict:
                 continue
-            value = state_dict[key]
-            if fqn in transposed:
-                if value.dim() != 2:
-                    errors.append(f"autoshard: '{key}' must be 2-D, got shape {list(value.shape)}")
-                    continue
-                value = value.t()
-            if fqn in permuted:
-                dim, order = permuted[fqn]
-                value = value.full_tensor() if isinstance(value, DTensor) else value
-                if value.shape[dim] != order.numel():
-                    continue  # let nn.Module report the size mismatch
-                value = value.index_select(dim, order.to(value.device))
-            if isinstance(param, DTensor) and not isinstance(value, DTensor):
-                if tuple(value.shape) != tuple(param.shape):
-                    continue  # let nn.Module report the size mismatch with the original shape
-                value = distribute_tensor(
-                    value.detach().to(param.device).contiguous(),
-                    param.device_mesh,
-                    param.placements,
-                    src_data_rank=None,
-                )
+            value = layout.to_stored(fqn, state_dict[key], param)
+            if isinstance(value, str):
+                errors.append(f"autoshard: '{key}' {value}")
+                continue
             state_dict[key] = value
 
     root.register_state_dict_post_hook(to_original_layout)
     root.register_load_state_dict_pre_hook(to_stored_layout)
+
+
+def _use_original_metadata(destination: dict, original: Mapping, prefix: str) -> None:
+    """Replace the graph modules' entries under ``prefix`` by the user's model's, in its order."""
+    here = prefix[:-1]
+    for key in [k for k in destination if k == here or k.startswith(prefix)]:
+        del destination[key]
+    for key, value in original.items():
+        destination[prefix + key if key else here] = dict(value)
 
 
 def _unpermute(value: torch.Tensor, dim: int, inverse: torch.Tensor) -> torch.Tensor:

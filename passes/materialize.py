@@ -76,7 +76,7 @@ def materialize(
         _tie(root, aliases)
     if axes.has_dp:
         _average_grads_over_dp(root, replicated_dp, axes)
-    install_state_dict_hooks(root, plan, axes.tp)
+    install_state_dict_hooks(root, plan, axes.tp, model)
     return root
 
 
