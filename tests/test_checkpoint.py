@@ -105,12 +105,11 @@ def _check_dcp_across_meshes(ctx, build, meshes, vocab):
     the plain model: the next loss matches the 2x2 one and every tensor is bit-equal."""
     directory = _shared_directory(ctx)
     sharded = _shard(build(0), ctx.mesh_2d, vocab)
-    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    _train(sharded, optimizer, ctx.mesh_2d, range(2), vocab)
+    _train(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), ctx.mesh_2d, [0], vocab)
     saved = sharded.state_dict()
     dcp.save(saved, checkpoint_id=directory)
     expected = {key: full(value) for key, value in saved.items()}
-    want = _mean_loss(sharded, ctx.mesh_2d, 2, vocab)
+    want = _mean_loss(sharded, ctx.mesh_2d, 1, vocab)
 
     stored = FileSystemReader(directory).read_metadata().state_dict_metadata
     assert set(stored) == set(expected), sorted(stored)
@@ -125,7 +124,7 @@ def _check_dcp_across_meshes(ctx, build, meshes, vocab):
         other.load_state_dict(state)
         for key, value in other.state_dict().items():
             assert torch.equal(full(value), expected[key]), (name, key)
-        got = _mean_loss(other, mesh, 2, vocab)
+        got = _mean_loss(other, mesh, 1, vocab)
         assert _relative_loss_error(got, want) <= LOSS_TOL, (name, got, want)
 
     plain = build(1)
@@ -134,7 +133,7 @@ def _check_dcp_across_meshes(ctx, build, meshes, vocab):
     plain.load_state_dict(state)
     for key, value in plain.state_dict().items():
         assert torch.equal(value, expected[key]), ("plain", key)
-    got = _mean_loss(plain, None, 2, vocab)
+    got = _mean_loss(plain, None, 1, vocab)
     assert _relative_loss_error(got, want) <= LOSS_TOL, ("plain", got, want)
     _remove_shared(ctx, directory)
 
@@ -149,6 +148,12 @@ def _phi3(seed: int):
     return CASES["phi3"].build()
 
 
+def _tied(seed: int):
+    """Input embedding and LM head are one parameter."""
+    torch.manual_seed(seed)
+    return CASES["llama_tied"].build()
+
+
 def check_dcp_fused_phi3_2x2_to_1x4_and_plain(ctx):
     _check_dcp_across_meshes(ctx, _phi3, ("mesh_tp",), vocab=VOCAB)
 
@@ -161,29 +166,20 @@ def _torch_save_bytes(state) -> bytes:
 
 def check_full_state_dict_round_trip_is_byte_identical(ctx):
     """Plain state dict -> sharded.load_state_dict -> full_state_dict -> torch.save: the same bytes,
-    on every mesh, for the Llama example and the fused Phi-3."""
-    for build in (_llama, _phi3):
+    for the Llama example (transposed weights, 2x2), the fused Phi-3 (columns permuted for tp=4)
+    and a tied HF Llama (one storage under two names)."""
+    for build, mesh, vocab in ((_llama, ctx.mesh_2d, 256), (_phi3, ctx.mesh_tp, VOCAB), (_tied, ctx.mesh_2d, VOCAB)):
         original = build(0).state_dict()
         original_bytes = _torch_save_bytes(original)
-        for mesh in (ctx.mesh_2d, ctx.mesh_tp):
-            sharded = _shard(build(1), mesh)
-            sharded.load_state_dict(torch.load(io.BytesIO(original_bytes)))
-            gathered = checkpoint.full_state_dict(sharded)
-            assert list(gathered) == list(original)
-            for key, value in original.items():
-                assert torch.equal(gathered[key], value), key
-            assert _torch_save_bytes(gathered) == original_bytes, type(build(0)).__name__
-
-
-def check_full_state_dict_keeps_tied_names_one_tensor(ctx):
-    torch.manual_seed(0)
-    model = CASES["llama_tied"].build()
-    original_bytes = _torch_save_bytes(model.state_dict())
-    sharded = _shard(model, ctx.mesh_2d)
-    gathered = checkpoint.full_state_dict(sharded)
-    tied = gathered["lm_head.weight"], gathered["model.embed_tokens.weight"]
-    assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()  # saved once
-    assert _torch_save_bytes(gathered) == original_bytes
+        sharded = _shard(build(1), mesh, vocab)
+        sharded.load_state_dict(torch.load(io.BytesIO(original_bytes)))
+        gathered = checkpoint.full_state_dict(sharded)
+        assert list(gathered) == list(original)
+        for key, value in original.items():
+            assert torch.equal(gathered[key], value), key
+        assert _torch_save_bytes(gathered) == original_bytes, type(sharded).__name__
+    head, embedding = gathered["lm_head.weight"], gathered["model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()  # saved once
 
 
 def check_safetensors_round_trip_is_byte_identical(ctx):
@@ -213,19 +209,21 @@ def _adamw(sharded):
 
 
 def check_optimizer_state_moves_between_meshes(ctx):
-    """AdamW 2 steps on 2x2, model + optimizer saved with DCP in the original layout; on 1x4 and
-    4x1 one more step gives the loss and parameters of continuing on 2x2."""
+    """AdamW 2 steps on 2x2, model + optimizer saved in the original layout; on 1x4 (through
+    load_latest) and 4x1 (DCP load + set_state_dict) one more step gives the loss and
+    parameters of continuing on 2x2."""
     directory = _shared_directory(ctx)
     sharded = _shard(_llama(0), ctx.mesh_2d)
     optimizer = _adamw(sharded)
     _train(sharded, optimizer, ctx.mesh_2d, range(2))
-    model_sd, optim_sd = checkpoint.get_state_dict(sharded, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    path = checkpoint.save_checkpoint(directory, 1, sharded, optimizer)
+    assert checkpoint.verify_checkpoint(path) == 1
+    _, optim_sd = checkpoint.get_state_dict(sharded, optimizer)
     saved_moments = {k: full(v["exp_avg"]) for k, v in optim_sd["state"].items()}
-
-    stored = FileSystemReader(directory).read_metadata().state_dict_metadata
-    # wk is [32, 64] in the model, stored [64, 32] on every tp mesh: saved as the model has it
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    # wk is [32, 64] in the model and stored [64, 32] on every tp mesh: saved as the model has it
     assert tuple(stored["optim.state.layers.0.attention.wk.weight.exp_avg"].size) == (32, 64)
+    assert tuple(stored["model.layers.0.attention.wk.weight"].size) == (32, 64)
 
     want_loss = _train(sharded, optimizer, ctx.mesh_2d, [2])[0]
     want_params = {k: full(v) for k, v in sharded.state_dict().items()}
@@ -234,11 +232,15 @@ def check_optimizer_state_moves_between_meshes(ctx):
         mesh = getattr(ctx, name)
         other = _shard(_llama(1), mesh)
         other_optimizer = _adamw(other)
-        model_sd, optim_sd = checkpoint.get_state_dict(other, other_optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=directory)
-        checkpoint.set_state_dict(other, other_optimizer, model_state_dict=state["model"],
-                                  optim_state_dict=state["optim"])
+        if name == "mesh_tp":
+            assert checkpoint.load_latest(os.path.join(directory, "nothing"), other, other_optimizer) is None
+            assert checkpoint.load_latest(directory, other, other_optimizer) == 1
+        else:
+            model_sd, optim_sd = checkpoint.get_state_dict(other, other_optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            checkpoint.set_state_dict(other, other_optimizer, model_state_dict=state["model"],
+                                      optim_state_dict=state["optim"])
         _, reloaded = checkpoint.get_state_dict(other, other_optimizer)
         for key, moment in saved_moments.items():
             assert torch.equal(full(reloaded["state"][key]["exp_avg"]), moment), (name, key)
@@ -249,32 +251,12 @@ def check_optimizer_state_moves_between_meshes(ctx):
     _remove_shared(ctx, directory)
 
 
-def check_checkpoint_manager_loads_on_another_mesh(ctx):
-    """save_checkpoint on 2x2, load_latest on 1x4: the same next loss; a fresh directory loads nothing."""
-    directory = _shared_directory(ctx)
-    sharded = _shard(_llama(0), ctx.mesh_2d)
-    optimizer = _adamw(sharded)
-    _train(sharded, optimizer, ctx.mesh_2d, range(2))
-    path = checkpoint.save_checkpoint(directory, 1, sharded, optimizer)
-    assert checkpoint.verify_checkpoint(path) == 1
-    want = _train(sharded, optimizer, ctx.mesh_2d, [2])[0]
-    other = _shard(_llama(1), ctx.mesh_tp)
-    other_optimizer = _adamw(other)
-    assert checkpoint.load_latest(os.path.join(directory, "nothing"), other, other_optimizer) is None
-    assert checkpoint.load_latest(directory, other, other_optimizer) == 1
-    got = _train(other, other_optimizer, ctx.mesh_tp, [2])[0]
-    assert _relative_loss_error(got, want) <= STEP_TOL, (got, want)
-    _remove_shared(ctx, directory)
-
-
 CHECKS = [
     check_dcp_llama_2x2_to_1x4_4x1_and_plain,
     check_dcp_fused_phi3_2x2_to_1x4_and_plain,
     check_full_state_dict_round_trip_is_byte_identical,
-    check_full_state_dict_keeps_tied_names_one_tensor,
     check_safetensors_round_trip_is_byte_identical,
     check_optimizer_state_moves_between_meshes,
-    check_checkpoint_manager_loads_on_another_mesh,
 ]
 
 
@@ -283,9 +265,9 @@ outcomes, test_checkpoint = distributed_tests(CHECKS)
 
 # --- resume after a killed rank ----------------------------------------------------------------
 
-STEPS = 5
+STEPS = 3
 KILLED_RANK = 1
-KILLED_WHILE_SAVING = 3  # the rank dies after writing its shard of this step's checkpoint
+KILLED_WHILE_SAVING = 1  # the rank dies after writing its shard of this step's checkpoint
 
 
 def _training_run(directory: str, losses_file: str | None = None) -> tuple[int | None, list[float]]:
@@ -323,18 +305,20 @@ def _run_restart_and_reference(rank, world_size, directory, reference_directory)
 
 
 def test_resume_after_a_rank_is_killed_mid_save(tmp_path):
-    """A rank dies while step 3's checkpoint is being written: the job fails, step 3's
-    directory is torn; the restart skips it, resumes from step 2, and the loss sequence
-    is exactly the one of a run that never failed."""
+    """A rank dies while step 1's checkpoint is being written: the job fails, step 1's
+    directory is torn; the restart skips it, resumes after step 0, and the loss sequence
+    is exactly the one of a run that never failed (same mesh, bit-exact state)."""
     directory, losses_file = str(tmp_path / "run"), str(tmp_path / "losses.jsonl")
     timeout = datetime.timedelta(seconds=20)
     with pytest.raises(mp.ProcessExitedException, match=f"process {KILLED_RANK} terminated with exit code 1"):
         spawn(_run_killed_while_saving, 4, (directory, losses_file), timeout=timeout)
     with open(losses_file) as f:
         before_crash = [json.loads(line) for line in f]
-    assert len(before_crash) == KILLED_WHILE_SAVING + 1  # the loss of step 3 was logged, its save never committed
+    assert len(before_crash) == KILLED_WHILE_SAVING + 1  # that step was taken and logged; its save never finished
     torn = checkpoint.step_directory(directory, KILLED_WHILE_SAVING)
-    assert os.path.isdir(torn) and not os.path.exists(os.path.join(torn, checkpoint.COMMIT_MARKER))
+    assert _shard_files(torn), "the killed rank wrote its shard before dying"
+    assert not os.path.exists(os.path.join(torn, ".metadata"))  # rank 0 never got every rank's write results
+    assert not os.path.exists(os.path.join(torn, checkpoint.COMMIT_MARKER))
     with pytest.warns(UserWarning, match="no commit marker"):
         assert checkpoint.latest_checkpoint(directory)[0] == KILLED_WHILE_SAVING - 1
 
