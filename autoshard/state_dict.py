@@ -79,8 +79,9 @@ class StoredLayout:
         """Original -> stored layout, as a DTensor laid out like ``param`` when ``value`` is plain.
 
         Returns an error message for a value of the wrong rank; a value of the
-        wrong size is returned as is, for the caller to report with the original shape.
+        wrong size is returned unconverted, for the caller to report with the original shape.
         """
+        given = value
         if fqn in self.transposed:
             if value.dim() != 2:
                 return f"must be 2-D, got shape {list(value.shape)}"
@@ -89,11 +90,11 @@ class StoredLayout:
             dim, order = self.permuted[fqn]
             value = value.full_tensor() if isinstance(value, DTensor) else value
             if value.shape[dim] != order.numel():
-                return value
+                return given
             value = value.index_select(dim, order.to(value.device))
         if isinstance(param, DTensor) and not isinstance(value, DTensor):
             if tuple(value.shape) != tuple(param.shape):
-                return value
+                return given
             value = distribute_tensor(
                 value.detach().to(param.device).contiguous(),
                 param.device_mesh,
