@@ -12,7 +12,10 @@ block in forward and two in backward.
 
 from autoshard import collectives  # noqa: F401  (registers the torch.ops.autoshard ops)
 from autoshard.api import autoshard, plan
+from autoshard.backend import backend, register_backend_name
 from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.plan import ParamSharding, Plan
 
-__all__ = ["autoshard", "plan", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest"]
+register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
+
+__all__ = ["autoshard", "plan", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest"]

@@ -88,7 +88,7 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
         spelled[f"_{stem}buffers_{name}_"] = ("buffer", fqn)
     kinds, names = [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
+    for node, value in zip(placeholders, example_inputs, strict=True):
         match = [v for k, v in spelled.items() if node.target.endswith(k)]
         if match and isinstance(value, torch.Tensor):
             kind, fqn = max(match, key=lambda kv: len(kv[1]))
@@ -115,7 +115,7 @@ class _GraphAsModule(nn.Module):
         object.__setattr__(self, "_graph", graph)  # not a submodule: its tensors are ours
         self._inputs = inputs
         numbered = _numbered_parents(f for f in inputs.fqns if f)
-        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs):
+        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True):
             if kind == "input":
                 continue
             owner, name = _make_owner(self, fqn, numbered)
@@ -128,7 +128,7 @@ class _GraphAsModule(nn.Module):
         given = iter(user_inputs)
         args = [
             next(given) if kind == "input" else self._tensor(kind, fqn)
-            for kind, fqn in zip(self._inputs.kinds, self._inputs.fqns)
+            for kind, fqn in zip(self._inputs.kinds, self._inputs.fqns, strict=True)
         ]
         with fx_traceback.preserve_node_meta():
             return fx.Interpreter(self._graph).run(*args)
@@ -201,18 +201,34 @@ def _install_optimizer_hook() -> None:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_repoint_optimizer))
 
 
-@dataclasses.dataclass
 class _ShardedGraph:
-    module: fx.GraphModule
-    inputs: GraphInputs
-    released: list[torch.Tensor]
+    """What dynamo calls in place of one graph: the sharded module on the graph's user inputs.
+
+    The model's tensors still arrive as arguments; they are checked to be the
+    ones this graph was sharded from. Dynamo guards a parameter's metadata, not
+    its identity, and matches a backend by ``id``: a second model of the same
+    class, compiled after the first one's backend was freed, can reach this
+    graph and would silently run the first model's shards.
+    """
+
+    def __init__(self, module: fx.GraphModule, inputs: GraphInputs, model_tensors: dict[int, torch.Tensor]):
+        self.module = module
+        self.inputs = inputs
+        self._model_tensors = model_tensors  # placeholder position -> the model's tensor
+        self._released = False
 
     def __call__(self, *args):
-        if self.released:
-            _release(self.released)
-            self.released = []
-        out = self.module(*(args[i] for i in self.inputs.user_positions))
-        return out
+        for position, tensor in self._model_tensors.items():
+            if args[position] is not tensor:
+                raise RuntimeError(
+                    f"autoshard backend: this compiled graph was sharded from another model's "
+                    f"'{self.inputs.fqns[position]}'; dynamo reused it for a model of the same class. Call "
+                    f"torch._dynamo.reset() before compiling another model of that class"
+                )
+        if not self._released:  # after dynamo is done with the values (guards, fake tensors)
+            _release(list(self._model_tensors.values()))
+            self._released = True
+        return self.module(*(args[i] for i in self.inputs.user_positions))
 
 
 def _release(tensors: list[torch.Tensor]) -> None:
@@ -237,14 +253,13 @@ class AutoshardBackend:
         self.compiler = compiler
         self.options = autoshard_options
         self.sharded: list[fx.GraphModule] = []
-        self._sharded_params: dict[int, str] = {}  # id of a model parameter -> its FQN, once sharded
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         from autoshard.api import autoshard
 
         mesh = self.mesh if self.mesh is not None else default_mesh()
         inputs = read_graph_inputs(gm, example_inputs)
-        self._refuse_resharding(gm, inputs, example_inputs)
+        self._refuse_resharding(inputs, example_inputs)
         _user_fqn_paths(gm)
         as_module = _GraphAsModule(gm, inputs, example_inputs)
         user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
@@ -252,29 +267,25 @@ class AutoshardBackend:
         _compile_blocks(sharded, self.compiler)
         self.sharded.append(sharded)
         _install_optimizer_hook()
-        model_params = dict(as_module.named_parameters(remove_duplicate=False))
+        model_tensors = dict(as_module.named_parameters(remove_duplicate=False))
         for fqn, param in sharded.named_parameters(remove_duplicate=False):
             param.autoshard_fqn = fqn
-            _REPLACEMENTS[model_params[fqn]] = param
-            self._sharded_params[id(model_params[fqn])] = fqn
-        released = [example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind != "input"]
-        return _ShardedGraph(sharded, inputs, released)
+            _REPLACEMENTS[model_tensors[fqn]] = param
+        model_tensors = {i: example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind != "input"}
+        for tensor in model_tensors.values():
+            _REPLACEMENTS.setdefault(tensor, None)
+        return _ShardedGraph(sharded, inputs, model_tensors)
 
-    def _refuse_resharding(self, gm, inputs: GraphInputs, example_inputs) -> None:
-        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs):
-            if kind == "parameter" and id(value) in self._sharded_params:
+    @staticmethod
+    def _refuse_resharding(inputs: GraphInputs, example_inputs) -> None:
+        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True):
+            if kind != "input" and value in _REPLACEMENTS:
                 raise NotImplementedError(
-                    f"autoshard backend: parameter '{fqn}' was already sharded for an earlier graph; dynamo "
-                    f"captured it again (a graph break that reads it on both sides, or a recompile for new "
-                    f"input shapes). Keep each parameter's reads in one graph and call the model with the "
-                    f"shapes it was first compiled for; the first graph was sharded for "
-                    f"{self._first_shapes()}"
+                    f"autoshard backend: '{fqn}' was sharded for an earlier graph and dynamo captured it again "
+                    f"(a graph break with reads of it on both sides, or a recompile for new input shapes); "
+                    f"keep each parameter's reads within one graph and call the compiled model with the input "
+                    f"shapes of its first call (or mark dims dynamic before it)"
                 )
-
-    def _first_shapes(self) -> str:
-        if not self.sharded:
-            return "no inputs"
-        return str(self.sharded[0].autoshard_plan.mesh)
 
     @property
     def plan(self) -> Plan:
@@ -303,9 +314,22 @@ class AutoshardBackend:
         return merged
 
     def load_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load a state dict of the model (original FQNs and layout; full tensors or DTensors).
+
+        Buffers are optional: the backend sees every buffer the graph reads but
+        not which ones the model keeps out of its state dict.
+        """
+        params = {fqn for module in self.sharded for fqn, _ in module.named_parameters(remove_duplicate=False)}
+        known = {fqn for module in self.sharded for fqn in module.state_dict(keep_vars=True)}
+        missing, unexpected = sorted(params - state_dict.keys()), sorted(state_dict.keys() - known)
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"autoshard backend: state dict does not match the sharded model: missing {missing or 'none'}, "
+                f"unexpected {unexpected or 'none'}"
+            )
         for module in self.sharded:
-            own = {k: v for k, v in state_dict.items() if k in module.state_dict(keep_vars=True)}
-            module.load_state_dict(own, strict=strict)
+            keys = module.state_dict(keep_vars=True).keys()
+            module.load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=False)
 
 
 def _compile_blocks(sharded: fx.GraphModule, compiler: str) -> None:
@@ -341,6 +365,10 @@ class _LocalCompiled:
             if node in env or (node.op == "get_attr" and all(u in env for u in node.users)):
                 continue
             env[node] = graph.node_copy(node, lambda n: env[n])
+        (output,) = [n for n in graph.nodes if n.op == "output"]
+        self._single_output = not isinstance(output.args[0], (tuple, list))
+        if self._single_output:  # compilers take graphs returning tuples
+            output.args = ((output.args[0],),)
         self._block = block
         self._local_graph = fx.GraphModule(block, graph)
         self._compiler = compiler
@@ -351,7 +379,8 @@ class _LocalCompiled:
         inputs = [*(block.get_parameter(name).to_local() for name in self._param_names), *args]
         if self._compiled is None:
             self._compiled = lookup_backend(self._compiler)(self._local_graph, inputs)
-        return self._compiled(*inputs)
+        out = self._compiled(*inputs)
+        return out[0] if self._single_output else out
 
 
 def default_mesh() -> DeviceMesh:
@@ -396,7 +425,7 @@ def _registered(gm: fx.GraphModule, example_inputs, options: dict | None = None,
     )
 
 
-def register() -> None:
+def register_backend_name() -> None:
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
     if "autoshard" not in _BACKENDS:

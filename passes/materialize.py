@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from autoshard.mesh import DP, TP, MeshAxes
@@ -246,6 +246,21 @@ def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_
     # the head runs first in backward and would re-gather immediately.
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None,
                 shard_placement_fn=shard_dim)
+    root.register_forward_hook(_reshard_after_inference)
+
+
+def _reshard_after_inference(root: nn.Module, args, output) -> None:
+    """Release the parameters kept gathered for a backward that a forward without autograd never has.
+
+    While gathered, FSDP2 registers the gathered tensors as the module's
+    parameters: an optimizer built from ``parameters()`` after an evaluation
+    forward would train copies, silently. A forward with autograd on and no
+    backward still leaves them gathered until the next backward (FSDP2's contract).
+    """
+    if not torch.is_grad_enabled():
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def _average_grads_over_dp(root: nn.Module, replicated_dp: set[str], axes: MeshAxes) -> None:

@@ -292,6 +292,30 @@ def check_sequence_parallel(ctx):
     assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
 
 
+def check_optimizer_built_after_an_evaluation_forward(ctx):
+    """FSDP2 keeps the root gathered after forward; an evaluation forward must release it,
+    or an optimizer built from ``parameters()`` then would train gathered copies."""
+    torch.manual_seed(0)
+    model = MLPStack()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(2, 5, 32), torch.randn(2, 5, 16)
+    sharded = autoshard.autoshard(model, ctx.mesh_2d, example_inputs=(dp_slice(x, ctx.mesh_2d),))
+    with torch.no_grad():
+        sharded(dp_slice(x, ctx.mesh_2d))
+    assert all(p.to_local().numel() * 4 == p.numel() or p.dim() < 2 for p in sharded.parameters())
+    opt_s = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        mse_loss(sharded(dp_slice(x, ctx.mesh_2d)), dp_slice(target, ctx.mesh_2d)).backward()
+        mse_loss(reference(x), target).backward()
+        for opt in (opt_s, opt_r):
+            opt.step()
+            opt.zero_grad()
+    ref_state = reference.state_dict()
+    for fqn, value in sharded.state_dict().items():
+        assert rel_error(full(value), ref_state[fqn], 1e-2) <= 1e-5, fqn
+
+
 CHECKS = [
     check_placements_2x2,
     check_placements_1d,
@@ -308,6 +332,7 @@ CHECKS = [
     check_loss_parallel_matches_the_gathered_loss,
     check_symbolic_batch_and_sequence,
     check_sequence_parallel,
+    check_optimizer_built_after_an_evaluation_forward,
 ]
 
 

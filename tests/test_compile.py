@@ -1,0 +1,222 @@
+"""torch.compile: the autoshard backend, and compiling a sharded module, on real gloo ranks.
+
+One 4-process group runs every check. Most checks compile with ``aot_eager``
+(inductor on CPU costs tens of seconds per graph); one uses inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor, Shard
+
+import autoshard
+from autoshard.backend import default_mesh
+from examples.models import Llama, LlamaConfig, MLPStack
+from tests.distributed import distributed_tests
+from tests.parity import dp_slice, full, lm_loss, mean_over_dp, rel_error
+
+STEPS = 5
+
+
+class BrokenLlama(Llama):
+    """The Llama-style model with a graph break between its two blocks (a print, a data-dependent branch)."""
+
+    def forward(self, tokens):
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.layers[0](self.tok_embeddings(tokens), cos, sin)
+        torch._dynamo.graph_break()
+        h = self.layers[1](h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def _batch(mesh):
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 256, (4, 16))
+    targets = torch.randint(0, 256, (4, 16))
+    return dp_slice(tokens, mesh), dp_slice(targets, mesh)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(step_fn, optimizer, tokens, targets, mesh, steps=STEPS):
+    losses = []
+    for _ in range(steps):
+        loss = lm_loss(step_fn(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(mean_over_dp(loss, mesh).item())
+    return losses
+
+
+def _eager_reference(model, mesh, tokens, targets, steps=STEPS):
+    sharded = autoshard.autoshard(copy.deepcopy(model), mesh, example_inputs=(tokens,))
+    losses = _train(sharded, _adamw(sharded.parameters()), tokens, targets, mesh, steps)
+    return sharded, losses
+
+
+def _assert_same_training(losses, ref_losses, state, ref_state, tol):
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) <= tol * abs(want), f"step {step}: compiled loss {got} vs eager {want}"
+    assert state.keys() >= ref_state.keys()  # the backend also lists the buffers the graph reads
+    for fqn, value in ref_state.items():
+        err = rel_error(full(state[fqn]), full(value), 1e-2)
+        assert err <= tol, f"{fqn}: compiled and eager parameters differ by {err:.2e}"
+
+
+def check_backend_trains_like_eager(ctx):
+    """Optimizer built before the first call from model.parameters(); 5 AdamW steps; no recompiles."""
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(mesh)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_layers=2))
+    ref, ref_losses = _eager_reference(model, mesh, tokens, targets)
+
+    backend = autoshard.backend(mesh, compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    optimizer = _adamw(model.parameters())
+    frames = []
+    losses = []
+    for _ in range(STEPS):
+        losses += _train(compiled, optimizer, tokens, targets, mesh, steps=1)
+        frames.append(counters["frames"]["total"])
+    assert frames[1:] == frames[:1] * (STEPS - 1), f"dynamo compiled again after the first step: {frames}"
+    assert len(backend.sharded) == 1
+    # bit-identical is expected (same graph, same kernels); the tolerance only absorbs nothing
+    _assert_same_training(losses, ref_losses, backend.state_dict(), ref.state_dict(), tol=1e-6)
+    assert backend.plan.to_dict() == ref.autoshard_plan.to_dict()
+
+    # the optimizer now trains the shards; the model's own tensors are released
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for p in backend.parameters()}
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    wq = dict(backend.named_parameters())["layers.0.attention.wq.weight"]
+    assert isinstance(wq, DTensor) and tuple(wq.placements) == (Shard(0), Shard(1)) and wq.shape == (64, 64)
+    assert wq.to_local().shape == (32, 32)
+
+
+def check_graph_breaks_each_get_the_eager_plan(ctx):
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(mesh)
+    torch.manual_seed(0)
+    model = BrokenLlama(LlamaConfig(num_layers=2))
+    ref, ref_losses = _eager_reference(model, mesh, tokens, targets, steps=3)
+
+    backend = autoshard.backend(mesh, compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    losses = _train(compiled, _adamw(model.parameters()), tokens, targets, mesh, steps=3)
+    assert len(backend.sharded) == 2, "one sharded module per graph"
+    first, second = (set(s.autoshard_plan.params) for s in backend.sharded)
+    assert "layers.0.attention.wq.weight" in first and "layers.1.attention.wq.weight" in second
+    assert not first & second
+    want = ref.autoshard_plan.params
+    got = backend.plan.params
+    assert got.keys() == want.keys()
+    for fqn, entry in want.items():
+        assert (got[fqn].role, got[fqn].transposed, dict(got[fqn].placements)) == (
+            entry.role,
+            entry.transposed,
+            dict(entry.placements),
+        ), fqn
+    _assert_same_training(losses, ref_losses, backend.state_dict(), ref.state_dict(), tol=1e-6)
+
+
+def check_registered_backend_name(ctx):
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh = ctx.mesh_2d
+    tokens, _ = _batch(mesh)
+    torch.manual_seed(0)
+    model = MLPStack()
+    x = torch.randn(2, 5, 32)
+    eager = autoshard.autoshard(copy.deepcopy(model), mesh, example_inputs=(x,))
+    compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, "compiler": "aot_eager"})
+    torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+
+
+def check_default_mesh(ctx):
+    with ctx.mesh_2d:
+        assert default_mesh() is ctx.mesh_2d
+    mesh = default_mesh()  # no LOCAL_WORLD_SIZE here: one host, all ranks tensor parallel
+    assert mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.shape) == (1, 4)
+
+
+def check_optimizer_state_from_before_is_refused(ctx):
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh = ctx.mesh_2d
+    torch.manual_seed(0)
+    model = MLPStack()
+    x = torch.randn(2, 5, 32)
+    optimizer = _adamw(model.parameters())
+    model(x).sum().backward()
+    optimizer.step()  # state for the full tensors, which sharding cannot carry over
+    optimizer.zero_grad()
+    compiled = torch.compile(model, backend=autoshard.backend(mesh, compiler="aot_eager"))
+    compiled(x).sum().backward()
+    with pytest.raises(RuntimeError, match="optimizer holds state for 'blocks.0.norm.weight'"):
+        optimizer.step()
+
+
+def check_compiling_a_sharded_module(ctx):
+    """``torch.compile(autoshard(...))``: dynamo runs around FSDP2's hooks; same numbers as eager."""
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(mesh)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_layers=2))
+    ref, ref_losses = _eager_reference(model, mesh, tokens, targets, steps=3)
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(tokens,))
+    compiled = torch.compile(sharded, backend="aot_eager")
+    losses = _train(compiled, _adamw(sharded.parameters()), tokens, targets, mesh, steps=3)
+    _assert_same_training(losses, ref_losses, sharded.state_dict(), ref.state_dict(), tol=1e-6)
+
+
+def check_inductor_backend(ctx):
+    """Inductor generates its own kernels (fused, reordered): equal to eager within float rounding.
+
+    SGD, not AdamW: Adam's normalized update turns a rounding-level gradient
+    difference on a near-zero gradient into an lr-sized parameter difference.
+    """
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh = ctx.mesh_2d
+    torch.manual_seed(0)
+    model = MLPStack()
+    x = torch.randn(2, 5, 32)
+    eager = autoshard.autoshard(copy.deepcopy(model), mesh, example_inputs=(x,))
+    with torch.no_grad():
+        target = torch.randn_like(eager(x))
+    backend = autoshard.backend(mesh, compiler="inductor")
+    compiled = torch.compile(model, backend=backend)
+    opt_c, opt_e = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    for _ in range(2):
+        for module, opt in ((compiled, opt_c), (eager, opt_e)):
+            nn.functional.mse_loss(module(x), target).backward()
+            opt.step()
+            opt.zero_grad()
+    state, ref_state = backend.state_dict(), eager.state_dict()
+    for fqn, value in ref_state.items():
+        err = rel_error(full(state[fqn]), full(value), 1e-2)
+        assert err <= 1e-5, f"{fqn}: compiled and eager parameters differ by {err:.2e}"
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)
+
+
+CHECKS = [
+    check_backend_trains_like_eager,
+    check_graph_breaks_each_get_the_eager_plan,
+    check_registered_backend_name,
+    check_default_mesh,
+    check_optimizer_state_from_before_is_refused,
+    check_compiling_a_sharded_module,
+    check_inductor_backend,
+]
+
+outcomes, test_check = distributed_tests(CHECKS)
