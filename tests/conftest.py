@@ -19,12 +19,13 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fake_world():
     """A 4-rank fake process group in this process: plans and graphs without real ranks.
 
     Collectives are no-ops, so numerics are not checked here; the distributed
-    test files do that on real gloo ranks.
+    test files do that on real gloo ranks. Module-scoped: single-process tests
+    of other files (checkpoints without a process group) must not see it.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
