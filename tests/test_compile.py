@@ -7,6 +7,7 @@ One 4-process group runs every check. Most checks compile with ``aot_eager``
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -72,17 +73,38 @@ def _assert_same_training(losses, ref_losses, state, ref_state, tol):
         assert err <= tol, f"{fqn}: compiled and eager parameters differ by {err:.2e}"
 
 
+@dataclasses.dataclass
+class _LlamaRun:
+    """A Llama-style model compiled with the backend (aot_eager), next to eager ``autoshard`` trained ``steps``."""
+
+    mesh: object
+    model: nn.Module
+    backend: object
+    compiled: nn.Module
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    ref: nn.Module
+    ref_losses: list[float]
+
+    @classmethod
+    def start(cls, ctx, model_class, steps):
+        torch._dynamo.reset()  # no cached graph of an earlier check's model
+        mesh = ctx.mesh_2d
+        tokens, targets = _batch(mesh)
+        torch.manual_seed(0)
+        model = model_class(LlamaConfig(num_layers=2))
+        ref, ref_losses = _eager_reference(model, mesh, tokens, targets, steps)
+        backend = autoshard.backend(mesh, compiler="aot_eager")
+        compiled = torch.compile(model, backend=backend)
+        return cls(mesh, model, backend, compiled, tokens, targets, ref, ref_losses)
+
+
 def check_backend_trains_like_eager(ctx):
     """Optimizer built before the first call from model.parameters(); 5 AdamW steps; no recompiles."""
-    torch._dynamo.reset()  # no cached graph of an earlier check's model
-    mesh = ctx.mesh_2d
-    tokens, targets = _batch(mesh)
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(num_layers=2))
-    ref, ref_losses = _eager_reference(model, mesh, tokens, targets)
-
-    backend = autoshard.backend(mesh, compiler="aot_eager")
-    compiled = torch.compile(model, backend=backend)
+    run = _LlamaRun.start(ctx, Llama, STEPS)
+    model, backend, compiled, tokens, targets, mesh = (
+        run.model, run.backend, run.compiled, run.tokens, run.targets, run.mesh
+    )
     optimizer = _adamw(model.parameters())
     frames = []
     losses = []
@@ -91,9 +113,9 @@ def check_backend_trains_like_eager(ctx):
         frames.append(counters["frames"]["total"])
     assert frames[1:] == frames[:1] * (STEPS - 1), f"dynamo compiled again after the first step: {frames}"
     assert len(backend.sharded) == 1
-    # bit-identical is expected (same graph, same kernels); the tolerance only absorbs nothing
-    _assert_same_training(losses, ref_losses, backend.state_dict(), ref.state_dict(), tol=1e-6)
-    assert backend.plan.to_dict() == ref.autoshard_plan.to_dict()
+    # bit-identical in practice: the same graph runs the same kernels
+    _assert_same_training(losses, run.ref_losses, backend.state_dict(), run.ref.state_dict(), tol=1e-6)
+    assert backend.plan.to_dict() == run.ref.autoshard_plan.to_dict()
 
     # the optimizer now trains the shards; the model's own tensors are released
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -105,21 +127,14 @@ def check_backend_trains_like_eager(ctx):
 
 
 def check_graph_breaks_each_get_the_eager_plan(ctx):
-    torch._dynamo.reset()  # no cached graph of an earlier check's model
-    mesh = ctx.mesh_2d
-    tokens, targets = _batch(mesh)
-    torch.manual_seed(0)
-    model = BrokenLlama(LlamaConfig(num_layers=2))
-    ref, ref_losses = _eager_reference(model, mesh, tokens, targets, steps=3)
-
-    backend = autoshard.backend(mesh, compiler="aot_eager")
-    compiled = torch.compile(model, backend=backend)
-    losses = _train(compiled, _adamw(model.parameters()), tokens, targets, mesh, steps=3)
+    run = _LlamaRun.start(ctx, BrokenLlama, steps=3)
+    backend = run.backend
+    losses = _train(run.compiled, _adamw(run.model.parameters()), run.tokens, run.targets, run.mesh, steps=3)
     assert len(backend.sharded) == 2, "one sharded module per graph"
     first, second = (set(s.autoshard_plan.params) for s in backend.sharded)
     assert "layers.0.attention.wq.weight" in first and "layers.1.attention.wq.weight" in second
     assert not first & second
-    want = ref.autoshard_plan.params
+    want = run.ref.autoshard_plan.params
     got = backend.plan.params
     assert got.keys() == want.keys()
     for fqn, entry in want.items():
@@ -128,7 +143,7 @@ def check_graph_breaks_each_get_the_eager_plan(ctx):
             entry.transposed,
             dict(entry.placements),
         ), fqn
-    _assert_same_training(losses, ref_losses, backend.state_dict(), ref.state_dict(), tol=1e-6)
+    _assert_same_training(losses, run.ref_losses, backend.state_dict(), run.ref.state_dict(), tol=1e-6)
 
 
 def check_registered_backend_name(ctx):
