@@ -26,7 +26,7 @@ on transposed shards. The contract instead:
 * From the first call on, the trained tensors are the sharded parameters:
   ``backend.parameters()``, ``backend.state_dict()`` (original FQNs and
   layout, as ``autoshard``'s), ``backend.plan``.
-* The model's own parameters and buffers keep their metadata, so guards hold
+* The model's own parameters keep their metadata, so guards hold
   and nothing recompiles, but their storage is released: each rank holds only
   its shards. Reading them (running the uncompiled model) is an error.
 * An optimizer built before the first call (from ``model.parameters()``)
@@ -211,11 +211,12 @@ class _ShardedGraph:
     graph and would silently run the first model's shards.
     """
 
-    def __init__(self, module: fx.GraphModule, inputs: GraphInputs, model_tensors: dict[int, torch.Tensor]):
+    def __init__(self, module: fx.GraphModule, inputs: GraphInputs, example_inputs):
         self.module = module
         self.inputs = inputs
-        self._model_tensors = model_tensors  # placeholder position -> the model's tensor
-        self._released = False
+        # placeholder position -> the model's tensor it carried when sharded
+        self._model_tensors = {i: example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind != "input"}
+        self._to_release = [example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind == "parameter"]
 
     def __call__(self, *args):
         for position, tensor in self._model_tensors.items():
@@ -225,14 +226,17 @@ class _ShardedGraph:
                     f"'{self.inputs.fqns[position]}'; dynamo reused it for a model of the same class. Call "
                     f"torch._dynamo.reset() before compiling another model of that class"
                 )
-        if not self._released:  # after dynamo is done with the values (guards, fake tensors)
-            _release(list(self._model_tensors.values()))
-            self._released = True
+        if self._to_release:  # after dynamo is done with the values (guards, fake tensors)
+            _release(self._to_release)
+            self._to_release = []
         return self.module(*(args[i] for i in self.inputs.user_positions))
 
 
 def _release(tensors: list[torch.Tensor]) -> None:
-    """Free the storage of the model's own tensors; their metadata (guarded by dynamo) stays."""
+    """Free the storage of the model's parameters; their metadata (guarded by dynamo) stays.
+
+    Buffers are kept: they are small, and another graph may read them too.
+    """
     for tensor in tensors:
         tensor.detach().untyped_storage().resize_(0)
 
@@ -267,24 +271,21 @@ class AutoshardBackend:
         _compile_blocks(sharded, self.compiler)
         self.sharded.append(sharded)
         _install_optimizer_hook()
-        model_tensors = dict(as_module.named_parameters(remove_duplicate=False))
+        originals = dict(as_module.named_parameters(remove_duplicate=False))
         for fqn, param in sharded.named_parameters(remove_duplicate=False):
             param.autoshard_fqn = fqn
-            _REPLACEMENTS[model_tensors[fqn]] = param
-        model_tensors = {i: example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind != "input"}
-        for tensor in model_tensors.values():
-            _REPLACEMENTS.setdefault(tensor, None)
-        return _ShardedGraph(sharded, inputs, model_tensors)
+            _REPLACEMENTS[originals[fqn]] = param
+        return _ShardedGraph(sharded, inputs, example_inputs)
 
     @staticmethod
     def _refuse_resharding(inputs: GraphInputs, example_inputs) -> None:
         for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True):
-            if kind != "input" and value in _REPLACEMENTS:
+            if kind == "parameter" and value in _REPLACEMENTS:
                 raise NotImplementedError(
                     f"autoshard backend: '{fqn}' was sharded for an earlier graph and dynamo captured it again "
                     f"(a graph break with reads of it on both sides, or a recompile for new input shapes); "
                     f"keep each parameter's reads within one graph and call the compiled model with the input "
-                    f"shapes of its first call (or mark dims dynamic before it)"
+                    f"shapes of its first call"
                 )
 
     @property
