@@ -3,6 +3,7 @@
 Run from the repository root:
 
     python examples/train_llama.py                    # spawns dp*tp local CPU ranks (gloo)
+    python examples/train_llama.py --compile aot_eager  # torch.compile with autoshard's backend
     torchrun --nproc-per-node 4 examples/train_llama.py --device cuda
 
 Rank 0 prints the sharding plan, then trains the sharded model next to a
@@ -60,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="cpu (gloo, 1 thread per rank) or cuda (nccl, one GPU per rank) (default: cpu)",
+    )
+    parser.add_argument(
+        "--compile", choices=("none", "aot_eager", "inductor"), default="none",
+        help="shard with torch.compile(model, backend=autoshard.backend(mesh, compiler=...)) instead of "
+        "autoshard.autoshard (default: none)",
     )
     args = parser.parse_args(argv)
     if args.batch % args.dp:
@@ -150,7 +156,7 @@ class Progress:
 # --- memory report ------------------------------------------------------------------------------
 
 
-def param_bytes(module: torch.nn.Module) -> int:
+def param_bytes(module) -> int:
     """Bytes of parameters this rank actually stores (a DTensor's local shard only)."""
     total = 0
     for p in module.parameters():
@@ -159,8 +165,11 @@ def param_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def memory_report(sharded: torch.nn.Module, full_bytes: int, mesh: DeviceMesh, rank: int) -> str | None:
-    """Gather every rank's parameter bytes; rank 0 gets the table, the others ``None``."""
+def memory_report(sharded, full_bytes: int, mesh: DeviceMesh, rank: int) -> str | None:
+    """Gather every rank's parameter bytes; rank 0 gets the table, the others ``None``.
+
+    ``sharded`` is anything with ``parameters()``: the sharded module, or the compile backend.
+    """
     mine = (rank, tuple(mesh.get_coordinate()), param_bytes(sharded))
     everyone = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
@@ -195,14 +204,19 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
     example = (dp_slice(inputs, mesh),)
     if rank == 0:
         print(autoshard.plan(model, mesh, example_inputs=example), flush=True)
-    sharded = autoshard.autoshard(model, mesh, example_inputs=example)
-
-    optimizer = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
+    if args.compile == "none":
+        sharded = trained = autoshard.autoshard(model, mesh, example_inputs=example)
+        optimizer = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
+    else:  # sharded on the first call; the optimizer is repointed to the shards on its first step
+        trained = autoshard.backend(mesh, compiler=args.compile)
+        sharded = torch.compile(model, backend=trained)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if rank == 0 else None
     progress = Progress(args.steps) if rank == 0 else None
     if rank == 0:
         print(f"\ntraining {args.steps} steps on {args.batch}x{args.seq_len} tokens per step "
-              f"(dp={args.dp} x tp={args.tp}, {args.device})", flush=True)
+              f"(dp={args.dp} x tp={args.tp}, {args.device}"
+              f"{'' if args.compile == 'none' else ', compiled with ' + args.compile})", flush=True)
     max_diff = max_rel = 0.0
     start = time.perf_counter()
     for step in range(args.steps):
@@ -216,7 +230,7 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
             progress.update(step + 1, loss, ref_loss)
     elapsed = time.perf_counter() - start
 
-    report = memory_report(sharded, full_bytes, mesh, rank)
+    report = memory_report(trained, full_bytes, mesh, rank)
     if rank != 0:
         return None
     progress.close()
