@@ -2,12 +2,25 @@
 
 One command (``python benchmarks/bench_2d.py`` from the repo root) trains the
 example 4-block Llama on a ("dp", "tp") = (2, 2) CPU/gloo mesh of 4 local
-processes, once sharded by ``autoshard.autoshard`` and once by the recipe in
-``benchmarks/recipe.py``, on the same initial weights and the same batches,
-and reports per variant: median step time, collectives and wire bytes per
-step on each mesh axis, parameter bytes per rank, peak RSS per rank, and the
-loss after training. A table goes to stdout, everything to JSON
-(``benchmarks/results/bench_2d.json`` unless ``--out``).
+processes, on the same initial weights and the same batches, as two pairs of
+variants:
+
+* eager: ``autoshard.autoshard(model, mesh, ...)`` vs the recipe in
+  ``benchmarks/recipe.py``;
+* compiled: ``torch.compile(model, backend=autoshard.backend(mesh,
+  compiler=C))`` vs the recipe with each block's forward compiled by C
+  (``compile_recipe_blocks``). Both compile exactly the blocks' computation
+  with C and nothing else: FSDP2's hooks stay eager around the blocks and the
+  root (embedding, final norm, LM head) runs eagerly, so the pair compares
+  the two shardings under one compiler. C is ``--compiler`` (``inductor``,
+  default, or ``aot_eager``); ``--variants eager`` or ``compiled`` runs one
+  pair only.
+
+It reports per variant: median step time, the first step's time (which
+includes compiling), collectives and wire bytes per step on each mesh axis,
+parameter bytes per rank, peak RSS per rank, the loss after training and the
+first step's error against one device. A table goes to stdout, everything to
+JSON (``benchmarks/results/bench_2d.json`` unless ``--out``).
 
 Method, and why:
 
@@ -15,16 +28,33 @@ Method, and why:
   group), so peak RSS (``ru_maxrss``) belongs to that variant alone.
 * Before sharding, every rank keeps a single-device deepcopy of the model;
   the first step's logits and loss of each variant are compared with it on
-  the rank's local batch. The recipe must match within 1e-4 relative (else
-  the run aborts: comparing against a wrong baseline is meaningless);
-  autoshard's error is reported alongside.
+  the rank's local batch, and every parameter's gradient norm with its
+  gradient on the global batch (a norm does not depend on autoshard's
+  stored layouts; a lost gradient shows as error 1). Each recipe variant
+  must match within 1e-5 relative, 1e-4 when compiled by inductor (else the
+  run aborts: comparing against a wrong baseline is meaningless);
+  autoshard's errors are reported alongside. Eager and ``aot_eager`` run the
+  reference's own ATen kernels; inductor generates fused kernels that sum in
+  another order, hence the looser bound.
 * Step = zero_grad + forward + cross-entropy + backward + AdamW step. Each
   timed step starts after a ``dist.barrier()`` and ends when the optimizer
   step returns; a step's time is the max over ranks (the step is as slow as
   its slowest rank).
-* Warmup steps are untimed. The last warmup step runs inside
-  ``CollectiveCounter``, so counts and wire bytes describe one steady-state
-  step (forward, backward and optimizer) without slowing a timed step.
+* The first step is timed on its own and reported apart: it includes FSDP2's
+  lazy initialization and, for the compiled pair, dynamo's trace, the
+  autoshard pipeline (the backend shards at the first call) and C compiling
+  forward and backward of every block. Each rank of a compiled variant gets
+  an empty inductor cache directory, so every run pays the full compile
+  (nothing is reused from the other variant, an earlier round or run).
+* The compiled autoshard variant's optimizer is built from
+  ``model.parameters()`` before the first call (the backend repoints it to
+  the shards at its first ``step()``); its parameter bytes are measured on
+  ``backend.parameters()``, every variant's after the first step.
+* Warmup steps (the first included) are untimed. The last warmup step runs
+  inside a ``CollectiveCounter`` (``StepCollectiveCounter``: it also counts
+  the collectives inductor's code calls, and lets dynamo run compiled
+  frames under it), so counts and wire bytes describe one steady-state step
+  (forward, backward and optimizer) without slowing a timed step.
 * Step time on a small machine running 4 processes is noisy and drifts, so
   the variants are run in ``--rounds`` rounds (default 2) in alternating
   order (A B, then B A, ...); the reported step time is the median of all
@@ -33,7 +63,10 @@ Method, and why:
   batches, so losses and communication must agree across rounds; the JSON
   records whether they do.
 * "final loss" is the dp-averaged loss of a fixed held-out batch evaluated
-  under ``no_grad`` after the last timed step.
+  after the last timed step (a forward without backward; not under
+  ``no_grad``, which would make dynamo recompile the compiled variants).
+* Only the eager pair is checked against targets; the compiled pair's
+  step-time and wire-byte ratios are reported as information.
 """
 
 from __future__ import annotations
@@ -50,21 +83,26 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import resource  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.comm_stats import CollectiveCounter  # noqa: E402
 from autoshard.launch import spawn  # noqa: E402
-from benchmarks.recipe import parallelize_recipe  # noqa: E402
+from benchmarks.recipe import compile_recipe_blocks, parallelize_recipe  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
 
 MODEL_CONFIG = LlamaConfig(
@@ -77,14 +115,30 @@ GLOBAL_BATCH = 4
 SEQ_LEN = 16
 LR = 1e-3
 SEED = 0
-PARITY_RTOL = 1e-4
-VARIANTS = ("autoshard", "recipe")
-# target name -> (metric key in a variant summary, max allowed autoshard/recipe ratio)
+# First-step parity vs the single-device model. Eager and aot_eager run the reference's own ATen kernels;
+# inductor generates fused kernels that sum in another order, so its rounding differs more.
+PARITY_RTOL = 1e-5
+PARITY_RTOL_INDUCTOR = 1e-4
+# pair name -> (autoshard variant, recipe variant); each pair is compared column against column
+PAIRS = {
+    "eager": ("autoshard", "recipe"),
+    "compiled": ("autoshard_compiled", "recipe_compiled"),
+}
+COMPILED_VARIANTS = PAIRS["compiled"]
+COMPILERS = ("inductor", "aot_eager")
+# target name -> (metric key in a variant summary, max allowed autoshard/recipe ratio); checked on the eager pair
 TARGETS = {
     "tp_wire_bytes": ("tp_wire_bytes", 0.65),
     "dp_wire_bytes": ("dp_wire_bytes", 1.0),
     "step_time": ("step_time_median_s", 1.0),
 }
+# reported for the compiled pair without a threshold
+COMPILED_RATIOS = {
+    "step_time": "step_time_median_s",
+    "tp_wire_bytes": "tp_wire_bytes",
+    "dp_wire_bytes": "dp_wire_bytes",
+}
+SPAWN_TIMEOUT = datetime.timedelta(minutes=15)  # a rank may wait this long for another rank's compile
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench_2d.json")
 
 
@@ -113,13 +167,41 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- per-rank pieces
 
 
-def build_variant(variant: str, model: torch.nn.Module, mesh, example_tokens: torch.Tensor) -> torch.nn.Module:
-    """Shard ``model`` with the chosen method; the only place the two variants differ."""
+@dataclasses.dataclass
+class Built:
+    """A sharded model as the training loop sees it.
+
+    The compiled autoshard variant shards at its first call, so what the
+    optimizer is built from (the model's parameters, repointed to the shards
+    at its first step) and what training updates (the backend's shards) are
+    two different sets of tensors; the eager variants have one set.
+    """
+
+    step_module: Callable[[torch.Tensor], torch.Tensor]
+    optimizer_params: list[torch.nn.Parameter]
+    # (original FQN, tensor) of what training updates; valid from the first call on
+    trained_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]]
+
+
+def build_variant(variant: str, model: torch.nn.Module, mesh, example_tokens: torch.Tensor, compiler: str) -> Built:
+    """Shard ``model`` with the chosen method; the only place the variants differ."""
     if variant == "autoshard":
-        return autoshard.autoshard(model, mesh, example_inputs=(example_tokens,))
+        sharded = autoshard.autoshard(model, mesh, example_inputs=(example_tokens,))
+        return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
     if variant == "recipe":
-        return parallelize_recipe(model, mesh)
+        sharded = parallelize_recipe(model, mesh)
+        return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
+    if variant == "autoshard_compiled":
+        backend = autoshard.backend(mesh, compiler=compiler)
+        return Built(torch.compile(model, backend=backend), list(model.parameters()), backend.named_parameters)
+    if variant == "recipe_compiled":
+        sharded = compile_recipe_blocks(parallelize_recipe(model, mesh), compiler)
+        return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
     raise ValueError(f"unknown variant {variant!r}")
+
+
+def parity_rtol(variant: str, compiler: str) -> float:
+    return PARITY_RTOL_INDUCTOR if variant in COMPILED_VARIANTS and compiler == "inductor" else PARITY_RTOL
 
 
 def train_step(model, optimizer, tokens, targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,13 +230,76 @@ def parity_errors(reference, tokens, targets, logits, loss) -> dict[str, float]:
     return {"logits": rel_error(logits, ref_logits), "loss": rel_error(loss, ref_loss)}
 
 
-def local_param_bytes(model: torch.nn.Module) -> int:
+def grad_norm_error(trained: Iterable[tuple[str, torch.nn.Parameter]], reference: torch.nn.Module) -> float:
+    """Worst relative error of a parameter's gradient norm against one device on the global batch.
+
+    The logits and loss check the forward only; this catches a gradient that
+    is lost (norm 0, error 1) or scaled. A norm does not depend on layout
+    (autoshard stores weights transposed, fused sections permuted), so it
+    compares across shardings. Gradients are dp-averaged, so they equal the
+    single-device gradient of the global batch. Collective: every rank calls it.
+    """
+    tokens, targets = global_batch(0)
+    reference.zero_grad(set_to_none=True)
+    lm_loss(reference(tokens), targets).backward()
+    expected = {name: p.grad.norm() for name, p in reference.named_parameters()}
+    worst = 0.0
+    for name, p in trained:
+        if p.grad is None:
+            worst = max(worst, 1.0)
+            continue
+        norm = p.grad.norm()
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        worst = max(worst, rel_error(norm, expected[name]))
+    return worst
+
+
+def local_param_bytes(parameters: Iterable[torch.nn.Parameter]) -> int:
     """Bytes of parameters this rank stores (local shards of DTensors)."""
     total = 0
-    for p in model.parameters():
+    for p in parameters:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += local.numel() * local.element_size()
     return total
+
+
+_FUNCOL = torch.ops._c10d_functional
+# in-place/out= functional collectives inductor emits: op packet -> (kind, group arg index, payload)
+_INDUCTOR_COLLECTIVES = {
+    _FUNCOL.all_reduce_: ("all_reduce", 2, "input"),
+    _FUNCOL.all_gather_into_tensor_out: ("all_gather", 2, "output"),
+    _FUNCOL.reduce_scatter_tensor_out: ("reduce_scatter", 3, "input"),
+}
+
+
+class StepCollectiveCounter(CollectiveCounter):
+    """``CollectiveCounter`` that also counts inside compiled code.
+
+    Two differences, both needed only by the compiled variants:
+
+    * ``ignore_compile_internals``: dynamo refuses to run or compile a frame
+      while a dispatch mode that wants every eager op is active ("non-infra
+      torch dispatch mode present"), so under the plain counter the compiled
+      recipe blocks fail with ``fullgraph=True``. With this flag the mode
+      is off while compiling and on while the compiled code runs; the
+      collectives a compiled graph calls still reach the dispatcher.
+    * inductor lowers a functional ``all_reduce`` to the in-place
+      ``all_reduce_`` (and gathers/scatters to their ``_out`` forms), which
+      the base counter does not list.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        entry = _INDUCTOR_COLLECTIVES.get(func.overloadpacket)
+        if entry is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **(kwargs or {}))
+        kind, group_index, payload = entry
+        self._record(kind, args[group_index], out if payload == "output" else args[0])
+        return out
 
 
 def comm_summary(counter: CollectiveCounter) -> dict:
@@ -174,11 +319,16 @@ def dp_mean(value: torch.Tensor, mesh) -> float:
 
 
 def eval_loss(model, mesh) -> float:
-    """Loss on a held-out batch after training: a step-independent end state to compare variants."""
+    """Loss on a held-out batch after training: a step-independent end state to compare variants.
+
+    A forward without backward, but not under ``no_grad``: dynamo guards the
+    grad mode, so a ``no_grad`` call would recompile the compiled variants
+    (the autoshard backend refuses a second capture of sharded parameters,
+    the recipe would compile its blocks again). Same numbers either way.
+    """
     tokens, targets = local_batch(-1, mesh)
-    with torch.no_grad():
-        loss = lm_loss(model(tokens), targets)
-    return dp_mean(loss, mesh)
+    loss = lm_loss(model(tokens), targets)
+    return dp_mean(loss.detach(), mesh)
 
 
 def max_over_ranks(values: list[float]) -> list[float]:
@@ -189,53 +339,109 @@ def max_over_ranks(values: list[float]) -> list[float]:
 
 
 def quiet_known_warnings() -> None:
-    """Silence one FSDP2 warning per rank that would otherwise flood the output.
+    """Silence two warnings per rank that would otherwise flood the output.
 
     FSDP2 warns when the root returns a view (the recipe's gathered logits);
     the hazard it names (an in-place op on that view) does not occur here:
-    the loss reads the logits out of place.
+    the loss reads the logits out of place. DTensor logs that reducing a 2-D
+    gradient norm takes one all-reduce per mesh axis; that happens once, in
+    the untimed gradient check.
     """
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def run_variant(rank: int, world_size: int, variant: str, steps: int, warmup: int) -> dict | None:
+def first_step(built: Built, optimizer, reference, tokens, targets) -> tuple[dict[str, float], float]:
+    """Step 0: parity errors against one device, and its time (the gradient check between backward and
+    optimizer is not timed)."""
+    optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    start = time.perf_counter()
+    logits = built.step_module(tokens)
+    loss = lm_loss(logits, targets)
+    loss.backward()
+    elapsed = time.perf_counter() - start
+    parity = parity_errors(reference, tokens, targets, logits.detach(), loss.detach())
+    parity["grad_norm"] = grad_norm_error(built.trained_parameters(), reference)
+    start = time.perf_counter()
+    optimizer.step()
+    return parity, elapsed + time.perf_counter() - start
+
+
+def timed_step(model, optimizer, tokens, targets) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A step started together on every rank (after a barrier), with its wall time on this rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    logits, loss = train_step(model, optimizer, tokens, targets)
+    return logits, loss, time.perf_counter() - start
+
+
+def fresh_compile_cache() -> str:
+    """Point inductor's on-disk caches at an empty directory of this rank's own.
+
+    Otherwise a variant would reuse kernels and graphs compiled by an earlier
+    spawn (the other variant, an earlier round, an earlier run) and its first
+    step would not show what compiling costs.
+    """
+    path = tempfile.mkdtemp(prefix="bench_2d_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+def run_variant(rank: int, world_size: int, variant: str, steps: int, warmup: int, compiler: str) -> dict | None:
     """Everything one spawn measures for one variant; rank 0 returns the gathered result."""
+    cache_dir = fresh_compile_cache() if variant in COMPILED_VARIANTS else None
+    try:
+        return measure_variant(rank, world_size, variant, steps, warmup, compiler)
+    finally:
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def measure_variant(rank: int, world_size: int, variant: str, steps: int, warmup: int, compiler: str) -> dict | None:
+    """Build, train ``warmup + steps`` steps, evaluate; the compiled variants compile in step 0."""
     quiet_known_warnings()
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_DIMS)
     torch.manual_seed(SEED)
     model = Llama(MODEL_CONFIG)
     reference = copy.deepcopy(model)
-    tokens, _ = local_batch(0, mesh)
-    sharded = build_variant(variant, model, mesh, tokens)
+    tokens, targets = local_batch(0, mesh)
+    built = build_variant(variant, model, mesh, tokens, compiler)
     del model
-    # Measured now: after a no_grad forward FSDP2 leaves the root (reshard_after_forward=False) unsharded.
-    param_bytes = local_param_bytes(sharded)
-    optimizer = torch.optim.AdamW(sharded.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(built.optimizer_params, lr=LR)
     groups = {name: mesh.get_group(name) for name in MESH_DIMS}
 
-    times, comm, parity = [], None, None
-    for i in range(warmup + steps):
+    parity, first_step_s = first_step(built, optimizer, reference, tokens, targets)
+    del reference
+    # After a training step: the compiled autoshard's shards exist only from its first call on, and
+    # FSDP2 has resharded the root (a no_grad forward would leave it, reshard_after_forward=False, unsharded).
+    param_bytes = local_param_bytes(p for _, p in built.trained_parameters())
+
+    times, comm = [], None
+    for i in range(1, warmup + steps):
         tokens, targets = local_batch(i, mesh)
         if i == warmup - 1:
-            with CollectiveCounter(groups) as counter:
-                logits, loss = train_step(sharded, optimizer, tokens, targets)
+            with StepCollectiveCounter(groups) as counter:
+                train_step(built.step_module, optimizer, tokens, targets)
             comm = comm_summary(counter)
         elif i >= warmup:
-            dist.barrier()
-            start = time.perf_counter()
-            logits, loss = train_step(sharded, optimizer, tokens, targets)
-            times.append(time.perf_counter() - start)
+            times.append(timed_step(built.step_module, optimizer, tokens, targets)[2])
         else:
-            logits, loss = train_step(sharded, optimizer, tokens, targets)
-        if i == 0:
-            parity = parity_errors(reference, tokens, targets, logits, loss)
-            del reference
-    final_loss = eval_loss(sharded, mesh)
-    first_loss_errs = max_over_ranks([parity["logits"], parity["loss"]])
+            train_step(built.step_module, optimizer, tokens, targets)
+    final_loss = eval_loss(built.step_module, mesh)
+    result = gather_measurements(rank, world_size, times, first_step_s, comm, parity, param_bytes, final_loss)
+    if result is not None:
+        # what dynamo compiled: a block it gave up on (recompile limit) would run eagerly unnoticed
+        result["dynamo_graphs_rank0"] = dynamo_counters["stats"]["unique_graphs"]
+    return result
 
+
+def gather_measurements(rank, world_size, times, first_step_s, comm, parity, param_bytes, final_loss) -> dict | None:
+    """Worst rank for times, errors and footprint; every rank's collectives (they must agree)."""
+    first_step_errs = max_over_ranks([parity["logits"], parity["loss"], parity["grad_norm"]])
     step_times = max_over_ranks(times)
-    rss_kib, param_bytes = max_over_ranks(
-        [float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), float(param_bytes)]
+    rss_kib, param_bytes, first_step_s = max_over_ranks(
+        [float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), float(param_bytes), first_step_s]
     )
     all_comm = [None] * world_size
     dist.all_gather_object(all_comm, comm)
@@ -243,25 +449,26 @@ def run_variant(rank: int, world_size: int, variant: str, steps: int, warmup: in
         return None
     return {
         "step_times_s": step_times,
+        "first_step_s": first_step_s,
         "comm_per_rank": all_comm,
         "param_bytes_per_rank_max": int(param_bytes),
         "peak_rss_kib_max": int(rss_kib),
         "final_loss": final_loss,
-        "parity": {"logits_rel_err": first_loss_errs[0], "loss_rel_err": first_loss_errs[1]},
+        "parity": {"logits_rel_err": first_step_errs[0], "loss_rel_err": first_step_errs[1],
+                   "grad_norm_rel_err": first_step_errs[2]},
     }
 
 
 # --------------------------------------------------------------------------- driver side
 
 
-def run_rounds(rounds: int, steps: int, warmup: int) -> dict[str, list[dict]]:
-    """Alternate the variant order each round so slow drift of the machine hits both alike."""
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+def run_rounds(variants: tuple[str, ...], rounds: int, steps: int, warmup: int, compiler: str) -> dict[str, list[dict]]:
+    """Alternate the variant order each round so slow drift of the machine hits all alike."""
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(rounds):
-        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        order = variants if r % 2 == 0 else tuple(reversed(variants))
         for variant in order:
-            result = spawn(run_variant, WORLD_SIZE, (variant, steps, warmup),
-                           timeout=datetime.timedelta(minutes=5))[0]
+            result = spawn(run_variant, WORLD_SIZE, (variant, steps, warmup, compiler), timeout=SPAWN_TIMEOUT)[0]
             runs[variant].append(result)
     return runs
 
@@ -277,16 +484,19 @@ def axis_comm(per_rank: list[dict], axis: str) -> dict:
     }
 
 
-def summarize(results: list[dict]) -> dict:
+def summarize(variant: str, results: list[dict], compiler: str) -> dict:
     """Collapse a variant's rounds into the reported numbers."""
     first = results[0]
     axes = sorted({a for r in results for c in r["comm_per_rank"] for a in c})
     comm = {a: axis_comm(first["comm_per_rank"], a) for a in axes}
     pooled = [t for r in results for t in r["step_times_s"]]
     return {
+        "compiler": compiler if variant in COMPILED_VARIANTS else None,
         "step_time_median_s": statistics.median(pooled),
         "step_time_round_medians_s": [statistics.median(r["step_times_s"]) for r in results],
         "step_times_s": [r["step_times_s"] for r in results],
+        "first_step_s": statistics.median(r["first_step_s"] for r in results),
+        "first_step_every_round_s": [r["first_step_s"] for r in results],
         "comm_per_step": comm,
         "tp_wire_bytes": comm.get("tp", {}).get("wire_bytes", 0),
         "dp_wire_bytes": comm.get("dp", {}).get("wire_bytes", 0),
@@ -298,6 +508,8 @@ def summarize(results: list[dict]) -> dict:
         "final_loss": first["final_loss"],
         "final_loss_every_round": [r["final_loss"] for r in results],
         "first_step_parity": first["parity"],
+        "dynamo_graphs_rank0": first["dynamo_graphs_rank0"],
+        "parity_rtol": parity_rtol(variant, compiler),
     }
 
 
@@ -306,45 +518,62 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def check_recipe_parity(summary: dict) -> None:
-    """The baseline must compute the model's function, or the comparison is not honest."""
-    parity = summary["recipe"]["first_step_parity"]
-    worst = max(parity.values())
-    if worst > PARITY_RTOL:
-        raise AssertionError(f"recipe differs from the single-device model on step 1: {parity}")
+    """Each baseline must compute the model's function, or the comparison is not honest."""
+    for _, recipe in selected_pairs(summary):
+        parity, rtol = summary[recipe]["first_step_parity"], summary[recipe]["parity_rtol"]
+        if max(parity.values()) > rtol:
+            raise AssertionError(f"{recipe} differs from the single-device model on step 1 (rtol {rtol}): {parity}")
+
+
+def selected_pairs(summary: dict) -> list[tuple[str, str]]:
+    """The (autoshard, recipe) pairs that were run, eager first."""
+    return [pair for pair in PAIRS.values() if pair[0] in summary]
 
 
 def targets_section(summary: dict) -> dict:
-    """autoshard/recipe ratios against their thresholds."""
+    """Eager autoshard/recipe ratios against their thresholds; compiled ratios as information only."""
     out = {}
-    for name, (key, limit) in TARGETS.items():
-        r = ratio(summary["autoshard"][key], summary["recipe"][key])
-        out[name] = {"ratio": r, "max_ratio": limit, "met": r is not None and r <= limit}
+    if "autoshard" in summary:
+        for name, (key, limit) in TARGETS.items():
+            r = ratio(summary["autoshard"][key], summary["recipe"][key])
+            out[name] = {"ratio": r, "max_ratio": limit, "met": r is not None and r <= limit}
+    if "autoshard_compiled" in summary:
+        a, b = summary["autoshard_compiled"], summary["recipe_compiled"]
+        for name, key in COMPILED_RATIOS.items():
+            out[f"compiled_{name}"] = {"ratio": ratio(a[key], b[key]), "informative": True}
     return out
 
 
-def table_rows(summary: dict) -> list[tuple[str, float, float, str]]:
-    """(label, autoshard, recipe, formatted value kind) for the printed table."""
-    a, b = summary["autoshard"], summary["recipe"]
-    rows = [("step time median (ms)", a["step_time_median_s"] * 1e3, b["step_time_median_s"] * 1e3, "f2")]
-    for axis in ("tp", "dp"):
-        ca, cb = a["comm_per_step"].get(axis, {}), b["comm_per_step"].get(axis, {})
-        rows.append((f"{axis} collectives / step", ca.get("num_collectives", 0), cb.get("num_collectives", 0), "d"))
-        for kind in sorted(set(ca.get("counts", {})) | set(cb.get("counts", {}))):
-            rows.append((f"  {axis} {kind}", ca["counts"].get(kind, 0), cb["counts"].get(kind, 0), "d"))
-        rows.append((f"{axis} wire bytes / step", ca.get("wire_bytes", 0), cb.get("wire_bytes", 0), "d"))
-    for axis in sorted(set(a["comm_per_step"]) - {"tp", "dp"}):
-        rows.append((f"{axis} wire bytes / step", a["comm_per_step"].get(axis, {}).get("wire_bytes", 0),
-                     b["comm_per_step"].get(axis, {}).get("wire_bytes", 0), "d"))
-    rows += [
-        ("param bytes / rank", a["param_bytes_per_rank"], b["param_bytes_per_rank"], "d"),
-        ("peak RSS / rank (MiB, max)", a["peak_rss_kib_per_rank"] / 1024, b["peak_rss_kib_per_rank"] / 1024, "f1"),
-        ("final loss (held-out batch)", a["final_loss"], b["final_loss"], "f6"),
-        ("step-1 loss rel err vs 1 device", a["first_step_parity"]["loss_rel_err"],
-         b["first_step_parity"]["loss_rel_err"], "e"),
-        ("step-1 logits rel err vs 1 device", a["first_step_parity"]["logits_rel_err"],
-         b["first_step_parity"]["logits_rel_err"], "e"),
-    ]
+def comm_rows(columns: list[dict]) -> list[tuple[str, list[float], str]]:
+    """Collectives by axis and kind; a kind any column issues gets a row (0 where another does not)."""
+    rows = []
+    axes = sorted({a for c in columns for a in c["comm_per_step"]} - {"tp", "dp"})
+    for axis in ("tp", "dp", *axes):
+        per_column = [c["comm_per_step"].get(axis, {}) for c in columns]
+        rows.append((f"{axis} collectives / step", [c.get("num_collectives", 0) for c in per_column], "d"))
+        for kind in sorted({k for c in per_column for k in c.get("counts", {})}):
+            rows.append((f"  {axis} {kind}", [c.get("counts", {}).get(kind, 0) for c in per_column], "d"))
+        rows.append((f"{axis} wire bytes / step", [c.get("wire_bytes", 0) for c in per_column], "d"))
     return rows
+
+
+def table_rows(columns: list[dict]) -> list[tuple[str, list[float], str]]:
+    """(label, one value per column, formatted value kind) for the printed table."""
+
+    def each(read):
+        return [read(c) for c in columns]
+
+    return [
+        ("step time median (ms)", each(lambda c: c["step_time_median_s"] * 1e3), "f2"),
+        ("first step, incl. compile (s)", each(lambda c: c["first_step_s"]), "f2"),
+        *comm_rows(columns),
+        ("param bytes / rank", each(lambda c: c["param_bytes_per_rank"]), "d"),
+        ("peak RSS / rank (MiB, max)", each(lambda c: c["peak_rss_kib_per_rank"] / 1024), "f1"),
+        ("final loss (held-out batch)", each(lambda c: c["final_loss"]), "f6"),
+        ("step-1 loss rel err vs 1 device", each(lambda c: c["first_step_parity"]["loss_rel_err"]), "e"),
+        ("step-1 logits rel err vs 1 device", each(lambda c: c["first_step_parity"]["logits_rel_err"]), "e"),
+        ("step-1 grad-norm rel err vs 1 dev", each(lambda c: c["first_step_parity"]["grad_norm_rel_err"]), "e"),
+    ]
 
 
 def fmt(value: float, kind: str) -> str:
@@ -355,24 +584,46 @@ def fmt(value: float, kind: str) -> str:
     return f"{value:.{kind[1:]}f}"
 
 
-def format_table(summary: dict) -> str:
-    rows = table_rows(summary)
-    lines = [f"{'metric':<36}{'autoshard':>14}{'recipe':>14}{'ratio a/r':>11}", "-" * 75]
-    for label, va, vb, kind in rows:
-        r = ratio(va, vb) if kind != "e" else None
-        lines.append(f"{label:<36}{fmt(va, kind):>14}{fmt(vb, kind):>14}{(f'{r:.3f}' if r is not None else '-'):>11}")
+LABEL_WIDTH, VALUE_WIDTH, RATIO_WIDTH = 34, 12, 8
+
+
+def format_table(summary: dict, compiler: str) -> str:
+    """One (autoshard, recipe, ratio) column group per pair that ran, side by side."""
+    pairs = selected_pairs(summary)
+    group_width = 2 * VALUE_WIDTH + RATIO_WIDTH
+    titles = {"eager": "eager", "compiled": f"compiled ({compiler})"}
+    names = [n for n, pair in PAIRS.items() if pair in pairs]
+    group_line = " " * LABEL_WIDTH + "".join(f"{titles[n]:>{group_width}}" for n in names)
+    pair_header = f"{'autoshard':>{VALUE_WIDTH}}{'recipe':>{VALUE_WIDTH}}{'a/r':>{RATIO_WIDTH}}"
+    header = f"{'metric':<{LABEL_WIDTH}}" + pair_header * len(pairs)
+    lines = [group_line, header, "-" * len(header)]
+    for label, values, kind in table_rows([summary[v] for pair in pairs for v in pair]):
+        cells = []
+        for va, vb in zip(values[::2], values[1::2], strict=True):
+            r = ratio(va, vb) if kind != "e" else None
+            cells.append(f"{fmt(va, kind):>{VALUE_WIDTH}}{fmt(vb, kind):>{VALUE_WIDTH}}"
+                         f"{(f'{r:.3f}' if r is not None else '-'):>{RATIO_WIDTH}}")
+        lines.append(f"{label:<{LABEL_WIDTH}}" + "".join(cells))
     return "\n".join(lines)
 
 
 def format_targets(targets: dict) -> str:
-    parts = []
+    checked, informative = [], []
     for name, t in targets.items():
         r = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}"
-        parts.append(f"{name} ratio {r} <= {t['max_ratio']}: {'met' if t['met'] else 'NOT met'}")
-    return "targets: " + "; ".join(parts)
+        if t.get("informative"):
+            informative.append(f"{name} ratio {r}")
+        else:
+            checked.append(f"{name} ratio {r} <= {t['max_ratio']}: {'met' if t['met'] else 'NOT met'}")
+    lines = []
+    if checked:
+        lines.append("targets (eager): " + "; ".join(checked))
+    if informative:
+        lines.append("informative (compiled, no threshold): " + "; ".join(informative))
+    return "\n".join(lines)
 
 
-def config_section(args) -> dict:
+def config_section(args, variants: tuple[str, ...]) -> dict:
     return {
         "model": "examples.models.Llama",
         "model_config": dataclasses.asdict(MODEL_CONFIG),
@@ -386,7 +637,14 @@ def config_section(args) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
-        "parity_rtol": PARITY_RTOL,
+        "variants": list(variants),
+        "compiler": args.compiler,
+        "compiled_as": {
+            "autoshard_compiled": "torch.compile(model, backend=autoshard.backend(mesh, compiler=compiler))",
+            "recipe_compiled": "block.forward = torch.compile(block.forward, backend=compiler, fullgraph=True)",
+        },
+        "compile_cache": "fresh inductor cache directory per rank and spawn",
+        "parity_rtol": {"eager": PARITY_RTOL, "inductor": PARITY_RTOL_INDUCTOR},
         "torch_version": torch.__version__,
         "cpu_count": os.cpu_count(),
     }
@@ -395,23 +653,36 @@ def config_section(args) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1; the last one is counted)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first (>= 2: the first compiles, the last one is counted)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, variant order alternating")
+    parser.add_argument("--variants", default="eager,compiled", help="pairs to run: eager, compiled or both")
+    parser.add_argument("--compiler", default="inductor", choices=COMPILERS, help="compiler of the compiled pair")
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON output path")
     args = parser.parse_args(argv)
-    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
-        parser.error("--warmup, --steps and --rounds must be >= 1")
+    if args.warmup < 2 or args.steps < 1 or args.rounds < 1:
+        parser.error("--warmup must be >= 2, --steps and --rounds >= 1")
+    unknown = set(args.variants.split(",")) - set(PAIRS)
+    if unknown or not args.variants:
+        parser.error(f"--variants takes a comma-separated subset of {sorted(PAIRS)}, got {args.variants!r}")
     return args
+
+
+def selected_variants(spec: str) -> tuple[str, ...]:
+    """Variants of the chosen pairs, in ``PAIRS`` order."""
+    chosen = set(spec.split(","))
+    return tuple(v for name, pair in PAIRS.items() if name in chosen for v in pair)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    variants = selected_variants(args.variants)
     start = time.perf_counter()
-    runs = run_rounds(args.rounds, args.steps, args.warmup)
-    summary = {v: summarize(runs[v]) for v in VARIANTS}
+    runs = run_rounds(variants, args.rounds, args.steps, args.warmup, args.compiler)
+    summary = {v: summarize(v, runs[v], args.compiler) for v in variants}
     check_recipe_parity(summary)
     report = {
-        "config": config_section(args),
+        "config": config_section(args, variants),
         "variants": summary,
         "targets": targets_section(summary),
         "wall_time_s": time.perf_counter() - start,
@@ -419,7 +690,7 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(format_table(summary))
+    print(format_table(summary, args.compiler))
     print(format_targets(report["targets"]))
     print(f"wall time {report['wall_time_s']:.1f} s; JSON: {os.path.relpath(args.out)}")
     return report

@@ -17,11 +17,18 @@ graph does, so the two are compared on the same parallelism scheme.
 All tp plan entries keep ``use_local_output=True`` (the default): the example
 attention reshapes with ``.view(bsz, seq, -1, head_dim)``, which is correct on
 the tp-local (head-sharded) tensors.
+
+``compile_recipe_blocks`` is the compiled counterpart: each block's forward
+compiled with one ``torch.compile`` backend, hooks and root eager.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
@@ -63,3 +70,37 @@ def parallelize_recipe(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     return model
+
+
+def compile_recipe_blocks(model: nn.Module, compiler: str) -> nn.Module:
+    """Compile each block's forward with ``compiler``, as ``autoshard.backend`` compiles its blocks.
+
+    Only ``block.forward`` is replaced, so FSDP2's pre/post-forward hooks
+    (registered on the module's ``__call__``) stay eager around the compiled
+    code, and the root (embedding, final norm, head) runs eagerly. Dynamo
+    traces the block's tp DTensors into functional collectives; ``fullgraph``
+    makes a graph break an error, so each block is one compiled graph.
+    """
+    for block in model.layers:
+        block.forward = _plain_tensor_input(torch.compile(block.forward, backend=compiler, fullgraph=True))
+    return model
+
+
+def _plain_tensor_input(compiled_forward):
+    """Hand the compiled block a plain tensor where the eager root gives an ``AsyncCollectiveTensor``.
+
+    The embedding's output (all-reduced over tp, ``use_local_output=True``) is
+    an ``AsyncCollectiveTensor``. Passed as is into the compiled first block,
+    its gradient is lost: the embedding weight's gradient is exactly zero
+    and it never trains, silently (torch 2.13, ``aot_eager`` and
+    ``inductor``). ``clone()`` waits for the all-reduce eagerly and gives
+    autograd an ordinary edge; it copies one activation per step.
+    """
+
+    @functools.wraps(compiled_forward)
+    def forward(x, *args, **kwargs):
+        if isinstance(x, AsyncCollectiveTensor):
+            x = x.clone()
+        return compiled_forward(x, *args, **kwargs)
+
+    return forward
