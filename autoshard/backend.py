@@ -177,6 +177,8 @@ def _fqn_of_dynamo_path(path: str) -> str:
 
 # released model tensor -> the sharded parameter that replaces it (read by the optimizer hook)
 _REPLACEMENTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# released model parameter -> (code of the graph it was sharded in, that graph's sharded module)
+_GRAPHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _OPTIMIZER_HOOK = []
 
 
@@ -241,6 +243,30 @@ def _release(tensors: list[torch.Tensor]) -> None:
         tensor.detach().untyped_storage().resize_(0)
 
 
+def _sharded_before(inputs: GraphInputs, example_inputs, code: str) -> fx.GraphModule | None:
+    """The sharded module of an earlier capture of this very graph; None if none of its parameters is sharded.
+
+    Dynamo captures a graph again when a guard fails: grad mode (an evaluation
+    under ``torch.no_grad()``), or new input shapes. The same code over the
+    same parameters is served by the same sharded module; anything else would
+    have to be planned from full weights that are gone, and is refused.
+    """
+    params = [(fqn, value) for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True)
+              if kind == "parameter"]
+    earlier = [(fqn, _GRAPHS.get(value)) for fqn, value in params if value in _REPLACEMENTS]
+    if not earlier:
+        return None
+    modules = {id(entry[1]) for _, entry in earlier if entry is not None}
+    if len(earlier) == len(params) and len(modules) == 1 and all(entry[0] == code for _, entry in earlier):
+        return earlier[0][1][1]
+    raise NotImplementedError(
+        f"autoshard backend: '{earlier[0][0]}' was sharded for an earlier graph and dynamo captured a different "
+        f"graph reading it (a graph break with reads of it on both sides, a recompile for new input shapes, or "
+        f"another code path); keep each parameter's reads within one graph and call the compiled model with "
+        f"the input shapes of its first call"
+    )
+
+
 class AutoshardBackend:
     """A dynamo backend that shards each captured graph over ``mesh``; see the module doc.
 
@@ -263,7 +289,10 @@ class AutoshardBackend:
 
         mesh = self.mesh if self.mesh is not None else default_mesh()
         inputs = read_graph_inputs(gm, example_inputs)
-        self._refuse_resharding(inputs, example_inputs)
+        code = gm.code
+        again = _sharded_before(inputs, example_inputs, code)
+        if again is not None:  # the same graph captured again (e.g. under torch.no_grad())
+            return _ShardedGraph(again, inputs, example_inputs)
         _user_fqn_paths(gm)
         as_module = _GraphAsModule(gm, inputs, example_inputs)
         user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
@@ -275,18 +304,8 @@ class AutoshardBackend:
         for fqn, param in sharded.named_parameters(remove_duplicate=False):
             param.autoshard_fqn = fqn
             _REPLACEMENTS[originals[fqn]] = param
+            _GRAPHS[originals[fqn]] = (code, sharded)
         return _ShardedGraph(sharded, inputs, example_inputs)
-
-    @staticmethod
-    def _refuse_resharding(inputs: GraphInputs, example_inputs) -> None:
-        for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True):
-            if kind == "parameter" and value in _REPLACEMENTS:
-                raise NotImplementedError(
-                    f"autoshard backend: '{fqn}' was sharded for an earlier graph and dynamo captured it again "
-                    f"(a graph break with reads of it on both sides, or a recompile for new input shapes); "
-                    f"keep each parameter's reads within one graph and call the compiled model with the input "
-                    f"shapes of its first call"
-                )
 
     @property
     def plan(self) -> Plan:

@@ -125,6 +125,14 @@ def check_backend_trains_like_eager(ctx):
     assert isinstance(wq, DTensor) and tuple(wq.placements) == (Shard(0), Shard(1)) and wq.shape == (64, 64)
     assert wq.to_local().shape == (32, 32)
 
+    # an evaluation under no_grad (dynamo captures the graph again) runs the same shards
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(tokens), run.ref(tokens), rtol=0, atol=0)
+    assert len(backend.sharded) == 1
+    # new shapes would need planning from the released full weights: refused, naming a parameter
+    with pytest.raises(Exception, match="'tok_embeddings.weight' was sharded for an earlier graph"):
+        compiled(tokens[:1])
+
 
 def check_graph_breaks_each_get_the_eager_plan(ctx):
     run = _LlamaRun.start(ctx, BrokenLlama, steps=3)
