@@ -35,10 +35,12 @@ on transposed shards. The contract instead:
   pre-hook). An optimizer that already holds state for a released parameter
   raises a ``RuntimeError`` naming it.
 
-Each graph between graph breaks gets its own plan and FSDP root; a parameter
-read by two graphs is refused (it would be sharded twice). A graph compiled
-again (new input shapes) is refused with a clear error: the full weights it
-would be planned from are gone; capture with the shapes of training.
+Each graph between graph breaks gets its own plan and FSDP root. A graph
+dynamo captures again with the same code over the same parameters (grad mode
+changed: an evaluation under ``torch.no_grad()``) runs the same sharded
+module. A different graph over sharded parameters (read on both sides of a
+graph break, new input shapes, another code path) is refused with a clear
+error: the full weights it would be planned from are gone.
 """
 
 from __future__ import annotations
