@@ -44,6 +44,10 @@ _FUNCTIONAL = {
     _funcol.all_gather_into_tensor: ("all_gather", 2),
     _funcol.reduce_scatter_tensor: ("reduce_scatter", 3),
     _funcol.all_to_all_single: ("all_to_all", 3),
+    # the in-place and out= forms inductor lowers them to
+    _funcol.all_reduce_: ("all_reduce", 2),
+    _funcol.all_gather_into_tensor_out: ("all_gather", 2),
+    _funcol.reduce_scatter_tensor_out: ("reduce_scatter", 3),
 }
 _C10D = {
     _c10d.allreduce_: ("all_reduce", 1),
@@ -96,6 +100,16 @@ class CollectiveCounter(TorchDispatchMode):
         self._size_by_axis = {a: g.size() for a, g in axes.items()}
         self._counts: dict[str, Counter] = {a: Counter() for a in axes}
         self._bytes: dict[str, float] = {a: 0.0 for a in axes}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while dynamo compiles, on while compiled code runs.
+
+        Dynamo refuses to trace under a dispatch mode that wants every eager
+        op; compiled graphs still call their collectives through the
+        dispatcher, so they are counted.
+        """
+        return True
 
     def _record(self, kind: str, group, payload) -> None:
         if not isinstance(group, str):  # c10d ops carry the ProcessGroup as a ScriptObject

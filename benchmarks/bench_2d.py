@@ -51,9 +51,9 @@ Method, and why:
   the shards at its first ``step()``); its parameter bytes are measured on
   ``backend.parameters()``, every variant's after the first step.
 * Warmup steps (the first included) are untimed. The last warmup step runs
-  inside a ``CollectiveCounter`` (``StepCollectiveCounter``: it also counts
-  the collectives inductor's code calls, and lets dynamo run compiled
-  frames under it), so counts and wire bytes describe one steady-state step
+  inside a ``CollectiveCounter`` (it also counts the collectives
+  inductor's code calls, and lets dynamo run compiled frames under it), so
+  counts and wire bytes describe one steady-state step
   (forward, backward and optimizer) without slowing a timed step.
 * Step time on a small machine running 4 processes is noisy and drifts, so
   the variants are run in ``--rounds`` rounds (default 2) in alternating
@@ -263,45 +263,6 @@ def local_param_bytes(parameters: Iterable[torch.nn.Parameter]) -> int:
     return total
 
 
-_FUNCOL = torch.ops._c10d_functional
-# in-place/out= functional collectives inductor emits: op packet -> (kind, group arg index, payload)
-_INDUCTOR_COLLECTIVES = {
-    _FUNCOL.all_reduce_: ("all_reduce", 2, "input"),
-    _FUNCOL.all_gather_into_tensor_out: ("all_gather", 2, "output"),
-    _FUNCOL.reduce_scatter_tensor_out: ("reduce_scatter", 3, "input"),
-}
-
-
-class StepCollectiveCounter(CollectiveCounter):
-    """``CollectiveCounter`` that also counts inside compiled code.
-
-    Two differences, both needed only by the compiled variants:
-
-    * ``ignore_compile_internals``: dynamo refuses to run or compile a frame
-      while a dispatch mode that wants every eager op is active ("non-infra
-      torch dispatch mode present"), so under the plain counter the compiled
-      recipe blocks fail with ``fullgraph=True``. With this flag the mode
-      is off while compiling and on while the compiled code runs; the
-      collectives a compiled graph calls still reach the dispatcher.
-    * inductor lowers a functional ``all_reduce`` to the in-place
-      ``all_reduce_`` (and gathers/scatters to their ``_out`` forms), which
-      the base counter does not list.
-    """
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = _INDUCTOR_COLLECTIVES.get(func.overloadpacket)
-        if entry is None:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **(kwargs or {}))
-        kind, group_index, payload = entry
-        self._record(kind, args[group_index], out if payload == "output" else args[0])
-        return out
-
-
 def comm_summary(counter: CollectiveCounter) -> dict:
     """Counts by kind and wire bytes per axis as plain JSON data."""
     return {
@@ -322,9 +283,8 @@ def eval_loss(model, mesh) -> float:
     """Loss on a held-out batch after training: a step-independent end state to compare variants.
 
     A forward without backward, but not under ``no_grad``: dynamo guards the
-    grad mode, so a ``no_grad`` call would recompile the compiled variants
-    (the autoshard backend refuses a second capture of sharded parameters,
-    the recipe would compile its blocks again). Same numbers either way.
+    grad mode, so a ``no_grad`` call would compile the recipe's blocks again
+    (an inductor compile outside the measured steps). Same numbers either way.
     """
     tokens, targets = local_batch(-1, mesh)
     loss = lm_loss(model(tokens), targets)
@@ -421,7 +381,7 @@ def measure_variant(rank: int, world_size: int, variant: str, steps: int, warmup
     for i in range(1, warmup + steps):
         tokens, targets = local_batch(i, mesh)
         if i == warmup - 1:
-            with StepCollectiveCounter(groups) as counter:
+            with CollectiveCounter(groups) as counter:
                 train_step(built.step_module, optimizer, tokens, targets)
             comm = comm_summary(counter)
         elif i >= warmup:
