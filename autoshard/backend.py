@@ -177,10 +177,17 @@ def _fqn_of_dynamo_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-# released model tensor -> the sharded parameter that replaces it (read by the optimizer hook)
-_REPLACEMENTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# released model parameter -> (code of the graph it was sharded in, that graph's sharded module)
-_GRAPHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+@dataclasses.dataclass(frozen=True)
+class _Sharded:
+    """What became of one released model parameter."""
+
+    param: nn.Parameter  # the sharded parameter that replaces it (read by the optimizer hook)
+    code: str  # code of the dynamo graph it was sharded in
+    module: fx.GraphModule  # that graph's sharded module
+
+
+# released model parameter -> its _Sharded
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _OPTIMIZER_HOOK = []
 
 
@@ -189,9 +196,10 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         params = group["params"]
         for i, param in enumerate(params):
-            replacement = _REPLACEMENTS.get(param)
-            if replacement is None:
+            sharded = _SHARDED.get(param)
+            if sharded is None:
                 continue
+            replacement = sharded.param
             if optimizer.state.get(param):
                 raise RuntimeError(
                     f"autoshard backend: the optimizer holds state for '{replacement.autoshard_fqn}' as it was "
@@ -255,12 +263,12 @@ def _sharded_before(inputs: GraphInputs, example_inputs, code: str) -> fx.GraphM
     """
     params = [(fqn, value) for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True)
               if kind == "parameter"]
-    earlier = [(fqn, _GRAPHS.get(value)) for fqn, value in params if value in _REPLACEMENTS]
+    earlier = [(fqn, _SHARDED[value]) for fqn, value in params if value in _SHARDED]
     if not earlier:
         return None
-    modules = {id(entry[1]) for _, entry in earlier if entry is not None}
-    if len(earlier) == len(params) and len(modules) == 1 and all(entry[0] == code for _, entry in earlier):
-        return earlier[0][1][1]
+    modules = {id(sharded.module) for _, sharded in earlier}
+    if len(earlier) == len(params) and len(modules) == 1 and all(sharded.code == code for _, sharded in earlier):
+        return earlier[0][1].module
     raise NotImplementedError(
         f"autoshard backend: '{earlier[0][0]}' was sharded for an earlier graph and dynamo captured a different "
         f"graph reading it (a graph break with reads of it on both sides, a recompile for new input shapes, or "
@@ -305,8 +313,7 @@ class AutoshardBackend:
         originals = dict(as_module.named_parameters(remove_duplicate=False))
         for fqn, param in sharded.named_parameters(remove_duplicate=False):
             param.autoshard_fqn = fqn
-            _REPLACEMENTS[originals[fqn]] = param
-            _GRAPHS[originals[fqn]] = (code, sharded)
+            _SHARDED[originals[fqn]] = _Sharded(param, code, sharded)
         return _ShardedGraph(sharded, inputs, example_inputs)
 
     @property
