@@ -28,6 +28,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_2d.py
+	$(PY) benchmarks/coverage.py
 
 # Rewrite the golden plan tables and emitted graphs under tests/golden after an intended change.
 golden: $(STAMP)

@@ -18,7 +18,7 @@ from autoshard.passes.layouts import insert_redistributes
 from autoshard.passes.materialize import materialize
 from autoshard.passes.partition import partition
 from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import ROWWISE, SEQ_DIM, propagate
+from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan
@@ -118,7 +118,8 @@ def autoshard(
         s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
             s.weight_fqn] == ROWWISE
     )
-    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter)
+    partial = frozenset(s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == PARTIAL)
+    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial)
     parts = partition(gm, captured.block_fqns)
     sharded = materialize(
         parts,

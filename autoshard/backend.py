@@ -325,7 +325,8 @@ class AutoshardBackend:
         params = {fqn: entry for p in plans for fqn, entry in p.params.items()}
         units = tuple(u for p in plans for u in p.units)
         activations = tuple(a for p in plans for a in p.activations)
-        return Plan(plans[0].mesh, params, units, activations)
+        activation_units = tuple(p.unit_of_activation(i) for p in plans for i in range(len(p.activations)))
+        return Plan(plans[0].mesh, params, units, activations, activation_units=activation_units)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.sharded:

@@ -19,6 +19,10 @@ Roles
                   ``[vocab, dim]``: tp cuts the vocabulary rows (``S(0)``),
                   FSDP cuts dim 1 (``S(1)``); the lookup is masked to the
                   local rows and all-reduced, the head is colwise.
+``sharded``       a parameter that is no linear's weight but is read sharded by
+                  one op (the weight of a norm over a tp-sharded width): stored
+                  cut over tp on the dim its placement names, so no step cuts
+                  it or gathers its gradient.
 ``replicate``     everything else (norm weights, a linear left unsharded):
                   tp ``R``, sharded over dp like any FSDP parameter.
 
@@ -35,7 +39,7 @@ from collections.abc import Mapping
 
 PLAN_VERSION = 1
 
-ROLES = ("colwise", "rowwise", "colwise_bias", "rowwise_bias", "vocab_parallel", "replicate")
+ROLES = ("colwise", "rowwise", "colwise_bias", "rowwise_bias", "vocab_parallel", "sharded", "replicate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,13 @@ class Plan:
     units: tuple[str, ...] = ()
     activations: tuple[str, ...] = ()
     version: int = PLAN_VERSION
+    activation_units: tuple[str, ...] = ()  # the FSDP unit of each activation collective, in step
+    functions: tuple[str, ...] = ()  # custom autograd.Functions checked and inlined
+    # where tp stops: (unit, op and source line) of each sharded value gathered inside a block
+    breaks: tuple[tuple[str, str], ...] = ()
+
+    def unit_of_activation(self, index: int) -> str:
+        return self.activation_units[index] if index < len(self.activation_units) else ""
 
     def roles(self) -> dict[str, str]:
         return {fqn: p.role for fqn, p in self.params.items()}
@@ -141,6 +152,9 @@ class Plan:
             "units": list(self.units),
             "params": {fqn: p.to_dict() for fqn, p in self.params.items()},
             "activations": list(self.activations),
+            "activation_units": list(self.activation_units),
+            "functions": list(self.functions),
+            "breaks": [list(b) for b in self.breaks],
         }
 
     @classmethod
@@ -160,6 +174,9 @@ class Plan:
             units=tuple(data.get("units", ())),
             activations=tuple(data.get("activations", ())),
             version=version,
+            activation_units=tuple(data.get("activation_units", ())),
+            functions=tuple(data.get("functions", ())),
+            breaks=tuple((str(u), str(w)) for u, w in data.get("breaks", ())),
         )
 
     def __str__(self) -> str:
@@ -192,13 +209,40 @@ class Plan:
         out.append("(T) stored transposed; placements are on the stored dims")
         if any(p.sections for p in self.params.values()):
             out.append("[a|b|c] fused output sections, permuted so each tp rank holds its share of each")
+        out += list(self.functions)
         if "dp" in self.mesh:
             out.append(
                 "dp: each FSDP unit all-gathers its S(0) parameters before forward (blocks again "
                 "before backward) and reduce-scatters their gradients; gradients of R parameters "
                 "are all-reduced"
             )
+        if "tp" in self.mesh:
+            out.append(self.breaks_line())
         return "\n".join(out)
+
+    def num_tp_collectives(self, unit: str | None = None) -> int:
+        """tp collectives per training step (forward + backward), in one FSDP unit or in all.
+
+        A collective shared by several weights (one all-reduce for q/k/v's input
+        gradients) counts once: the other weights' entries only name it.
+        """
+        count = sum(
+            1
+            for entry in self.params.values()
+            if unit is None or entry.unit == unit
+            for text in entry.collectives
+            if text.startswith(("fwd", "bwd all-reduce"))
+        )
+        return count + sum(
+            1 for i in range(len(self.activations)) if unit is None or self.unit_of_activation(i) == unit
+        )
+
+    def breaks_line(self) -> str:
+        """One line: how many blocks stop being tensor parallel somewhere, and where."""
+        blocks = [u for u in self.units if u]
+        broken = [u for u in blocks if any(b[0] == u for b in self.breaks)]
+        where = "; ".join(f"{u}: {w}" for u, w in self.breaks if u in broken)
+        return f"tp breaks: {len(broken)} of {len(blocks)} blocks" + (f" ({where})" if where else "")
 
 
 def placement(text: str):

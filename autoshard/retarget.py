@@ -20,11 +20,14 @@ it records no tp collectives, so it is not retargeted to a mesh with tp.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 from collections.abc import Mapping
 
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes
-from autoshard.passes.placements import GATHERED_EARLY, TP_DIM_BY_ROLE, build_plan, dp_padding, param_placements
+from autoshard.passes.discover import find_sites
+from autoshard.passes.placements import GATHERED_EARLY, build_plan, dp_padding, param_placements, tp_dim_of
 from autoshard.passes.propagate import propagate
 from autoshard.plan import ParamSharding, Plan
 
@@ -57,6 +60,7 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
         params={fqn: _retarget_entry(entry, old, new) for fqn, entry in plan.params.items()},
         units=plan.units,
         activations=plan.activations if new.has_tp else (),
+        activation_units=plan.activation_units if new.has_tp else (),
         version=plan.version,
     )
 
@@ -83,8 +87,12 @@ def check_activations_carry(
     new = _axes(final.mesh)
     if not (old.has_tp and new.has_tp) or old.tp == new.tp:
         return
-    layout_plan = propagate(captured.gm, sites, old.tp, roles, "error", loss_parallel, sequence_parallel)
-    before = build_plan(captured, sites, layout_plan, old, dp_placements)
+    # on a copy: propagation may rewrite the graph (norms over a sharded width), and the
+    # graph of ``final`` is the one the pipeline goes on to shard
+    twin = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
+    twin_sites = find_sites(twin.gm, twin.param_shapes)
+    layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, "error", loss_parallel, sequence_parallel)
+    before = build_plan(twin, twin_sites, layout_plan, old, dp_placements)
     changed = []
     for fqn, now in final.params.items():
         was = before.params[fqn]
@@ -128,7 +136,7 @@ def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
     tp = new.tp
     faults = []
     for fqn, entry in plan.params.items():
-        dim = TP_DIM_BY_ROLE[entry.role]
+        dim = tp_dim_of(entry)
         if dim is None or len(entry.stored_shape) <= dim:
             continue
         size = entry.stored_shape[dim]
@@ -149,7 +157,7 @@ def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
 
 def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> ParamSharding:
     dp_choice = entry.placements.get(DP) if old.has_dp else None
-    placements = param_placements(entry.role, entry.shape, new, dp_choice)
+    placements = param_placements(entry.role, entry.shape, new, dp_choice, tp_dim_of(entry))
     return ParamSharding(
         role=entry.role,
         shape=entry.shape,

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.errors import user_frame
+from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
 from autoshard.passes.partition import callable_blocks
 
 
@@ -99,6 +100,7 @@ class CapturedGraph:
     block_fqns: tuple[str, ...]
     inputs: InputSignature
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # tied FQN -> canonical FQN
+    functions: tuple[CheckedFunction, ...] = ()  # custom autograd.Functions checked and inlined
 
 
 class CaptureError(ValueError):
@@ -113,8 +115,9 @@ def capture(
     if parameters_on_meta(model):
         traced = _twin_on_meta(model)
         traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (traced_args, traced_kwargs))
+    traced_calls = []
     try:
-        with _refusing_custom_autograd_functions():
+        with recording_calls(traced_calls, clone=False):
             exported = torch.export.export(
                 traced, traced_args, traced_kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
@@ -126,6 +129,7 @@ def capture(
             f"(strict=False) at {user_frame(traceback.extract_tb(err.__traceback__))}: "
             f"{type(err).__name__}: {_first_lines(str(err))}"
         ) from err
+    functions = _check_functions(model, traced, args, kwargs or {}, traced_calls)
     unlifted = exported.module()
     graph = unlifted.graph
     for node in list(graph.nodes):
@@ -142,7 +146,7 @@ def capture(
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
-    return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs, aliases)
+    return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs, aliases, functions)
 
 
 def parameters_on_meta(model: nn.Module) -> bool:
@@ -168,17 +172,21 @@ def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _twin_on_meta(model: nn.Module) -> nn.Module:
-    """``model``'s module tree, shallow-copied, with the same parameters and every buffer on meta.
+    """``model``'s module tree, shallow-copied, with the same parameters and every buffer on meta."""
+    return _twin(model, _to_meta)
 
-    The user's modules are not touched: each twin gets its own ``_modules`` and
-    ``_buffers`` dicts. A module reachable under two names stays one twin.
+
+def _twin(model: nn.Module, buffer_fn) -> nn.Module:
+    """``model``'s module tree, shallow-copied, with the same parameters and ``buffer_fn`` of
+    each buffer. The user's modules are not touched: each twin gets its own ``_modules``
+    and ``_buffers`` dicts. A module reachable under two names stays one twin.
     """
     twins: dict[int, nn.Module] = {}
 
     def twin(module: nn.Module) -> nn.Module:
         if id(module) not in twins:
             clone = twins[id(module)] = copy.copy(module)
-            clone._buffers = {n: None if b is None else _to_meta(b) for n, b in module._buffers.items()}
+            clone._buffers = {n: None if b is None else buffer_fn(b) for n, b in module._buffers.items()}
             clone._modules = {n: None if c is None else twin(c) for n, c in module._modules.items()}
         return twins[id(module)]
 
@@ -212,27 +220,20 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     return tuple(blocks)
 
 
-@contextlib.contextmanager
-def _refusing_custom_autograd_functions():
-    """Export inlines a custom ``autograd.Function``'s forward and drops its
-    backward, so the sharded model would train with different gradients than
-    the user's. Refuse, naming the Function and the line that applies it."""
-    original = torch.autograd.Function.apply.__func__
-
-    def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch."):
-            frame = user_frame(traceback.extract_stack())
-            raise NotImplementedError(
-                f"autoshard: the model applies the custom autograd.Function {cls.__qualname__} at {frame}; "
-                f"capture keeps only its forward (its backward would be lost), so it is not supported"
-            )
-        return original(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = classmethod(original)
+def _check_functions(model, traced, args, kwargs, traced_calls) -> tuple[CheckedFunction, ...]:
+    """The custom autograd.Functions export met while tracing, each checked (see
+    passes.functions) on the values it receives: the model runs once more, eagerly,
+    on a twin whose buffers are copies and with the random state restored after, so
+    the user's model and random streams are untouched."""
+    if not traced_calls:
+        return ()
+    if traced is not model:  # on meta: random values of the traced shapes
+        return check_functions(traced_calls, on_meta=True)
+    calls = []
+    twin = _twin(model, lambda b: b.clone())
+    with recording_calls(calls, clone=True), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        twin(*args, **kwargs)
+    return check_functions(calls, on_meta=False)
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:

@@ -22,6 +22,24 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
+# The layout of a value that is a sum over tp ranks: each rank holds a summand.
+PARTIAL = "partial"
+# ... and of a value that is the mean over tp ranks (a mean over the sharded dim).
+PARTIAL_AVG = "partial_avg"
+PARTIALS = (PARTIAL, PARTIAL_AVG)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strided:
+    """DTensor's ``_StridedShard``: dim ``dim`` is ``split_factor`` runs, each cut in
+    ``tp`` contiguous chunks (heads flattened into the batch: ``[b, h/tp] -> [b*h/tp]``)."""
+
+    dim: int
+    split_factor: int
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -42,6 +60,8 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
         src, index = node.args
         lay = layouts[src]
         return Decision(lay[index] if isinstance(lay, tuple) else lay, {src: lay})
+    if any(lay in PARTIALS or isinstance(lay, Strided) for lay in layouts.values()):
+        return _partial_plus_zero(node, layouts, tp)  # the rest is DTensor's (passes.dtensor_rules)
     for ops, rule in _RULES:
         if node.target in ops:
             return rule(node, layouts, tp)
@@ -125,6 +145,24 @@ def _dropout_like(node, layouts, tp):
     value, dim = found
     out = (dim, dim) if isinstance(node.meta.get("val"), (tuple, list)) else dim
     return Decision(out, dict(layouts))
+
+
+_ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+
+
+def _partial_plus_zero(node, layouts, tp):
+    """``zeros + partial`` is partial: a replicated zero adds nothing to the sum
+    (an accumulator started with ``torch.zeros_like`` and summed over experts)."""
+    if node.target != aten.add.Tensor or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    for zero, partial in ((a, b), (b, a)):
+        if (
+            isinstance(zero, fx.Node) and zero.target in _ZEROS and layouts.get(zero) is None
+            and layouts.get(partial) == PARTIAL and _shape(zero) == _shape(node)
+        ):
+            return Decision(PARTIAL, {zero: None, partial: PARTIAL})
+    return None
 
 
 # --- views --------------------------------------------------------------------

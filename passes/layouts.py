@@ -12,17 +12,22 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
 import torch.fx as fx
 
 from autoshard import collectives
+from autoshard.passes.layout_rules import Strided
 from autoshard.passes.propagate import (
     ENTER_TP,
     GATHER,
     GATHER_FOR_COLWISE,
+    REDUCE,
     SHARDED_OUTPUT,
     TAKE_SHARD,
     LayoutPlan,
 )
+
+aten = torch.ops.aten
 
 _OP = {
     ENTER_TP: collectives.ENTER_TP,
@@ -30,6 +35,7 @@ _OP = {
     TAKE_SHARD: collectives.TAKE_SHARD,
     SHARDED_OUTPUT: collectives.as_sharded_dtensor,
     GATHER_FOR_COLWISE: collectives.GATHER_FOR_COLWISE,
+    REDUCE: collectives.REDUCE_PARTIAL,
 }
 _NAME = {
     ENTER_TP: "enter_tp",
@@ -37,6 +43,7 @@ _NAME = {
     TAKE_SHARD: "shard",
     SHARDED_OUTPUT: "dtensor",
     GATHER_FOR_COLWISE: "gathered",
+    REDUCE: "reduced",
 }
 
 
@@ -56,24 +63,45 @@ def insert_redistributes(gm: fx.GraphModule, plan: LayoutPlan, group_name: str) 
             key = (value, steps[: i + 1])
             if key not in made:
                 first_reader = min(readers[key], key=position.__getitem__)
-                made[key] = _insert_step(graph, current, step, group_name, first_reader)
+                made[key] = _insert_step(graph, current, step, group_name, first_reader, plan.tp)
             current = made[key]
         consumer.replace_input_with(value, current)
     graph.lint()
 
 
-def _insert_step(graph: fx.Graph, value: fx.Node, step, group_name: str, first_reader: fx.Node) -> fx.Node:
+def _insert_step(
+    graph: fx.Graph, value: fx.Node, step, group_name: str, first_reader: fx.Node, tp: int
+) -> fx.Node:
     """The collective node for ``step`` on ``value``, placed after the value it reads.
 
     A parameter or graph input is read at the top of the graph, so its
     collective goes right before its first reader instead, inside the same
     block: a block's parameters exist unsharded only during the block's call.
     """
-    args = (value, group_name) if step.kind == ENTER_TP else (value, step.dim, group_name)
     at_top = value.op in ("placeholder", "get_attr")
-    with graph.inserting_before(first_reader) if at_top else graph.inserting_after(value):
-        node = graph.call_function(_OP[step.kind], args)
-    node._rename(f"{value.name}_{_NAME[step.kind]}")
     origin = first_reader if at_top else value
-    node.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
+    before = set(graph.nodes)
+    with graph.inserting_before(first_reader) if at_top else graph.inserting_after(value):
+        if isinstance(step.dim, Strided):
+            node = _strided_step(graph, value, step, group_name)
+        else:
+            args = (value, group_name) if step.kind in (ENTER_TP, REDUCE) else (value, step.dim, group_name)
+            node = graph.call_function(_OP[step.kind], args)
+            if step.kind == REDUCE and step.dim == "avg":  # a mean over the sharded dim: sum of means / tp
+                node._rename(f"{value.name}_summed")
+                with graph.inserting_after(node):
+                    node = graph.call_function(aten.div.Tensor, (node, tp))
+    node._rename(f"{value.name}_{_NAME[step.kind]}")
+    for new in set(graph.nodes) - before:  # every node of the step runs in the unit of its origin
+        new.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
     return node
+
+
+def _strided_step(graph: fx.Graph, value: fx.Node, step, group_name: str) -> fx.Node:
+    """Gather or take a ``Strided(dim, k)`` shard: dim ``dim`` seen as ``[k, n]``, with
+    ``n`` cut over tp, so the collective works on dim ``dim + 1`` of that view."""
+    dim, runs = step.dim.dim, step.dim.split_factor
+    split = graph.call_function(aten.unflatten.int, (value, dim, [runs, -1]))
+    op = collectives.GATHER_SHARDS if step.kind == GATHER else collectives.TAKE_SHARD
+    moved = graph.call_function(op, (split, dim + 1, group_name))
+    return graph.call_function(aten.flatten.using_ints, (moved, dim, dim + 1))

@@ -115,6 +115,15 @@ def _owner_block(path: str, block_fqns) -> str | None:
     return None
 
 
+def unit_of_node(node: fx.Node, block_fqns) -> str:
+    """The FSDP unit (block FQN, ``""`` for the root) whose code computes ``node``."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        found = _owner_block(path, block_fqns)
+        if found:
+            return found
+    return ""
+
+
 def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:
     unit: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:

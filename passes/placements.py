@@ -15,12 +15,15 @@ from autoshard.errors import describe
 from autoshard.mesh import DP, TP, MeshAxes
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
+from autoshard.passes.partition import unit_of_node
 from autoshard.passes.propagate import (
     COLWISE,
     COLWISE_LIKE,
     ENTER_TP,
     GATHER,
     GATHER_FOR_COLWISE,
+    PARTIALS,
+    REDUCE,
     REPLICATE,
     ROWWISE,
     SEQ_DIM,
@@ -40,7 +43,7 @@ def build_plan(
     dp_placements: dict[str, str] | None = None,
 ) -> Plan:
     """The plan for ``captured``; ``dp_placements`` overrides the dp placement per FQN."""
-    collectives, activations = _collectives_by_weight(sites, layout_plan)
+    collectives, activations, activation_nodes = _collectives_by_weight(sites, layout_plan)
     entries: dict[str, ParamSharding] = {}
     site_by_param = {fqn: s for s in sites.all for fqn in s.param_fqns}
     for fqn, shape in captured.param_shapes.items():
@@ -57,7 +60,11 @@ def build_plan(
         tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
         if tied_names:
             note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
-        placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn))
+        tp_dim = None
+        if fqn in layout_plan.sharded_params and axes.has_tp:
+            role, tp_dim = SHARDED, layout_plan.sharded_params[fqn]
+            note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
+        placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn), tp_dim)
         sections = ()
         if axes.has_tp and site is not None and isinstance(site, LinearSite):
             sections = layout_plan.fused.get(site.weight_fqn, ())
@@ -79,7 +86,28 @@ def build_plan(
         params=entries,
         units=("", *captured.block_fqns),
         activations=tuple(activations) if axes.has_tp else (),
+        activation_units=tuple(unit_of_node(n, captured.block_fqns) for n in activation_nodes) if axes.has_tp else (),
+        functions=tuple(str(f) for f in captured.functions),
+        breaks=_breaks(layout_plan, captured.block_fqns) if axes.has_tp else (),
     )
+
+
+def _breaks(lp: LayoutPlan, block_fqns) -> tuple[tuple[str, str], ...]:
+    """Where a block's tp sharding ends before a rowwise linear: sharded values gathered
+    inside a block, and colwise outputs gathered at once (at the op that would have
+    ended their region)."""
+    found: dict[tuple[str, str], None] = {}
+    for source, where in lp.gathered_early.items():
+        unit = unit_of_node(source, block_fqns)
+        if unit:
+            found[(unit, where)] = None
+    for (value, consumer), steps in lp.edges.items():
+        if any(step.kind == GATHER for step in steps) and value not in lp.gathered_early:
+            unit = unit_of_node(consumer, block_fqns) if consumer.op != "output" else ""
+            if unit:
+                found[(unit, describe(consumer))] = None
+    order = {unit: i for i, unit in enumerate(block_fqns)}
+    return tuple(sorted(found, key=lambda b: order.get(b[0], -1)))
 
 
 # The stored dim tp cuts, per role: every linear weight and embedding table is an
@@ -93,25 +121,40 @@ TP_DIM_BY_ROLE: dict[str, int | None] = {
     VOCAB_PARALLEL: 0,
     REPLICATE: None,
 }
+SHARDED = "sharded"  # tp dim given per parameter (its placement), see plan.py
 
 
-def default_dp_placement(role: str, shape) -> str:
+def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:
     """FSDP shards dim 0, except a colwise bias (already cut by tp) and scalars stay
     replicated, and a vocabulary-parallel table gives dim 0 to tp and dim 1 to FSDP."""
     if role == VOCAB_PARALLEL:
         return "S(1)"
+    if role == SHARDED:
+        return "R" if len(shape) <= 1 else "S(1)" if tp_dim == 0 else "S(0)"
     return "R" if role == "colwise_bias" or not shape else "S(0)"
 
 
-def param_placements(role: str, shape, axes: MeshAxes, dp_placement: str | None = None) -> dict[str, str]:
-    """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides dp's)."""
+def param_placements(
+    role: str, shape, axes: MeshAxes, dp_placement: str | None = None, tp_dim: int | None = None
+) -> dict[str, str]:
+    """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides dp's;
+    ``tp_dim`` is the dim tp cuts for role ``sharded``, fixed by the role otherwise)."""
     placements = {}
-    if axes.has_dp:
-        placements[DP] = dp_placement or default_dp_placement(role, shape)
-    if axes.has_tp:
+    if role != SHARDED:
         tp_dim = TP_DIM_BY_ROLE[role]
+    if axes.has_dp:
+        placements[DP] = dp_placement or default_dp_placement(role, shape, tp_dim)
+    if axes.has_tp:
         placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
     return placements
+
+
+def tp_dim_of(entry: ParamSharding) -> int | None:
+    """The stored dim tp cuts for a plan entry."""
+    if entry.role == SHARDED:
+        text = entry.placements.get(TP, "R")
+        return None if text == "R" else int(text[2:-1])
+    return TP_DIM_BY_ROLE[entry.role]
 
 
 def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
@@ -176,6 +219,8 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
         role = lp.roles[site.weight_fqn]
         if role in COLWISE_LIKE:
             colwise_by_input.setdefault(site.input, []).append(site)
+        elif role == ROWWISE and lp.layouts.get(site.output) in PARTIALS:
+            continue  # recorded with the reduce edge its partial sum reaches
         elif role == ROWWISE and lp.layouts.get(site.output) == SEQ_DIM:
             by_weight.setdefault(site.weight_fqn, []).append("fwd reduce-scatter output over the sequence")
         elif role == ROWWISE:
@@ -204,11 +249,14 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
             by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce embedding output")
     colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
     activations: list[str] = []
+    activation_nodes: list[fx.Node] = []
+    where: list[fx.Node] = []
 
     def record(fqn: str | None, text: str) -> None:
         """Next to its weight when one explains it, else among the activation collectives."""
         if fqn is None:
             activations.append(text)
+            activation_nodes.append(where[0])
         else:
             by_weight.setdefault(fqn, []).append(text)
 
@@ -219,6 +267,7 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
             if key in seen or (step.kind in (ENTER_TP, GATHER_FOR_COLWISE) and consumer in colwise_nodes):
                 continue
             seen.add(key)
+            where[:] = [consumer if consumer.op != "output" else value]
             if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
                 if value.op == "get_attr":
                     record(value.target, f"bwd all-reduce grad (read by sharded {describe(consumer)})")
@@ -236,11 +285,22 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
                     _region_origin(value, lp, origin),
                     "output returned sharded over the vocabulary (loss parallel), not gathered",
                 )
-            elif step.kind == TAKE_SHARD:
+            elif step.kind == REDUCE:
+                weights = _partial_origins(value, lp, origin)
+                if not weights:
+                    record(None, f"fwd all-reduce partial sum '{value.name}' for {describe(consumer)}")
+                elif len(weights) == 1:
+                    record(weights[0], "fwd all-reduce output")
+                else:
+                    names = ", ".join(_short(w) for w in weights)
+                    record(weights[0], f"fwd all-reduce output (shared by {len(weights)}: {names})")
+                    for other in weights[1:]:
+                        record(other, f"output all-reduced with {_short(weights[0])}")
+            elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
                 record(
                     None, f"take shard of '{value.name}' on dim {step.dim} for {describe(consumer)} (bwd all-gather)"
                 )
-    return {k: tuple(v) for k, v in by_weight.items()}, activations
+    return {k: tuple(v) for k, v in by_weight.items()}, activations, activation_nodes
 
 
 def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:
@@ -248,11 +308,27 @@ def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:
     seen = set()
     while value not in origin and value not in seen:
         seen.add(value)
-        sharded = [v for v in value.all_input_nodes if lp.layouts.get(v) not in (None, "partial")]
+        sharded = [v for v in value.all_input_nodes if lp.layouts.get(v) not in (None, *PARTIALS)]
         if not sharded:
             return None
         value = sharded[0]
     return origin.get(value)
+
+
+def _partial_origins(value: fx.Node, lp: LayoutPlan, origin: dict) -> list[str]:
+    """The weights whose partial products flow into ``value``, in graph order."""
+    frontier, seen, found = [value], set(), []
+    while frontier:
+        node = frontier.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in origin and lp.layouts.get(node) in PARTIALS:
+            found.append(node)
+            continue
+        frontier += [v for v in node.all_input_nodes if lp.layouts.get(v) in PARTIALS]
+    position = {n: i for i, n in enumerate(value.graph.nodes)}
+    return [origin[n] for n in sorted(found, key=position.__getitem__)]
 
 
 def _short(fqn: str) -> str:

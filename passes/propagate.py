@@ -55,7 +55,8 @@ import torch
 import torch.fx as fx
 
 from autoshard.errors import describe
-from autoshard.passes import layout_rules
+from autoshard.passes import dtensor_rules, layout_rules
+from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
@@ -66,6 +67,9 @@ VOCAB_PARALLEL = "vocab_parallel"
 COLWISE_LIKE = (COLWISE, VOCAB_PARALLEL)
 
 ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
+# a partial sum (a rowwise product, a sum over the sharded dim) all-reduced where a consumer needs its total
+REDUCE = "reduce"
+PARTIAL, PARTIAL_AVG, PARTIALS = layout_rules.PARTIAL, layout_rules.PARTIAL_AVG, layout_rules.PARTIALS
 # loss parallel: a model output sharded on its last (vocabulary) dim leaves the graph as a
 # DTensor ``Shard(-1)`` on the tp mesh instead of being gathered
 SHARDED_OUTPUT = "sharded_output"
@@ -107,6 +111,10 @@ class LayoutPlan:
     # colwise outputs gathered right after the matmul -> where their region would have ended
     gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     sequence_parallel: bool = False
+    carries_grad: frozenset[fx.Node] = frozenset()  # values a gradient flows back through
+    # parameters that are no linear's weight but are read sharded by one op (a norm's weight over
+    # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
+    sharded_params: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def propagate(
@@ -130,12 +138,19 @@ def propagate(
     rowwise linear, all-gather before each colwise group.
     """
     _check_roles_cover_sites(roles, sites)
+    _sum_partials_first(gm, sites)
     carries_grad = _carries_grad(gm)
     gathered_early: dict[fx.Node, str] = {}  # source -> where its region would have ended
     while True:
         plan = _propagate_once(
             gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible, loss_parallel, sequence_parallel
         )
+        norms = _norms_over_sharded_width(plan, sites)
+        if norms:
+            for norm in norms:
+                decompose_norm(gm.graph, norm)
+            carries_grad = _carries_grad(gm)
+            continue
         idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in gathered_early}
         if not idle:
             return dataclasses.replace(plan, gathered_early=gathered_early)
@@ -155,6 +170,10 @@ def _propagate_once(
     notes: dict[str, str] = {}
     fused: dict[str, tuple[int, ...]] = {}
     output_site = {s.output: s for s in sites.linears}
+    param_fqns = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get("val") is not None
+                  and getattr(n.meta["val"], "requires_grad", False)} | {
+                      fqn for s in sites.all for fqn in s.param_fqns}
+    sharded_params: dict[str, int] = {}
     stream_entries: set[fx.Node] = set()
 
     def layout(value) -> object:
@@ -203,6 +222,22 @@ def _propagate_once(
             return None
         return decision
 
+    colwise_outputs = {s.output for s in sites.linears}
+
+    def from_colwise(value: fx.Node) -> bool:
+        """Whether ``value``'s sharding comes from a colwise linear (Megatron's pair), not from
+        an embedding: an embedding's shard never decides that the next linear is rowwise."""
+        frontier, visited = [value], set()
+        while frontier:
+            node = frontier.pop()
+            if node in visited:
+                continue
+            visited.add(node)
+            if node in colwise_outputs and roles.get(output_site[node].weight_fqn) in COLWISE_LIKE:
+                return True
+            frontier += [v for v in node.all_input_nodes if _is_sharded(seen(v))]
+        return False
+
     def partial_grad(value) -> tuple:
         """enter_tp for a replicated, gradient-carrying input of a sharded computation."""
         return (Redistribute(ENTER_TP),) if value in carries_grad else ()
@@ -217,11 +252,22 @@ def _propagate_once(
             )
         if have == wanted:
             steps = ()
+        elif have in PARTIALS:
+            reduce = Redistribute(REDUCE, "avg" if have == PARTIAL_AVG else None)
+            steps = (reduce,) + (() if wanted is None else (Redistribute(TAKE_SHARD, wanted),))
         elif wanted is None:
             steps = (Redistribute(GATHER, have),)
         elif have is None:
+            if _shrink_broadcast(value, wanted, tp, new_args, layouts):
+                return
+            if value.op == "get_attr" and value.target in param_fqns and len(value.users) == 1 and isinstance(
+                wanted, int
+            ):
+                layouts[value] = wanted  # stored sharded over tp (see LayoutPlan.sharded_params)
+                sharded_params[value.target] = wanted
+                return
             steps = (Redistribute(TAKE_SHARD, wanted),)
-        elif isinstance(have, int):
+        elif wanted != PARTIAL:
             steps = (Redistribute(GATHER, have), Redistribute(TAKE_SHARD, wanted))
         else:
             raise NotImplementedError(
@@ -238,7 +284,10 @@ def _propagate_once(
             continue  # a folded bias add or weight transpose: handled with its site
         site = site_of.get(node)
         if isinstance(site, LinearSite):
-            role = _linear_role(site, seen(site.input), roles, fixed_roles, site.weight_fqn in sites.tied)
+            input_layout = seen(site.input)
+            if input_layout is not None and not from_colwise(site.input):
+                input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
+            role = _linear_role(site, input_layout, roles, fixed_roles, site.weight_fqn in sites.tied)
             role = divisible_role(site, role)
             roles[site.weight_fqn] = role
             x_dim = _ndim(site.input) - 1
@@ -248,8 +297,9 @@ def _propagate_once(
                 layouts[node] = layouts[site.output] = _ndim(site.output) - 1
             elif role == ROWWISE:
                 require(site.input, node, x_dim)
-                layouts[node] = "partial"
-                layouts[site.output] = SEQ_DIM if sequence_parallel and seq_ok(site.output) else None
+                layouts[node] = PARTIAL
+                if site.bias_node is not None or sequence_parallel:  # reduced (scattered) before the bias
+                    layouts[site.output] = SEQ_DIM if sequence_parallel and seq_ok(site.output) else None
             else:
                 require(site.input, node, None)
                 layouts[node] = layouts[site.output] = None
@@ -279,7 +329,7 @@ def _propagate_once(
             inputs = {v: seen(v) for v in node.all_input_nodes}
             decision = None
             if any(lay is not None for lay in inputs.values()):
-                decision = layout_rules.apply(node, inputs, tp)
+                decision = layout_rules.apply(node, inputs, tp) or dtensor_rules.query(node, inputs, tp)
             if decision is not None and decision.fused_sections is not None:
                 decision = fuse(node, decision)
             if decision is None:
@@ -294,7 +344,124 @@ def _propagate_once(
                 require(value, node, wanted, then)
             if decision.args is not None:
                 new_args[node] = decision.args
-    return LayoutPlan(roles, layouts, edges, new_args, tp, notes, fused, sequence_parallel=sequence_parallel)
+    return LayoutPlan(
+        roles, layouts, edges, new_args, tp, notes, fused, sequence_parallel=sequence_parallel,
+        carries_grad=carries_grad, sharded_params=sharded_params,
+    )
+
+
+def _norms_over_sharded_width(plan: LayoutPlan, sites: Sites) -> list[fx.Node]:
+    """Norms whose input is a colwise output region sharded on a normalized dim: they
+    run sharded once written out (see passes.decompose); the rest stay one op."""
+    colwise = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
+    found = []
+    for node in plan.layouts:
+        if node.op != "call_function" or node.target not in NORMS:
+            continue
+        x = node.args[0]
+        lay = plan.layouts.get(x)
+        if not isinstance(lay, int) or lay < _ndim(x) - len(node.args[1]) or _symbolic(x):
+            continue
+        if _projected(x, colwise):
+            found.append(node)
+    return found
+
+
+_PASS_THROUGH = (
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default,
+)
+
+
+def _projected(value: fx.Node, colwise: set) -> bool:
+    """``value`` is a colwise projection's output, up to views and casts: a norm of it
+    (q/k norms over the projected width) is the projection's own, not the residual
+    stream's, whose norms run replicated."""
+    while value not in colwise:
+        if value.op != "call_function" or value.target not in _PASS_THROUGH:
+            return False
+        value = value.args[0]
+    return True
+
+
+def _symbolic(node: fx.Node) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in node.meta["val"].shape)
+
+
+def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:
+    """``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph: regroup a chain of adds
+    so that the outputs of linears are summed first, ``x + (a + m)``. Two rowwise
+    outputs then add as partial sums and are all-reduced once (a parallel block)."""
+    linear_outputs = {s.output for s in sites.linears}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not _is_plain_add(node) or any(_is_plain_add(u) and len(node.users) == 1 for u in node.users):
+            continue  # start from the last add of a chain
+        terms, chain = _add_chain(node)
+        products = [t for t in terms if t in linear_outputs and _same_shape(t, node)]
+        if len(products) < 2 or len(chain) != len(terms) - 1:
+            continue
+        others = [t for t in terms if t not in products]
+        with graph.inserting_before(node):
+            total = products[0]
+            for product in products[1:] + others:
+                total = _add(graph, total, product, node)
+        node.replace_all_uses_with(total)
+        for old in chain:
+            graph.erase_node(old)
+
+
+def _add_chain(last: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(terms, adds) of the sum ending at ``last``: adds read only by the next add of the chain."""
+    terms, chain, frontier = [], [], [last]
+    while frontier:
+        value = frontier.pop()
+        if _is_plain_add(value) and (value is last or len(value.users) == 1) and _same_shape(value, last):
+            chain.append(value)
+            frontier += reversed(value.args)
+        else:
+            terms.append(value)
+    return terms, chain
+
+
+def _is_plain_add(node) -> bool:
+    return (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target == torch.ops.aten.add.Tensor
+        and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args)
+        and node.kwargs.get("alpha", 1) == 1
+    )
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and (
+        va.dtype == vb.dtype)
+
+
+def _add(graph: fx.Graph, a: fx.Node, b: fx.Node, like: fx.Node) -> fx.Node:
+    new = graph.call_function(torch.ops.aten.add.Tensor, (a, b))
+    new.meta.update({k: like.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in like.meta})
+    return new
+
+
+def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: dict) -> bool:
+    """A replicated ``expand`` read sharded along a dim it broadcasts (a causal mask
+    expanded over heads): expand to the local size instead of cutting the full copy."""
+    if value.target != torch.ops.aten.expand.default or len(value.users) != 1 or value in new_args:
+        return False
+    dim = wanted.dim if isinstance(wanted, layout_rules.Strided) else wanted
+    if not isinstance(dim, int):
+        return False
+    source, sizes = value.args[0], list(value.args[1])
+    src_dim = dim - (len(sizes) - _ndim(source))
+    broadcast = src_dim < 0 or source.meta["val"].shape[src_dim] == 1
+    if not broadcast or not isinstance(sizes[dim], int) or sizes[dim] % tp:
+        return False
+    sizes[dim] //= tp
+    new_args[value] = (source, sizes, *value.args[2:])
+    layouts[value] = wanted
+    return True
 
 
 def _fused_origin(value: fx.Node, layouts, output_site, readers: int = 1) -> LinearSite | None:
@@ -365,7 +532,7 @@ def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
 
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
     """Connected idle sharded values (joined by uses that keep them sharded)."""
-    idle = {v for v, lay in plan.layouts.items() if _is_sharded(lay) and lay != "partial" and v not in useful}
+    idle = {v for v, lay in plan.layouts.items() if _is_sharded(lay) and lay not in PARTIALS and v not in useful}
     regions, seen = [], set()
     for start in idle:
         if start in seen:
@@ -385,7 +552,7 @@ def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
 
 
 def _gathers(plan: LayoutPlan, value: fx.Node, consumer: fx.Node) -> bool:
-    return any(step.kind == GATHER for step in plan.edges.get((value, consumer), ()))
+    return any(step.kind in (GATHER, GATHER_FOR_COLWISE) for step in plan.edges.get((value, consumer), ()))
 
 
 def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
@@ -408,8 +575,7 @@ def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
             continue
         useful.add(value)
         for source in value.all_input_nodes:
-            steps = plan.edges.get((source, value), ())
-            if not any(step.kind == GATHER for step in steps):
+            if not _gathers(plan, source, value):
                 frontier.append(source)
     return useful
 

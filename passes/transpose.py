@@ -5,7 +5,8 @@ The materialized weights are stored so that tp always shards dim 1 (see
 
 * colwise   ``y = x @ W_t  (+ b)``      with ``W_t [in, out]`` (``aten.matmul``)
 * rowwise   ``y = reduce_partial(x @ W.T) (+ b)`` with ``W [out, in]``
-  (``aten.linear``); the bias is added once, after the all-reduce
+  (``aten.linear``); the bias is added once, after the all-reduce. Without a
+  bias the product stays partial here and is reduced where it is read whole
 * vocab_parallel (a tied LM head ``[vocab, dim]``): ``linear(x, W)`` on this
   rank's vocabulary rows, colwise over the vocabulary; its embedding use
   becomes a lookup masked to those rows, closed by ``reduce_partial``
@@ -36,13 +37,17 @@ def rewrite_linears(
     tp_group: str | None,
     tp: int = 1,
     scatter_sequence: frozenset[str] = frozenset(),
+    partial: frozenset[str] = frozenset(),
 ) -> None:
     """``scatter_sequence``: rowwise weights whose output is reduce-scattered over the
-    sequence (sequence parallelism) instead of all-reduced."""
+    sequence (sequence parallelism) instead of all-reduced. ``partial``: rowwise weights
+    whose output leaves as a partial sum, reduced where a consumer needs the total (the
+    ``reduce`` edges of :mod:`passes.layouts`), so two of them may share one all-reduce."""
     for site in sites.linears:
         role = roles[site.weight_fqn]
         if role in (COLWISE, ROWWISE, VOCAB_PARALLEL):
-            _rewrite(gm.graph, site, role, tp_group, site.weight_fqn in scatter_sequence)
+            group = None if site.weight_fqn in partial else tp_group
+            _rewrite(gm.graph, site, role, group, site.weight_fqn in scatter_sequence)
     if tp_group is not None:
         for site in sites.embeddings:
             if roles[site.weight_fqn] == VOCAB_PARALLEL:

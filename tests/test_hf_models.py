@@ -94,7 +94,7 @@ def _planned(plan, unit=None) -> int:
         for entry in plan.params.values()
         if unit is None or entry.unit == unit
         for c in entry.collectives
-        if c.startswith(("fwd", "bwd all-reduce"))  # not "bwd input grad all-reduced with ..." (shared)
+        if c.startswith(("fwd", "bwd all-reduce"))  # shared ones are named, not counted, by the others
     )
     return count + (len(plan.activations) if unit is None else 0)
 

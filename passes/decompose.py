@@ -1,0 +1,67 @@
+"""Decompose: rewrite an op into ATen primitives whose layout rules keep tp sharding.
+
+A norm over a tp-sharded width (an OLMo-2 q/k norm on ``[b, s, h*d]`` right after
+the colwise projection) has no communication-free rule as one op: DTensor
+gathers its input. Written out, it is elementwise work on the local shard plus
+means over the sharded dim, which are partial sums: each mean is all-reduced
+(a few numbers per token, instead of gathering the activation), and the
+replicated statistics that then scale the sharded values get their gradient
+all-reduced once in backward (:mod:`passes.propagate`'s ``enter_tp`` rule).
+
+* ``rms_norm(x, shape, w, eps)`` -> ``x * rsqrt(mean(x*x) + eps) * w``:
+  one statistics all-reduce forward, one backward;
+* ``layer_norm(x, shape, w, b, eps)`` -> ``(x - mean(x)) * rsqrt(mean(xc*xc) + eps) * w + b``:
+  two forward, two backward (the two-pass variance, as ATen computes it).
+
+The weight and bias span the sharded dim, so they are stored sharded over tp
+(role ``sharded``) and their gradients need no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+NORMS = (aten.rms_norm.default, aten.layer_norm.default)
+
+
+def decompose_norm(graph: fx.Graph, node: fx.Node) -> None:
+    """Rewrite ``node`` (an ``rms_norm``/``layer_norm``) into its primitives, in place:
+    ``node`` computes the last of them."""
+    x, shape = node.args[0], node.args[1]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    is_layer = node.target == aten.layer_norm.default
+    bias = (node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")) if is_layer else None
+    eps = node.args[4 if is_layer else 3] if len(node.args) > (4 if is_layer else 3) else node.kwargs.get("eps")
+    x_val = x.meta["val"]
+    if eps is None:
+        eps = torch.finfo(x_val.dtype).eps
+    dims = list(range(x_val.dim() - len(shape), x_val.dim()))
+
+    def emit(target, *args):
+        new = graph.call_function(target, args)
+        metas = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        metas = [torch.empty(m.shape, dtype=m.dtype, device="meta") if isinstance(m, torch.Tensor) else m
+                 for m in metas]
+        new.meta["val"] = target(*metas)
+        new.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        return new
+
+    with graph.inserting_before(node):
+        centered = x
+        if is_layer:
+            centered = emit(aten.sub.Tensor, x, emit(aten.mean.dim, x, dims, True))
+        variance = emit(aten.mean.dim, emit(aten.mul.Tensor, centered, centered), dims, True)
+        steps = [(aten.mul.Tensor, centered, emit(aten.rsqrt.default, emit(aten.add.Tensor, variance, eps)))]
+        if isinstance(weight, fx.Node):
+            steps.append((aten.mul.Tensor, None, weight))
+        if isinstance(bias, fx.Node):
+            steps.append((aten.add.Tensor, None, bias))
+        out = None
+        for target, a, b in steps[:-1]:
+            out = emit(target, out if a is None else a, b)
+    # the norm node itself becomes the last step, so whatever refers to it (a linear site's input) stays valid
+    target, a, b = steps[-1]
+    node.target, node.args, node.kwargs = target, (out if a is None else a, b), {}

@@ -1,0 +1,391 @@
+"""Small models written the way public model code writes each tp-sensitive pattern.
+
+Each is a 2-block transformer (dim 64, 4 heads, vocab 128) whose blocks differ from
+:mod:`examples.models` in one pattern only, spelled as the code it imitates:
+
+* :class:`InterleavedRope`: GPT-J / Meta-Llama style "rotate every two" rotary
+  embeddings with strided slices and ``torch.stack(..., -1).flatten(-2)``.
+* :class:`RepeatInterleaveGQA`: grouped-query attention with
+  ``k.repeat_interleave(n_rep, dim=1)`` and manual ``torch.matmul`` attention.
+* :class:`AlibiBias`: an additive ALiBi bias (a buffer of slopes) on the scores,
+  and a relative-position bias table passed as ``attn_mask`` to SDPA.
+* :class:`BaddbmmAttention`: attention on ``[b*h, s, d]`` with ``baddbmm`` / ``bmm``.
+* :class:`WideQKNorm`: OLMo-2 style q/k RMSNorm over the full projected width
+  ``[b, s, h*d]`` before the view to heads.
+* :class:`ParallelBlock`: GPT-J / PaLM parallel residual
+  ``x + attn(ln(x)) + mlp(ln(x))``.
+* :class:`CustomFunctionMLP`: an activation written as a ``torch.autograd.Function``.
+* :class:`ExpertsMoE`: mixture of experts with 3-D expert weights
+  (``[num_experts, out, in]``) used by indexing and ``bmm``, and by a loop over experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int = VOCAB
+    dim: int = 64
+    heads: int = 4
+    kv_heads: int = 4
+    ffn: int = 128
+    layers: int = 2
+    max_seq: int = 64
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class QKVAttention(nn.Module):
+    """Projections shared by the attention variants; ``attend`` is the variant."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.n_kv = cfg.heads, cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, *extra):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim)
+        out = self.attend(q, k, v, *extra)  # [b, s, h, d]
+        return self.wo(out.reshape(b, s, -1))
+
+    def attend(self, q, k, v, *extra):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, attention: type[QKVAttention], mlp: type[nn.Module] = SwiGLU):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim)
+        self.attention = attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim)
+        self.feed_forward = mlp(cfg)
+
+    def forward(self, x, *extra):
+        h = x + self.attention(self.attention_norm(x), *extra)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, final norm, LM head; ``extra()`` gives what blocks also read."""
+
+    def __init__(self, cfg: Config, block):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def extra(self, tokens):
+        return ()
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        extra = self.extra(tokens)
+        for layer in self.layers:
+            h = layer(h, *extra)
+        return self.output(self.norm(h))
+
+
+# --- interleaved rotary -------------------------------------------------------------
+
+
+def rotate_every_two(x):
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class InterleavedRopeAttention(QKVAttention):
+    def attend(self, q, k, v, sin, cos):
+        q = q * cos + rotate_every_two(q) * sin
+        k = k * cos + rotate_every_two(k) * sin
+        return super().attend(q, k, v)
+
+
+class InterleavedRope(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, InterleavedRopeAttention))
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
+        angles = torch.outer(torch.arange(cfg.max_seq).float(), inv_freq)
+        self.register_buffer("sin", angles.sin().repeat_interleave(2, dim=-1), persistent=False)
+        self.register_buffer("cos", angles.cos().repeat_interleave(2, dim=-1), persistent=False)
+
+    def extra(self, tokens):
+        s = tokens.shape[1]
+        return self.sin[None, :s, None, :], self.cos[None, :s, None, :]
+
+
+# --- GQA by repeat_interleave, manual matmul attention --------------------------------
+
+
+class RepeatInterleaveAttention(QKVAttention):
+    def attend(self, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        n_rep = self.n_heads // self.n_kv
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim)
+        s = q.shape[2]
+        causal = torch.full((s, s), float("-inf"), device=q.device).triu(1)
+        probs = F.softmax(scores + causal, dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2)
+
+
+class RepeatInterleaveGQA(Decoder):
+    def __init__(self, cfg: Config = Config(kv_heads=2)):
+        super().__init__(cfg, lambda c: Block(c, RepeatInterleaveAttention))
+
+
+# --- additive attention biases ---------------------------------------------------------
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    start = 2 ** (-8 / heads)
+    return torch.tensor([start ** (i + 1) for i in range(heads)])
+
+
+class AlibiAttention(QKVAttention):
+    def attend(self, q, k, v, alibi):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) * self.head_dim**-0.5
+        scores = scores + alibi  # [1, h, s, s] from a replicated table
+        probs = scores.softmax(dim=-1)
+        return (probs @ v).transpose(1, 2)
+
+
+class RelPosSDPAAttention(QKVAttention):
+    def attend(self, q, k, v, alibi):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi).transpose(1, 2)
+
+
+class AlibiBias(Decoder):
+    """ALiBi on manual attention; ``sdpa=True`` passes the bias as SDPA's ``attn_mask``."""
+
+    def __init__(self, cfg: Config = Config(), sdpa: bool = False):
+        attention = RelPosSDPAAttention if sdpa else AlibiAttention
+        super().__init__(cfg, lambda c: Block(c, attention))
+        self.register_buffer("slopes", alibi_slopes(cfg.heads), persistent=False)
+
+    def extra(self, tokens):
+        s = tokens.shape[1]
+        pos = torch.arange(s, device=tokens.device)
+        distance = (pos[None, :] - pos[:, None]).float()
+        causal = torch.full((s, s), float("-inf"), device=tokens.device).triu(1)
+        return ((self.slopes[:, None, None] * distance + causal)[None],)
+
+
+# --- baddbmm attention -------------------------------------------------------------------
+
+
+class BaddbmmAttention(QKVAttention):
+    def attend(self, q, k, v):
+        b, s, h, d = q.shape
+        q, k, v = (t.transpose(1, 2).reshape(b * h, s, d) for t in (q, k, v))
+        causal = torch.full((s, s), float("-inf"), device=q.device).triu(1).expand(b * h, s, s)
+        scores = torch.baddbmm(causal, q, k.transpose(1, 2), beta=1.0, alpha=d**-0.5)
+        out = torch.bmm(scores.softmax(-1), v)
+        return out.view(b, h, s, d).transpose(1, 2)
+
+
+class BaddbmmModel(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, BaddbmmAttention))
+
+
+# --- q/k norm over the full projected width (OLMo-2) ---------------------------------------
+
+
+class WideQKNormAttention(QKVAttention):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.q_norm = nn.RMSNorm(cfg.heads * cfg.head_dim)
+        self.k_norm = nn.RMSNorm(cfg.kv_heads * cfg.head_dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.wq(x)).view(b, s, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x)).view(b, s, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim)
+        return self.wo(self.attend(q, k, v).reshape(b, s, -1))
+
+
+class WideQKNorm(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, WideQKNormAttention))
+
+
+# --- parallel block ---------------------------------------------------------------------------
+
+
+class ParallelResidualBlock(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.dim)
+        self.attn = QKVAttention(cfg)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h) + self.mlp(h)
+
+
+class ParallelBlock(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, ParallelResidualBlock)
+
+
+# --- custom autograd.Function --------------------------------------------------------------
+
+
+class SiLUFunction(torch.autograd.Function):
+    """SiLU with a hand-written backward, as fused-activation code writes it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s))
+
+
+class WrongGradSiLU(torch.autograd.Function):
+    """A straight-through estimator: its backward is not the derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class FunctionSwiGLU(SwiGLU):
+    function = SiLUFunction
+
+    def forward(self, x):
+        return self.w2(self.function.apply(self.w1(x)) * self.w3(x))
+
+
+class StraightThroughSwiGLU(FunctionSwiGLU):
+    function = WrongGradSiLU
+
+
+class CustomFunctionMLP(Decoder):
+    def __init__(self, cfg: Config = Config(), straight_through: bool = False):
+        mlp = StraightThroughSwiGLU if straight_through else FunctionSwiGLU
+        super().__init__(cfg, lambda c: Block(c, QKVAttention, mlp))
+
+
+# --- mixture of experts with 3-D expert weights ----------------------------------------------
+
+
+class Experts(nn.Module):
+    """``gate_up_proj [E, 2*ffn, dim]`` and ``down_proj [E, dim, ffn]``, as Hugging Face stores them."""
+
+    def __init__(self, cfg: Config, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * cfg.ffn, cfg.dim) / cfg.dim**0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, cfg.dim, cfg.ffn) / cfg.ffn**0.5)
+
+
+class IndexedExperts(Experts):
+    """Each (token, choice) pair gathers its expert's weights and runs one ``bmm``."""
+
+    def forward(self, x, top_idx, top_w):
+        tokens, k = top_idx.shape
+        xs = x.repeat_interleave(k, dim=0)  # [tokens*k, dim]
+        ids = top_idx.reshape(-1)
+        h = torch.bmm(self.gate_up_proj[ids], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        out = torch.bmm(self.down_proj[ids], h.unsqueeze(-1)).squeeze(-1)
+        out = out * top_w.reshape(-1, 1)
+        return out.view(tokens, k, -1).sum(dim=1)
+
+
+class LoopExperts(Experts):
+    """A loop over every expert with dense routing weights (zero where not chosen)."""
+
+    def forward(self, x, top_idx, top_w):
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        dense = dense.scatter(1, top_idx, top_w)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out + F.linear(F.silu(gate) * up, self.down_proj[e]) * dense[:, e : e + 1]
+        return out
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, cfg: Config, experts: type[Experts], num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(cfg.dim, num_experts, bias=False)
+        self.experts = experts(cfg, num_experts)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        probs = self.router(flat).softmax(dim=-1)
+        top_w, top_idx = probs.topk(self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return self.experts(flat, top_idx, top_w).view(b, s, d)
+
+
+class ExpertsMoE(Decoder):
+    def __init__(self, cfg: Config = Config(), loop: bool = False):
+        experts = LoopExperts if loop else IndexedExperts
+        super().__init__(cfg, lambda c: Block(c, QKVAttention, lambda c2: MoEFeedForward(c2, experts)))
+
+
+PATTERNS = {
+    "interleaved_rope": InterleavedRope,
+    "repeat_interleave_gqa": RepeatInterleaveGQA,
+    "alibi_bias": AlibiBias,
+    "sdpa_bias_mask": lambda: AlibiBias(sdpa=True),
+    "baddbmm_attention": BaddbmmModel,
+    "wide_qk_norm": WideQKNorm,
+    "parallel_block": ParallelBlock,
+    "custom_function": CustomFunctionMLP,
+    "moe_indexed": ExpertsMoE,
+    "moe_loop": lambda: ExpertsMoE(loop=True),
+}
