@@ -21,7 +21,6 @@ create tensors on ``meta``; materialize rewrites those devices to the mesh's.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect

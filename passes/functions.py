@@ -77,7 +77,7 @@ def check_functions(calls: list[_Call], on_meta: bool) -> tuple[CheckedFunction,
         args = call.args
         if on_meta:
             gen = torch.Generator().manual_seed(0)
-            args = pytree.tree_map_only(torch.Tensor, lambda t: _random_like(t, gen), args)
+            args = pytree.tree_map_only(torch.Tensor, lambda t, gen=gen: _random_like(t, gen), args)
         error = _gradient_difference(call.cls, args)
         if not error <= TOLERANCE:
             raise NotImplementedError(
