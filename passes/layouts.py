@@ -80,7 +80,6 @@ def _insert_step(
     """
     at_top = value.op in ("placeholder", "get_attr")
     origin = first_reader if at_top else value
-    before = set(graph.nodes)
     with graph.inserting_before(first_reader) if at_top else graph.inserting_after(value):
         if isinstance(step.dim, Strided):
             node = _strided_step(graph, value, step, group_name)
@@ -92,8 +91,10 @@ def _insert_step(
                 with graph.inserting_after(node):
                     node = graph.call_function(aten.div.Tensor, (node, tp))
     node._rename(f"{value.name}_{_NAME[step.kind]}")
-    for new in set(graph.nodes) - before:  # every node of the step runs in the unit of its origin
-        new.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
+    made = node
+    while made is not value:  # the step is a chain on its first argument; all of it runs in origin's unit
+        made.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
+        made = made.args[0]
     return node
 
 
