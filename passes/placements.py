@@ -107,7 +107,8 @@ def _breaks(lp: LayoutPlan, block_fqns) -> tuple[tuple[str, str], ...]:
             if unit:
                 found[(unit, describe(consumer))] = None
     order = {unit: i for i, unit in enumerate(block_fqns)}
-    return tuple(sorted(found, key=lambda b: order.get(b[0], -1)))
+    # Sorted on the text too: the dicts above fill in set-iteration order.
+    return tuple(sorted(found, key=lambda b: (order.get(b[0], -1), b[1])))
 
 
 # The stored dim tp cuts, per role: every linear weight and embedding table is an
