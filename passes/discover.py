@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.errors import describe
+from autoshard.passes.experts import ExpertSite, find_expert_sites
 
 aten = torch.ops.aten
 
@@ -88,6 +89,8 @@ class Sites:
     linears: tuple[LinearSite, ...]
     embeddings: tuple[EmbeddingSite, ...]
     tied: frozenset[str] = frozenset()
+    # matmuls reading one expert of a stacked [E, ...] parameter (see passes.experts)
+    experts: tuple[ExpertSite, ...] = ()
 
     @property
     def all(self) -> tuple[Site, ...]:
@@ -214,7 +217,7 @@ def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> 
             f"(an LM head) can share a weight"
         )
     _check_params_used_only_by_their_site(gm, owners)
-    return Sites(linears, embeddings, frozenset(tied))
+    return Sites(linears, embeddings, frozenset(tied), find_expert_sites(gm, param_shapes))
 
 
 def _is_tied_pair(fqn: str, users: list) -> bool:

@@ -210,8 +210,11 @@ def _ask(op, args_key, kwargs_key, tp, input_layouts):
         if have is None and want in PARTIALS:
             return None
     output = tuple(outputs) if isinstance(result.output_spec, (tuple, list)) else outputs[0]
-    local_args = _plain(final.args_schema) if result.needs_redistribute else None
-    local_kwargs = _plain(final.kwargs_schema) if result.needs_redistribute else None
+    # Local arguments matter where DTensor rewrites sizes (a view's shape); where it swaps the
+    # overload (squeeze.dim -> squeeze.dims) the node keeps its own, equivalent arguments.
+    rewritten = result.needs_redistribute and final.op == asked
+    local_args = _plain(final.args_schema) if rewritten else None
+    local_kwargs = _plain(final.kwargs_schema) if rewritten else None
     if not _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwargs):
         return None
     return tuple(wanted), output, local_args, local_kwargs

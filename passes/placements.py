@@ -46,6 +46,7 @@ def build_plan(
     collectives, activations, activation_nodes = _collectives_by_weight(sites, layout_plan)
     entries: dict[str, ParamSharding] = {}
     site_by_param = {fqn: s for s in sites.all for fqn in s.param_fqns}
+    expert_sites = {s.weight_fqn: s for s in sites.experts}
     for fqn, shape in captured.param_shapes.items():
         site = site_by_param.get(fqn)
         role, transposed, note = _role_of(fqn, site, layout_plan.roles)
@@ -63,11 +64,17 @@ def build_plan(
         tp_dim = None
         if fqn in layout_plan.sharded_params and axes.has_tp:
             role, tp_dim = SHARDED, layout_plan.sharded_params[fqn]
-            note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
+            expert = expert_sites.get(fqn)
+            if expert is not None:
+                note = _expert_note(expert, layout_plan.roles[fqn], tp_dim)
+            else:
+                note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
+        elif fqn in expert_sites and fqn in layout_plan.notes and axes.has_tp:
+            note = layout_plan.notes[fqn]
         placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn), tp_dim)
         sections = ()
-        if axes.has_tp and site is not None and isinstance(site, LinearSite):
-            sections = layout_plan.fused.get(site.weight_fqn, ())
+        if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
+            sections = layout_plan.fused.get(fqn, ())
         padding = dp_padding(shape, transposed, placements.get(DP), axes.dp)
         if padding:
             note = (note + "; " if note else "") + padding
@@ -89,6 +96,15 @@ def build_plan(
         activation_units=tuple(unit_of_node(n, captured.block_fqns) for n in activation_nodes) if axes.has_tp else (),
         functions=tuple(str(f) for f in captured.functions),
         breaks=_breaks(layout_plan, captured.block_fqns) if axes.has_tp else (),
+    )
+
+
+def _expert_note(site, role: str, tp_dim: int) -> str:
+    """Why an expert weight is cut where it is: which matmul reads it, and as what."""
+    dims = "output" if role == COLWISE else "input"
+    return (
+        f"experts' {role} weight, read per expert by {site.node.target.__name__.split('.')[0]} at "
+        f"{describe(site.node).split(' at ', 1)[-1]}: tp cuts its {dims} dim {tp_dim}, FSDP the experts"
     )
 
 

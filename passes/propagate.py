@@ -58,6 +58,7 @@ from autoshard.errors import describe
 from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+from autoshard.passes.experts import ExpertSite
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
 # A weight tied between the input embedding and the LM head, stored [vocab, dim]
@@ -78,7 +79,14 @@ SHARDED_OUTPUT = "sharded_output"
 GATHER_FOR_COLWISE = "gather_for_colwise"
 SEQ_DIM = 1  # [batch, seq, hidden] activations
 
-_GRAD_STOPS = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
+_aten = torch.ops.aten
+# ops whose result carries no gradient back to their inputs: detach, and new tensors that only
+# take their input's shape (``torch.zeros_like(x)`` as an accumulator)
+_GRAD_STOPS = (
+    _aten.detach.default, _aten.detach_.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.empty_like.default, _aten.full_like.default, _aten.new_zeros.default, _aten.new_ones.default,
+    _aten.new_empty.default, _aten.new_full.default,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +148,11 @@ def propagate(
     _check_roles_cover_sites(roles, sites)
     _sum_partials_first(gm, sites)
     carries_grad = _carries_grad(gm)
-    gathered_early: dict[fx.Node, str] = {}  # source -> where its region would have ended
+    revised = _Revisions()
+    narrowing = {s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied}
     while True:
         plan = _propagate_once(
-            gm, sites, tp, roles, carries_grad, gathered_early, on_indivisible, loss_parallel, sequence_parallel
+            gm, sites, tp, roles, carries_grad, revised, on_indivisible, loss_parallel, sequence_parallel
         )
         norms = _norms_over_sharded_width(plan, sites)
         if norms:
@@ -151,25 +160,50 @@ def propagate(
                 decompose_norm(gm.graph, norm)
             carries_grad = _carries_grad(gm)
             continue
-        idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in gathered_early}
-        if not idle:
-            return dataclasses.replace(plan, gathered_early=gathered_early)
-        gathered_early.update(idle)
+        idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in revised.gathered_early}
+        early = _partials_cheaper_reduced_early(plan, sites) - revised.reduced_early
+        if not idle and not early:
+            return dataclasses.replace(plan, gathered_early=revised.gathered_early)
+        for source, why in idle.items():
+            if source in narrowing and roles is None:
+                revised.replicated[narrowing[source].weight_fqn] = why
+            else:
+                revised.gathered_early[source] = why
+        revised.reduced_early |= early
+
+
+@dataclasses.dataclass
+class _Revisions:
+    """What one propagation learns for the next (each only grows, so reruns end).
+
+    ``gathered_early``: colwise sources of idle regions, gathered right after the matmul (->
+    where their region would have ended). ``replicated``: narrowing linears (fewer outputs than
+    inputs, a router) of idle regions, computed whole instead (FQN -> where). ``reduced_early``:
+    partial products all-reduced where they are made (see ``_partials_cheaper_reduced_early``).
+    """
+
+    gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
+    replicated: dict[str, str] = dataclasses.field(default_factory=dict)
+    reduced_early: set[fx.Node] = dataclasses.field(default_factory=set)
 
 
 def _propagate_once(
-    gm, sites: Sites, tp: int, roles, carries_grad, gathered_early, on_indivisible, loss_parallel, sequence_parallel
+    gm, sites: Sites, tp: int, roles, carries_grad, revised: _Revisions, on_indivisible, loss_parallel,
+    sequence_parallel,
 ) -> LayoutPlan:
+    gathered_early = revised.gathered_early
     fixed_roles = roles
     roles = dict(roles or {})
     site_of = {s.node: s for s in sites.all}
     owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
+    owned.update({n: s for s in sites.experts for n in s.chain})
+    expert_of = {s.node: s for s in sites.experts}
     layouts: dict[fx.Node, object] = {}
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
     new_args: dict[fx.Node, tuple] = {}
     notes: dict[str, str] = {}
     fused: dict[str, tuple[int, ...]] = {}
-    output_site = {s.output: s for s in sites.linears}
+    output_site = {s.output: s for s in (*sites.linears, *sites.experts)}
     param_fqns = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get("val") is not None
                   and getattr(n.meta["val"], "requires_grad", False)} | {
                       fqn for s in sites.all for fqn in s.param_fqns}
@@ -184,6 +218,8 @@ def _propagate_once(
         an embedding output under sequence parallelism as sequence-sharded."""
         if value in stream_entries:
             return SEQ_DIM
+        if value in revised.reduced_early and layout(value) in PARTIALS:
+            return None
         return None if value in gathered_early else layout(value)
 
     def seq_ok(value: fx.Node) -> bool:
@@ -222,7 +258,7 @@ def _propagate_once(
             return None
         return decision
 
-    colwise_outputs = {s.output for s in sites.linears}
+    colwise_outputs = set(output_site)
 
     def from_colwise(value: fx.Node) -> bool:
         """Whether ``value``'s sharding comes from a colwise linear (Megatron's pair), not from
@@ -279,16 +315,52 @@ def _propagate_once(
         if steps + then:
             edges[(value, consumer)] = steps + then
 
+    def expert(site: ExpertSite) -> None:
+        """A matmul on one expert of a stacked weight: colwise cuts the parameter's output dim,
+        rowwise its input dim; the parameter is stored cut that way, so the expert picks between
+        it and the matmul only carry the cut along (see :mod:`passes.experts`)."""
+        x_layout = seen(site.input)
+        role = roles.get(site.weight_fqn)
+        if role is None:
+            rowwise = x_layout == site.input_dim and from_colwise(site.input)
+            role = divisible_role(site, ROWWISE if rowwise else COLWISE)
+            roles[site.weight_fqn] = role
+        node = site.node
+        if role == REPLICATE:
+            require(site.input, node, None)
+            layouts.update({n: None for n in (site.weight_node, *site.chain, node)})
+            return
+        param_dim = site.out_dim if role == COLWISE else site.in_dim
+        sharded_params[site.weight_fqn] = param_dim
+        layouts[site.weight_node] = param_dim
+        for link in site.chain:
+            layouts[link] = site.dim_in_chain(link, param_dim)
+        if role == COLWISE:
+            require(site.input, node, None, then=partial_grad(site.input))
+            layouts[node] = site.output_dim
+        else:
+            require(site.input, node, site.input_dim)
+            layouts[node] = PARTIAL
+
     for node in gm.graph.nodes:
         if node in owned:
-            continue  # a folded bias add or weight transpose: handled with its site
+            continue  # a folded bias add, a weight transpose, an expert pick: handled with its site
         site = site_of.get(node)
-        if isinstance(site, LinearSite):
+        if node in expert_of:
+            expert(expert_of[node])
+        elif isinstance(site, LinearSite):
             input_layout = seen(site.input)
             if input_layout is not None and not from_colwise(site.input):
                 input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
             role = _linear_role(site, input_layout, roles, fixed_roles, site.weight_fqn in sites.tied)
             role = divisible_role(site, role)
+            if site.weight_fqn in revised.replicated and fixed_roles is None:
+                role = REPLICATE
+                notes[site.weight_fqn] = (
+                    f"replicated over tp: its {site.out_features} outputs (fewer than its {site.in_features} "
+                    f"inputs) feed no rowwise linear (its sharded region ends at "
+                    f"{revised.replicated[site.weight_fqn]}); computed whole, it needs no collective"
+                )
             roles[site.weight_fqn] = role
             x_dim = _ndim(site.input) - 1
             if role in COLWISE_LIKE:
@@ -344,6 +416,7 @@ def _propagate_once(
                 require(value, node, wanted, then)
             if decision.args is not None:
                 new_args[node] = decision.args
+    _hoist_enter_tp(edges, layouts)
     return LayoutPlan(
         roles, layouts, edges, new_args, tp, notes, fused, sequence_parallel=sequence_parallel,
         carries_grad=carries_grad, sharded_params=sharded_params,
@@ -509,6 +582,95 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
     return frozenset(carries)
 
 
+_VIEWS = (
+    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default, torch.ops.aten.alias.default,
+)
+_ENTER = (Redistribute(ENTER_TP),)
+
+
+def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
+    """One ``enter_tp`` for a replicated value read only through views by consumers that
+    each need ``enter_tp`` (dense routing weights sliced per expert): the views' gradients
+    scatter into the value's gradient, which is then all-reduced once instead of per view.
+    Valid because every gradient reaching the value is partial."""
+
+    def covered(node: fx.Node) -> bool:
+        return bool(node.users) and all(
+            edges.get((node, user)) == _ENTER
+            or (user.target in _VIEWS and layouts.get(user) is None and (node, user) not in edges and covered(user))
+            for user in node.users
+        )
+
+    def subtree(node: fx.Node):
+        for user in node.users:
+            if edges.get((node, user)) == _ENTER:
+                yield node, user
+            else:
+                yield from subtree(user)
+
+    entered = sorted({v for (v, c), steps in edges.items() if steps == _ENTER}, key=lambda n: n.name)
+    done: set[fx.Node] = set()
+    for value in entered:
+        top = value
+        while (
+            top.target in _VIEWS and isinstance(top.args[0], fx.Node) and layouts.get(top.args[0]) is None
+            and covered(top.args[0])
+        ):
+            top = top.args[0]
+        if top is value or top in done:
+            continue
+        pairs = list(subtree(top))
+        if len({v for v, _ in pairs}) < 2:
+            continue
+        for pair in pairs:
+            del edges[pair]
+        for user in top.users:
+            edges[(top, user)] = _ENTER
+        done.add(top)
+
+
+def _partials_cheaper_reduced_early(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
+    """Rowwise products whose partial sums should be all-reduced where they are made.
+
+    A partial sum kept partial is reduced once, where a consumer needs the total, and two
+    of them added first share that reduction (a parallel block). But a partial multiplied by
+    a replicated value that carries a gradient (MoE routing weights) makes that value's
+    gradient partial too: one more all-reduce, in backward. Per connected region of partial
+    values, keeping it costs its reductions plus those ``enter_tp``s; reducing each product
+    right away costs one all-reduce per product. The cheaper wins; a tie keeps the region
+    partial. Counted in collectives: reducing early may move more bytes (a top-k MoE reduces
+    its k outputs per token before they are weighted and summed)."""
+    products = {s.node for s in sites.linears} | {s.node for s in sites.experts}
+    partial = {n for n, lay in plan.layouts.items() if lay in PARTIALS}
+    early: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    for start in partial:
+        if start in seen:
+            continue
+        region, frontier = set(), [start]
+        while frontier:
+            node = frontier.pop()
+            if node in region:
+                continue
+            region.add(node)
+            frontier += [u for u in node.users if u in partial and (node, u) not in plan.edges]
+            frontier += [i for i in node.all_input_nodes if i in partial and (i, node) not in plan.edges]
+        seen |= region
+        sources = {n for n in region if not any(i in region for i in n.all_input_nodes)}
+        if not sources <= products:
+            continue
+        reduced = {v for (v, c), steps in plan.edges.items() if v in region and steps and steps[0].kind == REDUCE}
+        entered = {
+            v for (v, c), steps in plan.edges.items()
+            if c in region and v not in region and any(step.kind == ENTER_TP for step in steps)
+        }
+        if entered and len(sources) < len(reduced) + len(entered):
+            early |= sources
+    return early
+
+
 def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
     """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once,
     each with the first place its region met the replicated world."""
@@ -568,7 +730,7 @@ def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
 def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
     """Sharded values on a path to a rowwise linear's input."""
     useful: set[fx.Node] = set()
-    frontier = [s.input for s in sites.linears if plan.roles[s.weight_fqn] == ROWWISE]
+    frontier = [s.input for s in (*sites.linears, *sites.experts) if plan.roles[s.weight_fqn] == ROWWISE]
     while frontier:
         value = frontier.pop()
         if value in useful or not _is_sharded(plan.layouts.get(value)):

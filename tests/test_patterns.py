@@ -20,7 +20,12 @@ from tests.pattern_models import PATTERNS, VOCAB
 # a sequential block 2 + 2 (attention output and MLP output all-reduced forward, one input
 # gradient per colwise group backward); a parallel block 1 + 1 (one normed input, one sum
 # of partial outputs); a norm over a sharded width adds its statistics all-reduce, forward
-# and backward (wide q/k norms: 2 norms x 2).
+# and backward (wide q/k norms: 2 norms x 2). A mixture-of-experts block: its experts' gate|up
+# (colwise) and down (rowwise) cost what a dense MLP does, 1 + 1, with a narrow router computed
+# whole. Top-k outputs gathered per (token, choice) are reduced before their routing weights
+# multiply them; a loop over experts multiplies each expert's partial output by its routing
+# weight instead, so the routing weights' gradient is a sum over the tp-sharded width: one
+# more all-reduce, in backward (reducing each expert's output first would cost one per expert).
 MINIMUM = {
     "interleaved_rope": 4,
     "repeat_interleave_gqa": 4,
@@ -30,6 +35,8 @@ MINIMUM = {
     "wide_qk_norm": 8,
     "parallel_block": 2,
     "custom_function": 4,
+    "moe_indexed": 4,
+    "moe_loop": 5,
 }
 
 

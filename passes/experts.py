@@ -1,0 +1,164 @@
+"""Expert sites: matmuls whose weight is one expert of a 3-D (or higher) parameter.
+
+Mixture-of-experts layers keep their experts' weights stacked, ``[E, out, in]``
+as Hugging Face stores ``gate_up_proj`` and ``down_proj`` (or ``[E, in, out]``),
+and read them per token or per expert:
+
+* ``torch.bmm(W[ids], x.unsqueeze(-1))``   -> ``aten.index.Tensor(W, [ids])`` then ``aten.bmm``
+* ``F.linear(x, W[e])`` in a loop          -> ``aten.select.int(W, 0, e)`` then ``aten.linear``
+* ``x @ W[e]`` / ``x @ W[e].T``            -> ``select`` (``transpose``) then ``aten.matmul``
+
+An :class:`ExpertSite` is one such matmul. Its weight operand is reached from the
+parameter through a chain of single-use ops that pick experts (index or select on
+dim 0), transpose, or cast; following the chain tells which parameter dim is the
+matmul's output dim and which its contracted input dim. Propagation then treats
+the site like a linear: colwise cuts the parameter's output dim over tp, rowwise
+its input dim, so every expert is a clean block (FSDP cuts the expert dim 0, tp
+one of the others) and the parameter keeps the layout the user stores.
+
+A parameter is an expert weight only if every use of it is such a chain and all
+its sites agree on which dims are ``out`` and ``in``; otherwise it is left alone
+(replicated over tp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+_CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten.clone.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSite:
+    """One matmul ``node`` reading an expert weight of parameter ``weight_fqn``.
+
+    ``chain`` are the nodes from the parameter read to the matmul's weight
+    operand (exclusive of the parameter, inclusive of the operand); each is used
+    only by the next. ``out_dim`` / ``in_dim`` are the parameter's dims the
+    matmul produces and contracts; ``input_dim`` is the contracted dim of
+    ``input`` and ``output_dim`` the dim of the result that ``out_dim`` becomes.
+    ``chain_dims`` maps, per chain node, each of its dims to the parameter dim it
+    comes from (``None`` for a dim indexing created).
+    """
+
+    node: fx.Node
+    input: fx.Node
+    weight_fqn: str
+    weight_node: fx.Node
+    chain: tuple[fx.Node, ...]
+    chain_dims: tuple[tuple[int | None, ...], ...]
+    out_dim: int
+    in_dim: int
+    input_dim: int
+    output_dim: int
+    out_features: int
+    in_features: int
+
+    @property
+    def output(self) -> fx.Node:
+        return self.node
+
+    @property
+    def param_fqns(self) -> tuple[str, ...]:
+        return (self.weight_fqn,)
+
+    def dim_in_chain(self, node: fx.Node, param_dim: int) -> int:
+        """The dim of chain ``node`` (or the parameter read) that is the parameter's ``param_dim``."""
+        if node is self.weight_node:
+            return param_dim
+        return self.chain_dims[self.chain.index(node)].index(param_dim)
+
+
+def find_expert_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> tuple[ExpertSite, ...]:
+    """Every expert site of ``gm``, in graph order."""
+    by_param: dict[str, list[ExpertSite]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or len(param_shapes.get(node.target, ())) < 3:
+            continue
+        sites = [_site_from(node, user, param_shapes[node.target]) for user in node.users]
+        if node.users and all(sites) and len({(s.out_dim, s.in_dim) for s in sites}) == 1:
+            by_param[node.target] = sites
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return tuple(sorted((s for sites in by_param.values() for s in sites), key=lambda s: order[s.node]))
+
+
+def _site_from(param: fx.Node, first: fx.Node, shape: tuple[int, ...]) -> ExpertSite | None:
+    """Follow single-use expert picks, transposes and casts from ``first`` to a matmul."""
+    dims: tuple[int | None, ...] = tuple(range(len(shape)))
+    chain, chain_dims, node, operand = [], [], first, param
+    while True:
+        picked = _dims_after(node, operand, dims)
+        if picked is None:
+            return _matmul_site(param, node, operand, dims, tuple(chain), tuple(chain_dims), shape)
+        if len(node.users) != 1:
+            return None
+        dims = picked
+        chain.append(node)
+        chain_dims.append(dims)
+        operand, node = node, next(iter(node.users))
+
+
+def _dims_after(node: fx.Node, operand: fx.Node, dims: tuple) -> tuple | None:
+    """The parameter dims of ``node``'s result, if ``node`` picks experts, transposes or casts."""
+    if node.op != "call_function" or not node.args or node.args[0] is not operand:
+        return None
+    if node.target == aten.index.Tensor:
+        indices = node.args[1]
+        if len(indices) != 1 or not isinstance(indices[0], fx.Node) or dims[0] != 0:
+            return None
+        index_ndim = indices[0].meta["val"].dim()
+        return (None,) * index_ndim + dims[1:]
+    if node.target == aten.select.int and node.args[1] == 0 and dims[0] == 0:
+        return dims[1:]
+    if node.target == aten.transpose.int:
+        a, b = (d % len(dims) for d in node.args[1:3])
+        swapped = list(dims)
+        swapped[a], swapped[b] = swapped[b], swapped[a]
+        return tuple(swapped)
+    if node.target == aten.t.default and len(dims) == 2:
+        return dims[::-1]
+    if node.target in _CASTS:
+        return dims
+    return None
+
+
+def _matmul_site(param, node, operand, dims, chain, chain_dims, shape) -> ExpertSite | None:
+    """The site if ``node`` multiplies the expert weight ``operand`` (parameter dims ``dims``)."""
+    if node.op != "call_function" or not chain:
+        return None  # the whole parameter read by a matmul is no expert pick
+    args = node.args
+    if node.target == aten.linear.default and len(dims) == 2 and args[1] is operand and args[0] is not operand:
+        if len(args) > 2 and args[2] is not None:
+            return None  # an expert bias: not handled, the weight stays replicated
+        x, out_dim, in_dim, input_dim, output_dim = args[0], dims[0], dims[1], -1, -1
+    elif node.target in (aten.bmm.default, aten.matmul.default) and len(args) == 2 and len(dims) >= 2:
+        if args[0] is operand and args[1] is not operand:  # W @ x: W [..., out, in], x [..., in, n]
+            x, out_dim, in_dim, input_dim, output_dim = args[1], dims[-2], dims[-1], -2, -2
+        elif args[1] is operand and args[0] is not operand:  # x @ W: W [..., in, out]
+            x, out_dim, in_dim, input_dim, output_dim = args[0], dims[-1], dims[-2], -1, -1
+        else:
+            return None
+    else:
+        return None
+    if not isinstance(x, fx.Node) or out_dim in (None, 0) or in_dim in (None, 0):
+        return None
+    x_ndim, out_ndim = x.meta["val"].dim(), node.meta["val"].dim()
+    return ExpertSite(
+        node=node,
+        input=x,
+        weight_fqn=param.target,
+        weight_node=param,
+        chain=chain,
+        chain_dims=chain_dims,
+        out_dim=out_dim,
+        in_dim=in_dim,
+        input_dim=input_dim % x_ndim,
+        output_dim=output_dim % out_ndim,
+        out_features=shape[out_dim],
+        in_features=shape[in_dim],
+    )
