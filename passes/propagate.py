@@ -149,7 +149,9 @@ def propagate(
     _sum_partials_first(gm, sites)
     carries_grad = _carries_grad(gm)
     revised = _Revisions()
-    narrowing = {s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied}
+    narrowing = {
+        s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
+    }
     while True:
         plan = _propagate_once(
             gm, sites, tp, roles, carries_grad, revised, on_indivisible, loss_parallel, sequence_parallel
