@@ -28,14 +28,16 @@ from tests.pattern_models import PATTERNS  # noqa: E402
 # Analytic minimum of tp collectives per block per training step (forward + backward):
 # 2 + 2 for a sequential attention + MLP block, 1 + 1 for a parallel block, plus 2 per
 # norm over a tp-sharded width (its statistics, forward and backward) and 2 for Qwen3's
-# replicated q/k-norm weights on sharded heads (their gradients).
+# replicated q/k-norm weights on sharded heads (their gradients). An MoE block costs what a
+# dense one does, plus 1 for a loop over experts whose routing weights multiply each expert's
+# partial output (their gradient is a sum over the sharded width; see tests/test_patterns.py).
 MINIMUM = {
     "llama": 4, "mlp_stack": 2, "raw_linear": None,
-    "hf_llama": 4, "hf_llama_tied": 4, "hf_mistral": 4, "hf_qwen2": 4, "hf_qwen3": 6, "hf_phi3": 4,
+    "hf_llama": 4, "hf_llama_tied": 4, "hf_mistral": 4, "hf_qwen2": 4, "hf_qwen3": 6, "hf_qwen3_moe": 6, "hf_phi3": 4,
     "hf_gpt2": 4, "hf_bert": 4,
     "interleaved_rope": 4, "repeat_interleave_gqa": 4, "alibi_bias": 4, "sdpa_bias_mask": 4,
     "baddbmm_attention": 4, "wide_qk_norm": 8, "parallel_block": 2, "custom_function": 4,
-    "moe_indexed": 4, "moe_loop": 4,
+    "moe_indexed": 4, "moe_loop": 5,
 }
 
 

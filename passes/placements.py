@@ -73,7 +73,9 @@ def build_plan(
             note = layout_plan.notes[fqn]
         placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn), tp_dim)
         sections = ()
-        if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
+        if axes.has_tp and isinstance(site, LinearSite):
+            sections = layout_plan.fused.get(site.weight_fqn, ())  # the weight's and its bias's
+        elif axes.has_tp and fqn in layout_plan.sharded_params:
             sections = layout_plan.fused.get(fqn, ())
         padding = dp_padding(shape, transposed, placements.get(DP), axes.dp)
         if padding:

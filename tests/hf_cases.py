@@ -64,6 +64,19 @@ def _qwen3():
     return hf.Qwen3ForCausalLM(hf.Qwen3Config(**_DECODER, head_dim=16))
 
 
+def _qwen3_moe():
+    """Every layer a mixture of 4 experts, top 2, stored as 3-D ``gate_up_proj`` / ``down_proj``.
+
+    ``experts_implementation="batched_mm"`` gathers each (token, choice)'s expert weights and
+    runs one ``bmm`` (export-friendly; the default on CPU is an opaque ``grouped_mm`` custom op).
+    """
+    config = hf.Qwen3MoeConfig(
+        **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    )
+    return hf.Qwen3MoeForCausalLM._from_config(config, experts_implementation="batched_mm")
+
+
 def _phi3():
     """Fused q|k|v (GQA: unequal sections, read by slices) and gate|up (chunk)."""
     return hf.Phi3ForCausalLM(hf.Phi3Config(**_DECODER, pad_token_id=0))
@@ -109,6 +122,7 @@ CASES = {
         HFCase("mistral", _mistral),
         HFCase("qwen2", _qwen2),
         HFCase("qwen3", _qwen3),
+        HFCase("qwen3_moe", _qwen3_moe),
         HFCase("phi3", _phi3),
         HFCase("gpt2", _gpt2),
         HFCase("bert", _bert, uses_mask=True),

@@ -18,8 +18,12 @@ from tests.parity import assert_parity, dp_slice, rel_error, train_both
 
 # tp collectives per block per training step: 2 forward all-reduces (attention out,
 # MLP out), 2 backward (one per colwise group); Qwen3's q/k norms read a replicated
-# weight on sharded heads, whose gradients are all-reduced: 2 more.
-PER_BLOCK = {"llama": 4, "llama_tied": 4, "mistral": 4, "qwen2": 4, "qwen3": 6, "phi3": 4, "gpt2": 4, "bert": 4}
+# weight on sharded heads, whose gradients are all-reduced: 2 more. Qwen3-MoE's experts cost
+# what a dense MLP does (its router is computed whole), so it matches Qwen3.
+PER_BLOCK = {
+    "llama": 4, "llama_tied": 4, "mistral": 4, "qwen2": 4, "qwen3": 6, "qwen3_moe": 6, "phi3": 4, "gpt2": 4,
+    "bert": 4,
+}
 LOGITS_TOL = 1e-5
 LOSS_TOL = 1e-4
 PARAM_TOL = 5e-4  # after AdamW (eps 1e-6), relative to max(|p|, 1e-2): see tests/parity.py
@@ -65,7 +69,8 @@ def _make_check(name: str):
         measured = forward.count("tp") + backward.count("tp")
         assert measured == _planned(plan), (name, measured, _planned(plan), forward.stats(), backward.stats())
         for block in plan.units[1:]:
-            assert _planned(plan, block) == PER_BLOCK[name], (name, block, _planned(plan, block))
+            got = plan.num_tp_collectives(block)
+            assert got == PER_BLOCK[name], (name, block, got)
         assert len(plan.units) == num_blocks + 1
 
         torch.manual_seed(0)

@@ -93,8 +93,8 @@ class _Spellings(nn.Module):
         self.w_f = nn.Parameter(torch.randn(8, 16))  # F.linear [out, in]: rowwise
         self.w_at = nn.Parameter(torch.randn(8, 16))  # x @ W [in, out]: colwise
         self.w_mm = nn.Parameter(torch.randn(8, 16))  # torch.mm(x, W.t()) [out, in]: rowwise
-        self.w_addmm = nn.Parameter(torch.randn(8, 4))  # addmm [in, out]: colwise
-        self.b_addmm = nn.Parameter(torch.zeros(4))
+        self.w_addmm = nn.Parameter(torch.randn(8, 16))  # addmm [in, out]: colwise
+        self.b_addmm = nn.Parameter(torch.zeros(16))
 
     def forward(self, x):
         h = torch.relu(self.lin(x))
@@ -144,7 +144,9 @@ def test_an_op_without_a_layout_rule_is_named_with_its_line():
     plan = autoshard.plan(CumulativeMLP(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
     up = plan.params["up.weight"]
     assert "(cumsum.default) at models.py" in up.note and "torch.cumsum" in up.note
-    assert plan.params["down.weight"].role == "colwise"  # its input is replicated after the gather
+    # its input is replicated after the gather, and it narrows: computed whole, with no collective
+    down = plan.params["down.weight"]
+    assert down.role == "replicate" and "fewer than its 64 inputs" in down.note and not down.collectives
 
 
 def test_sequence_parallel_needs_a_sequence_that_divides_by_tp():
@@ -319,9 +321,10 @@ def test_heads_that_divide_by_the_old_tp_only_are_named_when_applied(fake_world)
 
 
 def test_heads_that_divide_by_the_new_tp_only_are_named_when_applied(fake_world):
-    """The other way round: on tp=4 the kv heads were gathered and wo made colwise;
-    on tp=2 the heads stay sharded into that colwise wo, so the plan's layout does not hold."""
-    model = Llama(LlamaConfig())
+    """The other way round: on tp=4 the 2 heads were gathered and wo made colwise;
+    on tp=2 the heads stay sharded into that colwise wo, so the plan's layout does not hold.
+    (k and v are as wide as their input, so they are gathered, not computed whole.)"""
+    model = Llama(LlamaConfig(num_heads=2, num_kv_heads=2))
     saved = autoshard.plan(model, {"tp": 4}, example_inputs=(TOKENS,))
     assert saved.params["layers.0.attention.wo.weight"].role == "colwise"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -64,15 +64,16 @@ def check_plan_with_a_dim_that_divides_by_2_only_is_refused_on_tp4(ctx):
 
 
 def check_weight_replicated_over_tp_stays_replicated_on_another_tp(ctx):
-    """The head (6 outputs) is replicated in a plan for tp=4; on the 2x2 mesh it stays
-    replicated over tp (roles are kept) although planning afresh would shard it."""
+    """The head (34 outputs, wider than its 32 inputs, so sharded where it divides) is
+    replicated in a plan for tp=4; on the 2x2 mesh it stays replicated over tp (roles are
+    kept) although planning afresh would shard it."""
     torch.manual_seed(0)
-    model, x, y = MLPStack(out=6), torch.randn(8, 5, 32), torch.randn(8, 5, 6)
+    model, x, y = MLPStack(out=34), torch.randn(8, 5, 32), torch.randn(8, 5, 34)
     saved = autoshard.plan(model, {"tp": 4}, example_inputs=(x,)).to_dict()
     assert saved["params"]["head.weight"]["role"] == "replicate"
     run = train_both(model, ctx.mesh_2d, x, y, mse_loss, steps=2, shard_kwargs={"plan": saved})
     head = run.sharded.get_parameter("head.weight")
-    assert tuple(head.placements) == (Shard(0), Replicate()) and tuple(head.shape) == (6, 32)
+    assert tuple(head.placements) == (Shard(0), Replicate()) and tuple(head.shape) == (34, 32)
     fresh = autoshard.plan(model, ctx.mesh_2d, example_inputs=(dp_slice(x, ctx.mesh_2d),))
     assert fresh.params["head.weight"].role == "colwise"
     assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
