@@ -120,8 +120,10 @@ def _dims_after(node: fx.Node, operand: fx.Node, dims: tuple) -> tuple | None:
         swapped = list(dims)
         swapped[a], swapped[b] = swapped[b], swapped[a]
         return tuple(swapped)
-    if node.target == aten.t.default and len(dims) == 2:
+    if node.target in (aten.t.default, aten.numpy_T.default) and len(dims) == 2:
         return dims[::-1]
+    if node.target == aten.permute.default:
+        return tuple(dims[d % len(dims)] for d in node.args[1])
     if node.target in _CASTS:
         return dims
     return None

@@ -1,0 +1,155 @@
+"""Pass-level tests of layout propagation, in one process and without a process group.
+
+Each rule case traces a few ops the way public model code writes them and asks the
+planner's rules (autoshard's own, then DTensor's op strategies) for the layout every
+op gives, starting from the given input layouts on tp=2. A broken rule fails here as
+"op X with input layout Y gave Z", not as a parity number in a 4-process test.
+Layouts: ``None`` replicated, ``d`` sharded on dim d, ``"partial"`` a sum over ranks;
+``GATHER`` means some op had no comm-free rule and its sharded input is gathered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.passes import dtensor_rules, layout_rules
+from autoshard.passes.capture import capture
+from autoshard.passes.experts import find_expert_sites
+from tests.pattern_models import PATTERNS
+
+GATHER = "gather"
+P = layout_rules.PARTIAL
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _layout_through(fn, shapes, layouts, tp: int = 2):
+    """The layout of ``fn``'s output when its inputs have ``layouts`` (or ``GATHER``)."""
+    gm = torch.export.export(_Fn(fn), tuple(torch.randn(s) for s in shapes), strict=False).graph_module
+    have = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], layouts, strict=True))
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            return have[node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]]
+        if node.op != "call_function":
+            continue
+        inputs = {v: have.get(v) for v in node.all_input_nodes}
+        if all(lay is None for lay in inputs.values()):
+            have[node] = None
+            continue
+        decision = layout_rules.apply(node, inputs, tp) or dtensor_rules.query(node, inputs, tp)
+        if decision is None:
+            return GATHER
+        have[node] = decision.output
+    raise AssertionError("no output")
+
+
+def _interleaved_rope(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _repeat_kv(k):
+    b, h, s, d = k.shape
+    return k[:, :, None].expand(b, h, 2, s, d).reshape(b, h * 2, s, d)
+
+
+def _complex_rope(x):
+    return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))).flatten(3)
+
+
+HEADS = (2, 4, 8, 16)  # [batch, heads, seq, head_dim], heads sharded: layout 1
+RULE_CASES = [
+    # (name, fn, input shapes, input layouts, expected output layout)
+    ("strided slice keeps heads", lambda x: x[..., ::2], [HEADS], [1], 1),
+    ("interleaved rope (stack + flatten)", _interleaved_rope, [HEADS], [1], 1),
+    ("repeat_interleave on heads", lambda k: k.repeat_interleave(2, dim=1), [HEADS], [1], 1),
+    ("repeat_kv (expand + reshape)", _repeat_kv, [HEADS], [1], 1),
+    ("view_as_complex rope on [b, s, h, d]", _complex_rope, [(2, 8, 4, 16)], [2], 2),
+    ("scores + replicated bias", lambda s, b: s + b, [(2, 4, 8, 8), (1, 4, 8, 8)], [1, None], 1),
+    ("q @ k^T on heads", lambda q, k: q @ k.transpose(-1, -2), [HEADS, HEADS], [1, 1], 1),
+    ("baddbmm on heads flattened into batch", lambda b, q, k: torch.baddbmm(b, q, k.transpose(1, 2)),
+     [(8, 8, 8), (8, 8, 16), (8, 8, 16)], [0, 0, 0], 0),
+    ("softmax over keys", lambda s: s.softmax(dim=-1), [(2, 4, 8, 8)], [1], 1),
+    ("softmax over the sharded dim", lambda s: s.softmax(dim=1), [(2, 4, 8, 8)], [1], GATHER),
+    ("cumsum over the sharded dim", lambda x: x.cumsum(-1), [(2, 8, 64)], [2], GATHER),
+    ("roll over seq", lambda x: x.roll(1, dims=2), [HEADS], [1], 1),
+    ("sum over the sharded dim is partial", lambda x: x.sum(-1), [(2, 8, 64)], [2], P),
+    ("partial times replicated stays partial", lambda p, w: p * w, [(8, 64), (8, 1)], [P, None], P),
+    ("partial plus partial stays partial", lambda a, b: a + b, [(8, 64), (8, 64)], [P, P], P),
+    ("a nonlinear op of a partial has no rule", lambda p: p.exp(), [(8, 64)], [P], GATHER),
+    ("zeros plus partial stays partial", lambda x, p: torch.zeros_like(x) + p, [(8, 64), (8, 64)], [None, P], P),
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes,layouts,expected", RULE_CASES, ids=[c[0] for c in RULE_CASES])
+def test_layout_rule(name, fn, shapes, layouts, expected):
+    got = _layout_through(fn, shapes, layouts)
+    assert got == expected, f"{name}: input layouts {layouts} gave {got}, expected {expected}"
+
+
+# --- expert discovery ---------------------------------------------------------------------
+
+
+class _Experts(nn.Module):
+    def __init__(self, forward, shape=(4, 32, 16)):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(*shape))
+        self.fn = forward
+
+    def forward(self, x, ids):
+        return self.fn(self.w, x, ids)
+
+
+EXPERT_CASES = [
+    # (name, forward(w, x [8, 16], ids [8]), w shape, expected (out_dim, in_dim) per site or None)
+    ("bmm(W[ids], x[..., None]) on [E, out, in]",
+     lambda w, x, ids: torch.bmm(w[ids], x.unsqueeze(-1)).squeeze(-1), (4, 32, 16), [(1, 2)]),
+    ("bmm(x[:, None], W[ids]) on [E, in, out]",
+     lambda w, x, ids: torch.bmm(x.unsqueeze(1), w[ids]).squeeze(1), (4, 16, 32), [(2, 1)]),
+    ("F.linear(x, W[e]) in a loop",
+     lambda w, x, ids: sum(F.linear(x, w[e]) for e in range(2)), (4, 32, 16), [(1, 2), (1, 2)]),
+    ("x @ W[e].T", lambda w, x, ids: x @ w[0].T, (4, 32, 16), [(1, 2)]),
+    ("x @ W[e] on [E, in, out]", lambda w, x, ids: x @ w[1], (4, 16, 32), [(2, 1)]),
+    ("a weight also read whole is no expert weight",
+     lambda w, x, ids: F.linear(x, w[0]) * w.mean(), (4, 32, 16), None),
+]
+
+
+@pytest.mark.parametrize("name,forward,shape,expected", EXPERT_CASES, ids=[c[0] for c in EXPERT_CASES])
+def test_expert_sites(name, forward, shape, expected):
+    x, ids = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    captured = capture(_Experts(forward, shape), (x, ids), {}, None)
+    sites = find_expert_sites(captured.gm, captured.param_shapes)
+    got = [(s.out_dim, s.in_dim) for s in sites] or None
+    assert got == expected, f"{name}: found {got}"
+
+
+# --- a mixture-of-experts layer, planned --------------------------------------------------
+
+
+@pytest.mark.parametrize("name,per_block", [("moe_indexed", 4), ("moe_loop", 5)])
+def test_moe_plan(name, per_block):
+    """Experts cut like linears on clean blocks, the router computed whole, and the tp
+    collectives per block at the minimum (see tests/test_patterns.py for why the loop costs 5)."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plan = autoshard.plan(PATTERNS[name](), {"dp": 2, "tp": 2}, example_inputs=(tokens,))
+    gate_up = plan.params["layers.0.feed_forward.experts.gate_up_proj"]
+    down = plan.params["layers.0.feed_forward.experts.down_proj"]
+    router = plan.params["layers.0.feed_forward.router.weight"]
+    assert (gate_up.placements, gate_up.sections) == ({"dp": "S(0)", "tp": "S(1)"}, (128, 128))
+    assert "experts' colwise weight" in gate_up.note and not gate_up.transposed
+    assert down.placements == {"dp": "S(0)", "tp": "S(2)"} and "experts' rowwise weight" in down.note
+    assert router.role == "replicate" and "computed whole" in router.note
+    assert not plan.breaks
+    assert [plan.num_tp_collectives(b) for b in plan.units[1:]] == [per_block, per_block]
