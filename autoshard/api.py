@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
+from autoshard.options import PlanOptions
 from autoshard.passes.capture import capture
 from autoshard.passes.discover import find_sites
 from autoshard.passes.layouts import insert_redistributes
@@ -41,17 +42,8 @@ def plan(
     ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
     plan for a mesh that does not exist in this process.
     """
-    return _plan(
-        model,
-        _axes(mesh),
-        example_inputs,
-        example_kwargs,
-        None,
-        on_indivisible,
-        loss_parallel,
-        dynamic_shapes,
-        sequence_parallel,
-    )[0]
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes)
+    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, options)[0]
 
 
 def autoshard(
@@ -99,17 +91,8 @@ def autoshard(
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
-    final_plan, captured, sites, layout_plan = _plan(
-        model,
-        axes,
-        example_inputs,
-        example_kwargs,
-        plan,
-        on_indivisible,
-        loss_parallel,
-        dynamic_shapes,
-        sequence_parallel,
-    )
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes)
+    final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan, options)
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
     if tp_group is not None:
@@ -142,24 +125,13 @@ def _axes(mesh) -> MeshAxes:
     return read_mesh(mesh)
 
 
-def _plan(
-    model,
-    axes: MeshAxes,
-    example_inputs,
-    example_kwargs,
-    given,
-    on_indivisible="replicate",
-    loss_parallel=False,
-    dynamic_shapes=None,
-    sequence_parallel=False,
-):
-    if on_indivisible not in ("replicate", "error"):
-        raise ValueError(f"autoshard: on_indivisible must be 'replicate' or 'error', got {on_indivisible!r}")
+def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions):
+    options = options.for_tp(axes.has_tp)
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
     saved = _as_plan(given)
     given = _check_plan_mesh(saved, axes) if saved is not None else None
-    captured = capture(model, example_inputs, example_kwargs, dynamic_shapes)
+    captured = capture(model, example_inputs, example_kwargs, options.dynamic_shapes)
     sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
     dp_placements = None
@@ -167,24 +139,16 @@ def _plan(
         _check_plan_params(given, captured.param_shapes)
         weights = {s.weight_fqn for s in sites.all}
         roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
+        # an expert weight's role is planned again from its layout unless the plan replicated it
+        experts = {s.weight_fqn for s in sites.experts}
+        roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == "replicate"}
         dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
-    layout_plan = propagate(
-        captured.gm,
-        sites,
-        axes.tp,
-        roles,
-        on_indivisible,
-        loss_parallel and axes.has_tp,
-        sequence_parallel and axes.has_tp,
-    )
+    layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:
-            check_activations_carry(
-                saved, final, captured, sites, roles, dp_placements, loss_parallel and axes.has_tp,
-                sequence_parallel and axes.has_tp,
-            )
+            check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
     return final, captured, sites, layout_plan
 
 

@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes
+from autoshard.options import PlanOptions
 from autoshard.passes.discover import find_sites
 from autoshard.passes.placements import GATHERED_EARLY, build_plan, dp_padding, param_placements, tp_dim_of
 from autoshard.passes.propagate import propagate
@@ -72,8 +73,7 @@ def check_activations_carry(
     sites,
     roles: dict[str, str],
     dp_placements: dict[str, str],
-    loss_parallel: bool,
-    sequence_parallel: bool,
+    options: PlanOptions,
 ) -> None:
     """A retargeted plan must lay activations out as it did on its own mesh.
 
@@ -91,7 +91,7 @@ def check_activations_carry(
     # graph of ``final`` is the one the pipeline goes on to shard
     twin = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     twin_sites = find_sites(twin.gm, twin.param_shapes)
-    layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, "error", loss_parallel, sequence_parallel)
+    layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, options.strict())
     before = build_plan(twin, twin_sites, layout_plan, old, dp_placements)
     changed = []
     for fqn, now in final.params.items():

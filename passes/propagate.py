@@ -55,6 +55,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.errors import describe
+from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
@@ -130,20 +131,18 @@ def propagate(
     sites: Sites,
     tp: int,
     roles: dict[str, str] | None = None,
-    on_indivisible: str = "replicate",
-    loss_parallel: bool = False,
-    sequence_parallel: bool = False,
+    options: PlanOptions = DEFAULT_OPTIONS,
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts.
 
     A weight whose sharded dim does not divide by ``tp`` is replicated over tp
-    (``on_indivisible="replicate"``, noted in the plan) or is an error
+    (``options.on_indivisible="replicate"``, noted in the plan) or is an error
     (``"error"``, and always when the role comes from a user plan).
-    ``loss_parallel`` returns outputs sharded on their last dim (LM-head
+    ``options.loss_parallel`` returns outputs sharded on their last dim (LM-head
     logits over the vocabulary) as DTensors instead of gathering them.
-    ``sequence_parallel`` keeps the residual stream (norms, dropout, residual
-    adds) sharded over the sequence between blocks: reduce-scatter after each
-    rowwise linear, all-gather before each colwise group.
+    ``options.sequence_parallel`` keeps the residual stream (norms, dropout,
+    residual adds) sharded over the sequence between blocks: reduce-scatter
+    after each rowwise linear, all-gather before each colwise group.
     """
     _check_roles_cover_sites(roles, sites)
     _sum_partials_first(gm, sites)
@@ -153,9 +152,7 @@ def propagate(
         s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
     }
     while True:
-        plan = _propagate_once(
-            gm, sites, tp, roles, carries_grad, revised, on_indivisible, loss_parallel, sequence_parallel
-        )
+        plan = _propagate_once(gm, sites, tp, roles, carries_grad, revised, options)
         norms = _norms_over_sharded_width(plan, sites)
         if norms:
             for norm in norms:
@@ -189,10 +186,10 @@ class _Revisions:
     reduced_early: set[fx.Node] = dataclasses.field(default_factory=set)
 
 
-def _propagate_once(
-    gm, sites: Sites, tp: int, roles, carries_grad, revised: _Revisions, on_indivisible, loss_parallel,
-    sequence_parallel,
-) -> LayoutPlan:
+def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, revised: _Revisions, options) -> LayoutPlan:
+    on_indivisible, loss_parallel, sequence_parallel = (
+        options.on_indivisible, options.loss_parallel, options.sequence_parallel
+    )
     gathered_early = revised.gathered_early
     fixed_roles = roles
     roles = dict(roles or {})

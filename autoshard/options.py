@@ -1,0 +1,45 @@
+"""Planning options: one frozen object handed through capture, propagation and retargeting.
+
+The public functions (:func:`autoshard.autoshard`, :func:`autoshard.plan`, the
+compile backend) keep plain keyword arguments; they build one
+:class:`PlanOptions`, checked once, and the stages read it instead of taking a
+positional chain of flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ON_INDIVISIBLE = ("replicate", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """``on_indivisible``: replicate over tp (noted) or refuse a weight whose sharded dim does
+    not divide by tp. ``loss_parallel``: outputs sharded over their last dim leave as DTensors.
+    ``sequence_parallel``: the residual stream is sharded over the sequence between blocks.
+    ``dynamic_shapes``: ``torch.export``'s spec for symbolic batch and sequence dims."""
+
+    on_indivisible: str = "replicate"
+    loss_parallel: bool = False
+    sequence_parallel: bool = False
+    dynamic_shapes: object = None
+
+    def __post_init__(self) -> None:
+        if self.on_indivisible not in ON_INDIVISIBLE:
+            raise ValueError(
+                f"autoshard: on_indivisible must be 'replicate' or 'error', got {self.on_indivisible!r}"
+            )
+
+    def for_tp(self, has_tp: bool) -> PlanOptions:
+        """Loss and sequence parallelism exist only with a tp axis."""
+        if has_tp:
+            return self
+        return dataclasses.replace(self, loss_parallel=False, sequence_parallel=False)
+
+    def strict(self) -> PlanOptions:
+        """Every weight's role must hold as planned (retargeting checks a saved plan)."""
+        return dataclasses.replace(self, on_indivisible="error")
+
+
+DEFAULT_OPTIONS = PlanOptions()
