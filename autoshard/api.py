@@ -11,6 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoshard.carry import check_activations_carry
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
 from autoshard.options import PlanOptions
 from autoshard.passes.capture import capture
@@ -23,7 +24,7 @@ from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan
-from autoshard.retarget import check_activations_carry, retarget
+from autoshard.retarget import retarget
 
 
 def plan(

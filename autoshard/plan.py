@@ -19,8 +19,10 @@ Roles
                   ``[vocab, dim]``: tp cuts the vocabulary rows (``S(0)``),
                   FSDP cuts dim 1 (``S(1)``); the lookup is masked to the
                   local rows and all-reduced, the head is colwise.
-``sharded``       a parameter that is no linear's weight but is read sharded by
-                  one op (the weight of a norm over a tp-sharded width): stored
+``sharded``       a parameter that is no linear's weight but is read sharded:
+                  the weight of a norm over a tp-sharded width, or a stacked
+                  mixture-of-experts weight ``[E, out, in]`` (tp cuts ``out``
+                  for gate/up, ``in`` for down; FSDP cuts the experts). Stored
                   cut over tp on the dim its placement names, so no step cuts
                   it or gathers its gradient.
 ``replicate``     everything else (norm weights, a linear left unsharded):
@@ -37,9 +39,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from autoshard.retarget import retarget
+from autoshard.sharding import Role
+
 PLAN_VERSION = 1
 
-ROLES = ("colwise", "rowwise", "colwise_bias", "rowwise_bias", "vocab_parallel", "sharded", "replicate")
+ROLES = tuple(Role)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +99,10 @@ class ParamSharding:
         except (KeyError, AttributeError, TypeError) as err:
             raise ValueError(f"autoshard: plan entry for '{fqn}' lacks {err}") from err
         if role not in ROLES:
-            raise ValueError(f"autoshard: plan entry for '{fqn}' has unknown role {role!r}; one of {ROLES}")
+            known = ", ".join(repr(str(r)) for r in ROLES)
+            raise ValueError(f"autoshard: plan entry for '{fqn}' has unknown role {role!r}; one of {known}")
         return cls(
-            role=role,
+            role=Role(role),
             shape=tuple(int(n) for n in data.get("shape", ())),
             transposed=transposed,
             placements=placements,
@@ -141,8 +147,6 @@ class Plan:
         ``ValueError`` naming the parameter; so is a plan without a tp axis
         retargeted to a mesh with one. See :mod:`autoshard.retarget`.
         """
-        from autoshard.retarget import retarget
-
         return retarget(self, sizes)
 
     def to_dict(self) -> dict:

@@ -20,17 +20,16 @@ it records no tp collectives, so it is not retargeted to a mesh with tp.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes
-from autoshard.options import PlanOptions
-from autoshard.passes.discover import find_sites
-from autoshard.passes.placements import GATHERED_EARLY, build_plan, dp_padding, param_placements, tp_dim_of
-from autoshard.passes.propagate import propagate
-from autoshard.plan import ParamSharding, Plan
+from autoshard.sharding import GATHERED_EARLY, dp_padding, param_placements, tp_dim_of
+
+if TYPE_CHECKING:
+    from autoshard.plan import ParamSharding, Plan
 
 # The note propagate writes for a weight replicated because a dim does not divide by tp.
 _REPLICATED = re.compile(r"replicated over tp: its (?P<what>.+?) \((?P<size>\d+)\) do not divide by the tp axis size "
@@ -44,73 +43,29 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
     a tp-sharded dim (or a fused section) does not divide by the new tp size,
     and when ``plan`` has no tp axis but ``sizes`` has.
     """
-    new = _axes(sizes)
-    old = _axes(plan.mesh)
+    new = mesh_axes(sizes)
+    old = mesh_axes(plan.mesh)
     if new.to_dict() == old.to_dict():
         return plan
     if new.has_tp and not old.has_tp:
         raise ValueError(
-            f"autoshard: the plan for mesh {_text(old)} has no tp axis, so it cannot be used on {_text(new)}: "
+            f"autoshard: the plan for mesh {mesh_text(old)} has no tp axis, so it cannot be used on {mesh_text(new)}: "
             f"its roles were never checked against tp sharding and it records no tp collectives; "
             f"plan afresh with autoshard.plan(model, {new.to_dict()}, ...)"
         )
     if new.has_tp:
         _check_divisible(plan, old, new)
-    return Plan(
+    return dataclasses.replace(
+        plan,
         mesh=new.to_dict(),
         params={fqn: _retarget_entry(entry, old, new) for fqn, entry in plan.params.items()},
-        units=plan.units,
         activations=plan.activations if new.has_tp else (),
         activation_units=plan.activation_units if new.has_tp else (),
-        version=plan.version,
+        breaks=plan.breaks if new.has_tp else (),
     )
 
 
-def check_activations_carry(
-    given: Plan,
-    final: Plan,
-    captured,
-    sites,
-    roles: dict[str, str],
-    dp_placements: dict[str, str],
-    options: PlanOptions,
-) -> None:
-    """A retargeted plan must lay activations out as it did on its own mesh.
-
-    ``final`` is what ``given``'s roles give on the new mesh. The same roles are
-    propagated again on the tp size ``given`` was made for; any tp collective or
-    fused section that differs means an activation (a view to heads, a fused
-    split) divides by one tp size and not the other, and the roles would
-    only run with extra redistributes: that is an error naming what changed.
-    """
-    old = _axes(given.mesh)
-    new = _axes(final.mesh)
-    if not (old.has_tp and new.has_tp) or old.tp == new.tp:
-        return
-    # on a copy: propagation may rewrite the graph (norms over a sharded width), and the
-    # graph of ``final`` is the one the pipeline goes on to shard
-    twin = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
-    twin_sites = find_sites(twin.gm, twin.param_shapes)
-    layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, options.strict())
-    before = build_plan(twin, twin_sites, layout_plan, old, dp_placements)
-    changed = []
-    for fqn, now in final.params.items():
-        was = before.params[fqn]
-        if (was.collectives, was.sections) != (now.collectives, now.sections):
-            line = f"  '{fqn}' on tp={new.tp}: {_change(was, now)}"
-            changed.append(line + (f"\n    note: {now.note}" if now.note else ""))
-    added = [f"  activation: {a}" for a in final.activations if a not in before.activations]
-    if changed or added:
-        raise ValueError(
-            f"autoshard: the plan for mesh {_text(old)} does not carry over to {_text(new)}: with its roles, "
-            f"activations are laid out differently on tp={new.tp} than on tp={old.tp} (a view to heads or a "
-            f"fused split divides by one and not the other), so the tp collectives change:\n"
-            + "\n".join(changed + added)
-            + f"\nplan afresh with autoshard.plan(model, {new.to_dict()}, ...)"
-        )
-
-
-def _axes(sizes: Mapping[str, int]) -> MeshAxes:
+def mesh_axes(sizes: Mapping[str, int]) -> MeshAxes:
     axes = axes_from_sizes(dict(sizes))
     bad = {a: n for a, n in axes.sizes if n < 1}
     if bad:
@@ -118,17 +73,8 @@ def _axes(sizes: Mapping[str, int]) -> MeshAxes:
     return axes
 
 
-def _text(axes: MeshAxes) -> str:
+def mesh_text(axes: MeshAxes) -> str:
     return " x ".join(f"{a}={n}" for a, n in axes.sizes)
-
-
-def _change(was: ParamSharding, now: ParamSharding) -> str:
-    added = [c for c in now.collectives if c not in was.collectives]
-    dropped = [c for c in was.collectives if c not in now.collectives]
-    parts = [f"adds {c!r}" for c in added] + [f"drops {c!r}" for c in dropped]
-    if was.sections != now.sections:
-        parts.append(f"fused sections {list(was.sections)} become {list(now.sections)}")
-    return "; ".join(parts)
 
 
 def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
@@ -149,7 +95,7 @@ def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
     if faults:
         more = f" (and {len(faults) - 3} more)" if len(faults) > 3 else ""
         raise ValueError(
-            f"autoshard: the plan for mesh {_text(old)} cannot be used on {_text(new)}: "
+            f"autoshard: the plan for mesh {mesh_text(old)} cannot be used on {mesh_text(new)}: "
             + "; ".join(faults[:3]) + more
             + ". Plan afresh for this mesh (autoshard.plan), or give such a weight role 'replicate' in the plan"
         )
@@ -158,12 +104,9 @@ def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
 def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> ParamSharding:
     dp_choice = entry.placements.get(DP) if old.has_dp else None
     placements = param_placements(entry.role, entry.shape, new, dp_choice, tp_dim_of(entry))
-    return ParamSharding(
-        role=entry.role,
-        shape=entry.shape,
-        transposed=entry.transposed,
+    return dataclasses.replace(
+        entry,
         placements=placements,
-        unit=entry.unit,
         collectives=entry.collectives if new.has_tp else (),
         note=_retarget_note(entry, placements, old, new),
         sections=entry.sections if new.has_tp else (),

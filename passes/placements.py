@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autoshard.errors import describe
-from autoshard.mesh import DP, TP, MeshAxes
+from autoshard.mesh import DP, MeshAxes
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import unit_of_node
@@ -33,6 +33,9 @@ from autoshard.passes.propagate import (
     LayoutPlan,
 )
 from autoshard.plan import ParamSharding, Plan
+from autoshard.sharding import GATHERED_EARLY, Role, dp_padding, param_placements
+
+SHARDED = Role.SHARDED
 
 
 def build_plan(
@@ -129,68 +132,6 @@ def _breaks(lp: LayoutPlan, block_fqns) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(found, key=lambda b: (order.get(b[0], -1), b[1])))
 
 
-# The stored dim tp cuts, per role: every linear weight and embedding table is an
-# [in, out] / [out, in] block cut on dim 1; a colwise bias and a vocabulary-parallel
-# table on dim 0; the rest is replicated over tp.
-TP_DIM_BY_ROLE: dict[str, int | None] = {
-    COLWISE: 1,
-    ROWWISE: 1,
-    "colwise_bias": 0,
-    "rowwise_bias": None,
-    VOCAB_PARALLEL: 0,
-    REPLICATE: None,
-}
-SHARDED = "sharded"  # tp dim given per parameter (its placement), see plan.py
-
-
-def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:
-    """FSDP shards dim 0, except a colwise bias (already cut by tp) and scalars stay
-    replicated, and a vocabulary-parallel table gives dim 0 to tp and dim 1 to FSDP."""
-    if role == VOCAB_PARALLEL:
-        return "S(1)"
-    if role == SHARDED:
-        return "R" if len(shape) <= 1 else "S(1)" if tp_dim == 0 else "S(0)"
-    return "R" if role == "colwise_bias" or not shape else "S(0)"
-
-
-def param_placements(
-    role: str, shape, axes: MeshAxes, dp_placement: str | None = None, tp_dim: int | None = None
-) -> dict[str, str]:
-    """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides dp's;
-    ``tp_dim`` is the dim tp cuts for role ``sharded``, fixed by the role otherwise)."""
-    placements = {}
-    if role != SHARDED:
-        tp_dim = TP_DIM_BY_ROLE[role]
-    if axes.has_dp:
-        placements[DP] = dp_placement or default_dp_placement(role, shape, tp_dim)
-    if axes.has_tp:
-        placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
-    return placements
-
-
-def tp_dim_of(entry: ParamSharding) -> int | None:
-    """The stored dim tp cuts for a plan entry."""
-    if entry.role == SHARDED:
-        text = entry.placements.get(TP, "R")
-        return None if text == "R" else int(text[2:-1])
-    return TP_DIM_BY_ROLE[entry.role]
-
-
-def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
-    """Say so when FSDP2 must pad: the dp-sharded stored dim does not divide by dp."""
-    if dp_placement is None or dp_placement == "R" or dp <= 1:
-        return ""
-    dim = int(dp_placement[2:-1])
-    stored = tuple(reversed(shape)) if transposed else tuple(shape)
-    if len(stored) <= dim or stored[dim] % dp == 0:
-        return ""
-    return f"stored dim {dim} ({stored[dim]}) does not divide by dp={dp}: FSDP2 pads the last shard"
-
-
-# Opens the note of a colwise output gathered right away (tp-only; retargeting drops it without tp).
-GATHERED_EARLY = "output all-gathered at once: "
-
-
 _EMBEDDING_NOTE = "embedding table [num, dim] is already the [in, out] form: colwise shards the embedding dim"
 
 
@@ -214,11 +155,11 @@ def _role_of(fqn: str, site, roles: dict[str, str]):
     is_bias = fqn == site.bias_fqn
     if role == COLWISE:
         if is_bias:
-            return "colwise_bias", False, ""
+            return Role.COLWISE_BIAS, False, ""
         return COLWISE, site.orientation == OUT_IN, ""
     if role == ROWWISE:
         if is_bias:
-            return "rowwise_bias", False, ""
+            return Role.ROWWISE_BIAS, False, ""
         return ROWWISE, site.orientation == IN_OUT, ""
     return REPLICATE, False, ""
 

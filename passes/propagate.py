@@ -60,12 +60,13 @@ from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
+from autoshard.sharding import Role
 
-COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
+COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
 # A weight tied between the input embedding and the LM head, stored [vocab, dim]
 # with its vocabulary rows cut over tp: the head is colwise over the vocabulary,
 # the embedding a masked lookup whose partial output is all-reduced.
-VOCAB_PARALLEL = "vocab_parallel"
+VOCAB_PARALLEL = Role.VOCAB_PARALLEL
 COLWISE_LIKE = (COLWISE, VOCAB_PARALLEL)
 
 ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"

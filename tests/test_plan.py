@@ -331,3 +331,41 @@ def test_heads_that_divide_by_the_new_tp_only_are_named_when_applied(fake_world)
     with pytest.raises(ValueError, match=r"plan for mesh tp=4 does not carry over to dp=2 x tp=2: .* laid out "
                                          r"differently on tp=2 than on tp=4"):
         autoshard.autoshard(model, mesh, example_inputs=(TOKENS,), plan=saved)
+
+
+def test_retargeting_keeps_inlined_functions_and_breaks():
+    from tests.pattern_models import PATTERNS
+
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = autoshard.plan(PATTERNS["custom_function"](), {"tp": 2}, example_inputs=(tokens,))
+    assert plan.functions and plan.for_mesh({"dp": 2, "tp": 2}).functions == plan.functions
+    broken = autoshard.plan(Llama(LlamaConfig()), {"tp": 4}, example_inputs=(TOKENS,))
+    assert broken.breaks and broken.for_mesh({"dp": 2, "tp": 4}).breaks == broken.breaks
+    assert broken.for_mesh({"dp": 4}).breaks == ()  # no tp, nothing breaks
+
+
+def test_modules_import_each_other_without_cycles():
+    """The sharding vocabulary, the plan, retargeting and the passes form a DAG (module-level
+    imports; type-checking-only imports aside)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = {f"autoshard.{p.stem}": p for p in (root / "autoshard").glob("*.py")}
+    files |= {f"autoshard.passes.{p.stem}": p for p in (root / "passes").glob("*.py")}
+    deps = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autoshard"):
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                          for a in node.names}
+        deps[name] = found & files.keys() - {"autoshard.__init__", "autoshard.passes.__init__"}
+
+    def visit(name, path):
+        for dep in deps.get(name, ()):
+            assert dep not in path, "import cycle: " + " -> ".join([*path[path.index(dep):], dep])
+            visit(dep, [*path, dep])
+
+    for name in deps:
+        visit(name, [name])
