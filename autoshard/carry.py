@@ -66,7 +66,7 @@ def check_activations_carry(
 def _change(was: ParamSharding, now: ParamSharding) -> str:
     added = [c for c in now.collectives if c not in was.collectives]
     dropped = [c for c in was.collectives if c not in now.collectives]
-    parts = [f"adds {c!r}" for c in added] + [f"drops {c!r}" for c in dropped]
+    parts = [f"adds '{c}'" for c in added] + [f"drops '{c}'" for c in dropped]
     if was.sections != now.sections:
         parts.append(f"fused sections {list(was.sections)} become {list(now.sections)}")
     return "; ".join(parts)

@@ -40,9 +40,11 @@ import dataclasses
 from collections.abc import Mapping
 
 from autoshard.retarget import retarget
-from autoshard.sharding import Role
+from autoshard.sharding import Collective, Role
 
-PLAN_VERSION = 1
+# 2: collectives are records (kind, direction, subject, cause, sharing); 1 (still loaded): prose
+PLAN_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 ROLES = tuple(Role)
 
@@ -65,7 +67,7 @@ class ParamSharding:
     transposed: bool
     placements: Mapping[str, str]
     unit: str = ""
-    collectives: tuple[str, ...] = ()
+    collectives: tuple[Collective, ...] = ()
     note: str = ""
     sections: tuple[int, ...] = ()
 
@@ -85,7 +87,7 @@ class ParamSharding:
             "transposed": self.transposed,
             "placements": dict(self.placements),
             "unit": self.unit,
-            "collectives": list(self.collectives),
+            "collectives": [c.to_dict() for c in self.collectives],
             "note": self.note,
             "sections": list(self.sections),
         }
@@ -107,7 +109,7 @@ class ParamSharding:
             transposed=transposed,
             placements=placements,
             unit=str(data.get("unit", "")),
-            collectives=tuple(data.get("collectives", ())),
+            collectives=tuple(Collective.from_dict(c) for c in data.get("collectives", ())),
             note=str(data.get("note", "")),
             sections=tuple(int(n) for n in data.get("sections", ())),
         )
@@ -125,7 +127,7 @@ class Plan:
     mesh: Mapping[str, int]
     params: Mapping[str, ParamSharding]
     units: tuple[str, ...] = ()
-    activations: tuple[str, ...] = ()
+    activations: tuple[Collective, ...] = ()
     version: int = PLAN_VERSION
     activation_units: tuple[str, ...] = ()  # the FSDP unit of each activation collective, in step
     functions: tuple[str, ...] = ()  # custom autograd.Functions checked and inlined
@@ -155,7 +157,7 @@ class Plan:
             "mesh": dict(self.mesh),
             "units": list(self.units),
             "params": {fqn: p.to_dict() for fqn, p in self.params.items()},
-            "activations": list(self.activations),
+            "activations": [a.to_dict() for a in self.activations],
             "activation_units": list(self.activation_units),
             "functions": list(self.functions),
             "breaks": [list(b) for b in self.breaks],
@@ -164,8 +166,10 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
         version = data.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(f"autoshard: plan version {version!r} is not supported (expected {PLAN_VERSION})")
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"autoshard: plan version {version!r} is not supported (expected one of {SUPPORTED_VERSIONS})"
+            )
         mesh = data.get("mesh")
         if not isinstance(mesh, Mapping) or not mesh:
             raise ValueError("autoshard: plan has no 'mesh' mapping axis name to size")
@@ -176,8 +180,12 @@ class Plan:
             mesh={str(a): int(n) for a, n in mesh.items()},
             params={fqn: ParamSharding.from_dict(fqn, p) for fqn, p in params.items()},
             units=tuple(data.get("units", ())),
-            activations=tuple(data.get("activations", ())),
-            version=version,
+            # version 1 counted every activation line as one collective
+            activations=tuple(
+                dataclasses.replace(a, counted=True) if a.legacy_text else a
+                for a in (Collective.from_dict(a) for a in data.get("activations", ()))
+            ),
+            version=PLAN_VERSION,
             activation_units=tuple(data.get("activation_units", ())),
             functions=tuple(data.get("functions", ())),
             breaks=tuple((str(u), str(w)) for u, w in data.get("breaks", ())),
@@ -193,7 +201,7 @@ class Plan:
             stored += " (T)" if p.transposed else ""
             stored += f" [{'|'.join(map(str, p.sections))}]" if p.sections else ""
             row = [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>"]
-            rows.append(row + (["; ".join(p.collectives) or "-"] if has_tp else []))
+            rows.append(row + (["; ".join(map(str, p.collectives)) or "-"] if has_tp else []))
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
         def line(cells):
@@ -228,17 +236,18 @@ class Plan:
         """tp collectives per training step (forward + backward), in one FSDP unit or in all.
 
         A collective shared by several weights (one all-reduce for q/k/v's input
-        gradients) counts once: the other weights' entries only name it.
+        gradients) counts once: the other weights' entries only mention it.
         """
         count = sum(
             1
             for entry in self.params.values()
             if unit is None or entry.unit == unit
-            for text in entry.collectives
-            if text.startswith(("fwd", "bwd all-reduce"))
+            for collective in entry.collectives
+            if collective.runs
         )
         return count + sum(
-            1 for i in range(len(self.activations)) if unit is None or self.unit_of_activation(i) == unit
+            1 for i, a in enumerate(self.activations)
+            if a.runs and (unit is None or self.unit_of_activation(i) == unit)
         )
 
     def breaks_line(self) -> str:

@@ -11,6 +11,7 @@ plan.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from autoshard.mesh import DP, TP, MeshAxes
@@ -90,3 +91,95 @@ def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> st
     if len(stored) <= dim or stored[dim] % dp == 0:
         return ""
     return f"stored dim {dim} ({stored[dim]}) does not divide by dp={dp}: FSDP2 pads the last shard"
+
+
+# --- collectives ------------------------------------------------------------------------
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
+GATHER_SCATTER = "all-gather+reduce-scatter"  # sequence parallel: all-gather forward, reduce-scatter backward
+TAKE_SHARD = "take-shard"  # a local cut forward, an all-gather of the gradient backward
+NO_COLLECTIVE = "none"  # a sharded output left sharded (loss parallel)
+KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, GATHER_SCATTER, TAKE_SHARD, NO_COLLECTIVE)
+_PAST = {ALL_REDUCE: "all-reduced", ALL_GATHER: "all-gathered", REDUCE_SCATTER: "reduce-scattered"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a training step on mesh axis ``axis``, as the plan records it.
+
+    ``direction`` is when it runs (``fwd``/``bwd``); ``subject`` what it moves (``output``,
+    ``input grad``, ``'name'`` of a value); ``cause`` the op and source line that needs it
+    when no weight explains it. One collective serves several weights when they share an
+    input or sum their partial outputs first: the first weight's entry has it with
+    ``shared_by`` naming them all, the others' entries a mention (``counted=False``) naming
+    the first. ``legacy_text`` keeps the prose of a version-1 plan, which has no fields.
+    Prose is rendered only by ``str()``.
+    """
+
+    kind: str
+    direction: str
+    subject: str
+    cause: str = ""
+    shared_by: tuple[str, ...] = ()
+    counted: bool = True
+    over_sequence: bool = False
+    dim: int | None = None
+    axis: str = "tp"
+    legacy_text: str = ""
+
+    @property
+    def runs(self) -> bool:
+        """Whether this entry stands for a collective that runs (and is counted once)."""
+        return self.counted and self.kind != NO_COLLECTIVE
+
+    def __str__(self) -> str:
+        if self.legacy_text:
+            return self.legacy_text
+        cause = f" for {self.cause}" if self.cause else ""
+        over = " over the sequence" if self.over_sequence else ""
+        if self.kind == NO_COLLECTIVE:
+            return f"{self.subject} returned sharded over the vocabulary (loss parallel), not gathered"
+        if self.kind == TAKE_SHARD:
+            return f"take shard of {self.subject} on dim {self.dim}{cause} (bwd all-gather)"
+        if not self.counted:
+            first = _short(self.shared_by[0])
+            if self.kind == GATHER_SCATTER:
+                return f"{self.subject} gathered and its grad reduce-scattered with {first}"
+            return f"{self.direction} {self.subject} {_PAST[self.kind]} with {first}"
+        shared = ""
+        if len(self.shared_by) > 1:
+            shared = f" (shared by {len(self.shared_by)}: {', '.join(_short(n) for n in self.shared_by)})"
+        if self.kind == GATHER_SCATTER:
+            return f"fwd all-gather {self.subject}{over}, bwd reduce-scatter its grad{cause}{shared}"
+        return f"{self.direction} {self.kind} {self.subject}{over}{cause}{shared}"
+
+    def to_dict(self) -> dict:
+        if self.legacy_text:
+            return {"text": self.legacy_text}
+        fields = dataclasses.asdict(self)
+        fields.pop("legacy_text")
+        fields["shared_by"] = list(self.shared_by)
+        return fields
+
+    @classmethod
+    def from_dict(cls, data) -> Collective:
+        """A version-2 record, or a version-1 string (kept as prose; counted as version 1 did)."""
+        if isinstance(data, str):
+            runs = data.startswith(("fwd", "bwd all-reduce"))
+            kind = next((k for k in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER) if k in data), NO_COLLECTIVE)
+            return cls(kind, data.split(" ", 1)[0], "", counted=runs, legacy_text=data)
+        if "text" in data:
+            return cls.from_dict(str(data["text"]))
+        known = {f.name for f in dataclasses.fields(cls)} - {"legacy_text"}
+        unknown = set(data) - known
+        if unknown or data.get("kind") not in KINDS:
+            raise ValueError(f"autoshard: plan collective {dict(data)!r} has unknown fields or kind")
+        values = {k: data[k] for k in known if k in data}
+        values["shared_by"] = tuple(values.get("shared_by", ()))
+        return cls(**values)
+
+
+def _short(fqn: str) -> str:
+    """``layers.0.attention.wq.weight`` -> ``wq``: the module a weight belongs to."""
+    parts = fqn.split(".")
+    return parts[-2] if len(parts) >= 2 and parts[-1] in ("weight", "bias") else parts[-1]

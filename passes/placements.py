@@ -9,6 +9,8 @@ way. No parameter ever has two mesh axes on one dim (no ``_StridedShard``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from autoshard.errors import describe
@@ -33,7 +35,19 @@ from autoshard.passes.propagate import (
     LayoutPlan,
 )
 from autoshard.plan import ParamSharding, Plan
-from autoshard.sharding import GATHERED_EARLY, Role, dp_padding, param_placements
+from autoshard.sharding import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    GATHER_SCATTER,
+    GATHERED_EARLY,
+    NO_COLLECTIVE,
+    REDUCE_SCATTER,
+    Collective,
+    Role,
+    dp_padding,
+    param_placements,
+)
+from autoshard.sharding import TAKE_SHARD as TAKE_SHARD_KIND
 
 SHARDED = Role.SHARDED
 
@@ -171,9 +185,12 @@ def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:
     return ""
 
 
-def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tuple[str, ...]], list[str]]:
-    """Describe each tp collective next to the weight that causes it."""
-    by_weight: dict[str, list[str]] = {}
+def _collectives_by_weight(
+    sites: Sites, lp: LayoutPlan
+) -> tuple[dict[str, tuple[Collective, ...]], list[Collective], list[fx.Node]]:
+    """Each tp collective as a record next to the weight that causes it, or among the
+    activation collectives (with the node each one belongs to) when no weight does."""
+    by_weight: dict[str, list[Collective]] = {}
     colwise_by_input: dict[fx.Node, list[LinearSite]] = {}
     for site in sites.linears:
         role = lp.roles[site.weight_fqn]
@@ -182,22 +199,19 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
         elif role == ROWWISE and lp.layouts.get(site.output) in PARTIALS:
             continue  # recorded with the reduce edge its partial sum reaches
         elif role == ROWWISE and lp.layouts.get(site.output) == SEQ_DIM:
-            by_weight.setdefault(site.weight_fqn, []).append("fwd reduce-scatter output over the sequence")
+            by_weight.setdefault(site.weight_fqn, []).append(
+                Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True)
+            )
         elif role == ROWWISE:
-            by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce output")
+            by_weight.setdefault(site.weight_fqn, []).append(Collective(ALL_REDUCE, "fwd", "output"))
     for group in colwise_by_input.values():
-        names = [s.weight_fqn for s in group]
-        shared = f" (shared by {len(names)}: {', '.join(_short(n) for n in names)})" if len(names) > 1 else ""
+        names = tuple(s.weight_fqn for s in group)
         steps = lp.edges.get((group[0].input, group[0].node), ())
         if any(step.kind == GATHER_FOR_COLWISE for step in steps):
-            text = f"fwd all-gather input over the sequence, bwd reduce-scatter input grad{shared}"
-            shared_text = f"input gathered and its grad reduce-scattered with {_short(names[0])}"
+            first = Collective(GATHER_SCATTER, "fwd", "input", over_sequence=True, shared_by=names)
         else:
-            text = f"bwd all-reduce input grad{shared}"
-            shared_text = f"bwd input grad all-reduced with {_short(names[0])}"
-        by_weight.setdefault(names[0], []).append(text)
-        for other in names[1:]:
-            by_weight.setdefault(other, []).append(shared_text)
+            first = Collective(ALL_REDUCE, "bwd", "input grad", shared_by=names)
+        _add_shared(by_weight, first)
 
     origin = {}
     for site in sites.linears:
@@ -206,19 +220,18 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
     for site in sites.embeddings:
         origin[site.node] = site.weight_fqn
         if lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
-            by_weight.setdefault(site.weight_fqn, []).append("fwd all-reduce embedding output")
+            by_weight.setdefault(site.weight_fqn, []).append(Collective(ALL_REDUCE, "fwd", "embedding output"))
     colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
-    activations: list[str] = []
+    activations: list[Collective] = []
     activation_nodes: list[fx.Node] = []
-    where: list[fx.Node] = []
 
-    def record(fqn: str | None, text: str) -> None:
+    def record(fqn: str | None, collective: Collective, node: fx.Node) -> None:
         """Next to its weight when one explains it, else among the activation collectives."""
         if fqn is None:
-            activations.append(text)
-            activation_nodes.append(where[0])
+            activations.append(collective)
+            activation_nodes.append(node)
         else:
-            by_weight.setdefault(fqn, []).append(text)
+            by_weight.setdefault(fqn, []).append(collective)
 
     seen = set()
     for (value, consumer), steps in lp.edges.items():
@@ -227,40 +240,44 @@ def _collectives_by_weight(sites: Sites, lp: LayoutPlan) -> tuple[dict[str, tupl
             if key in seen or (step.kind in (ENTER_TP, GATHER_FOR_COLWISE) and consumer in colwise_nodes):
                 continue
             seen.add(key)
-            where[:] = [consumer if consumer.op != "output" else value]
+            node = consumer if consumer.op != "output" else value
+            cause = describe(consumer)
             if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
                 if value.op == "get_attr":
-                    record(value.target, f"bwd all-reduce grad (read by sharded {describe(consumer)})")
+                    record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=f"sharded {cause}"), node)
                 else:
-                    record(None, f"bwd all-reduce grad of '{value.name}', read by sharded {describe(consumer)}")
+                    record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", f"sharded {cause}"), node)
             elif step.kind == GATHER:
-                text = "fwd all-gather output" if value in origin else (
-                    f"fwd all-gather '{value.name}' for {describe(consumer)}"
-                )
-                record(_region_origin(value, lp, origin), text)
-            elif step.kind == GATHER_FOR_COLWISE:
-                record(None, f"fwd all-gather '{value.name}' (bwd reduce-scatter) for sharded {describe(consumer)}")
-            elif step.kind == SHARDED_OUTPUT:
-                record(
-                    _region_origin(value, lp, origin),
-                    "output returned sharded over the vocabulary (loss parallel), not gathered",
-                )
-            elif step.kind == REDUCE:
-                weights = _partial_origins(value, lp, origin)
-                if not weights:
-                    record(None, f"fwd all-reduce partial sum '{value.name}' for {describe(consumer)}")
-                elif len(weights) == 1:
-                    record(weights[0], "fwd all-reduce output")
+                if value in origin:
+                    collective = Collective(ALL_GATHER, "fwd", "output")
                 else:
-                    names = ", ".join(_short(w) for w in weights)
-                    record(weights[0], f"fwd all-reduce output (shared by {len(weights)}: {names})")
-                    for other in weights[1:]:
-                        record(other, f"output all-reduced with {_short(weights[0])}")
-            elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
+                    collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", cause)
+                record(_region_origin(value, lp, origin), collective, node)
+            elif step.kind == GATHER_FOR_COLWISE:
                 record(
-                    None, f"take shard of '{value.name}' on dim {step.dim} for {describe(consumer)} (bwd all-gather)"
+                    None, Collective(GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {cause}", over_sequence=True),
+                    node,
                 )
+            elif step.kind == SHARDED_OUTPUT:
+                record(_region_origin(value, lp, origin), Collective(NO_COLLECTIVE, "fwd", "output"), node)
+            elif step.kind == REDUCE:
+                weights = tuple(_partial_origins(value, lp, origin))
+                if not weights:
+                    record(None, Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", cause), node)
+                else:
+                    _add_shared(by_weight, Collective(ALL_REDUCE, "fwd", "output", shared_by=weights))
+            elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
+                record(None, Collective(TAKE_SHARD_KIND, "bwd", f"'{value.name}'", cause, dim=step.dim), node)
     return {k: tuple(v) for k, v in by_weight.items()}, activations, activation_nodes
+
+
+def _add_shared(by_weight: dict, collective: Collective) -> None:
+    """One collective for ``collective.shared_by``: counted in the first weight's entry,
+    mentioned in the others'."""
+    first, *others = collective.shared_by
+    by_weight.setdefault(first, []).append(collective)
+    for other in others:
+        by_weight.setdefault(other, []).append(dataclasses.replace(collective, counted=False))
 
 
 def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:
@@ -289,8 +306,3 @@ def _partial_origins(value: fx.Node, lp: LayoutPlan, origin: dict) -> list[str]:
         frontier += [v for v in node.all_input_nodes if lp.layouts.get(v) in PARTIALS]
     position = {n: i for i, n in enumerate(value.graph.nodes)}
     return [origin[n] for n in sorted(found, key=position.__getitem__)]
-
-
-def _short(fqn: str) -> str:
-    parts = fqn.split(".")
-    return parts[-2] if len(parts) >= 2 and parts[-1] in ("weight", "bias") else parts[-1]

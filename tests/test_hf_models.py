@@ -67,7 +67,8 @@ def _make_check(name: str):
             sum(o.float().pow(2).mean() for o in outputs).backward()  # every output gets a gradient
         plan = sharded.autoshard_plan
         measured = forward.count("tp") + backward.count("tp")
-        assert measured == _planned(plan), (name, measured, _planned(plan), forward.stats(), backward.stats())
+        planned = plan.num_tp_collectives()
+        assert measured == planned, (name, measured, planned, forward.stats(), backward.stats())
         for block in plan.units[1:]:
             got = plan.num_tp_collectives(block)
             assert got == PER_BLOCK[name], (name, block, got)
@@ -90,18 +91,6 @@ def _make_check(name: str):
     check.__name__ = check.__qualname__ = f"check_{name}"
     check.__module__ = __name__
     return check
-
-
-def _planned(plan, unit=None) -> int:
-    """tp collectives the plan lists per training step, in one unit or in all."""
-    count = sum(
-        1
-        for entry in plan.params.values()
-        if unit is None or entry.unit == unit
-        for c in entry.collectives
-        if c.startswith(("fwd", "bwd all-reduce"))  # shared ones are named, not counted, by the others
-    )
-    return count + (len(plan.activations) if unit is None else 0)
 
 
 def _make_sequence_parallel_check(name: str):

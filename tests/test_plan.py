@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard import Plan
+from autoshard.sharding import Collective
 from examples.models import CumulativeMLP, Llama, LlamaConfig, MLPStack, RawLinearNet
 from tests.cases import FEATURES, MODELS, TOKENS
 from tests.golden import check_golden
@@ -53,7 +54,7 @@ def test_llama_roles_and_placements():
 def test_plan_dict_round_trips_through_json():
     plan = autoshard.plan(MLPStack(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
     data = json.loads(json.dumps(plan.to_dict()))
-    assert data["version"] == 1
+    assert data["version"] == 2
     assert data["mesh"] == {"dp": 2, "tp": 2}
     assert data["params"]["blocks.0.fc1.weight"] == {
         "role": "colwise",
@@ -61,7 +62,10 @@ def test_plan_dict_round_trips_through_json():
         "transposed": True,
         "placements": {"dp": "S(0)", "tp": "S(1)"},
         "unit": "blocks.0",
-        "collectives": ["bwd all-reduce input grad"],
+        "collectives": [{
+            "kind": "all-reduce", "direction": "bwd", "subject": "input grad", "cause": "", "shared_by": [
+                "blocks.0.fc1.weight"], "counted": True, "over_sequence": False, "dim": None, "axis": "tp",
+        }],
         "note": "",
         "sections": [],
     }
@@ -69,10 +73,26 @@ def test_plan_dict_round_trips_through_json():
     assert str(Plan.from_dict(data)) == str(plan)
 
 
+def test_a_version_1_plan_still_loads_applies_and_counts():
+    """Version 1 wrote collectives as prose: they load as prose, count as they did, and the
+    plan applies (its roles and placements are what matter)."""
+    plan = autoshard.plan(Llama(LlamaConfig()), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    data = json.loads(json.dumps(plan.to_dict()))
+    data["version"] = 1
+    for entry in data["params"].values():
+        entry["collectives"] = [str(Collective.from_dict(c)) for c in entry["collectives"]]
+    data["activations"] = [str(Collective.from_dict(a)) for a in data["activations"]]
+    old = Plan.from_dict(data)
+    assert old.version == 2 and old.roles() == plan.roles()
+    assert [old.num_tp_collectives(u) for u in old.units] == [plan.num_tp_collectives(u) for u in plan.units]
+    assert str(old) == str(plan)
+    assert old.for_mesh({"dp": 4}).roles() == plan.for_mesh({"dp": 4}).roles()
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"version": 2, "mesh": {"tp": 2}, "params": {}}, "version 2"),
+        ({"version": 3, "mesh": {"tp": 2}, "params": {}}, "version 3"),
         ({"version": 1, "params": {}}, "no 'mesh'"),
         ({"version": 1, "mesh": {"tp": 2}, "params": {"w": {"role": "diagonal", "transposed": False,
                                                            "placements": {}}}}, "unknown role"),
@@ -128,8 +148,10 @@ def test_embedding_and_head_are_planned_and_explained():
     plan = autoshard.plan(Llama(LlamaConfig()), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
     emb, head = plan.params["tok_embeddings.weight"], plan.params["output.weight"]
     assert emb.role == "colwise" and "embedding" in emb.note
-    assert emb.collectives == ("fwd all-gather output",)
-    assert head.collectives == ("bwd all-reduce input grad", "fwd all-gather output")
+    assert [str(c) for c in emb.collectives] == ["fwd all-gather output"]
+    assert [str(c) for c in head.collectives] == ["bwd all-reduce input grad", "fwd all-gather output"]
+    gather = head.collectives[1]
+    assert (gather.kind, gather.direction, gather.axis, gather.counted) == ("all-gather", "fwd", "tp", True)
 
 
 def test_heads_that_do_not_divide_are_gathered_and_explained():
@@ -159,7 +181,7 @@ def test_sequence_parallel_needs_a_sequence_that_divides_by_tp():
     chunks = Dim("chunks", min=1, max=32)
     even = ({1: 2 * chunks},)
     plan = autoshard.plan(model, {"tp": 2}, example_inputs=(TOKENS,), dynamic_shapes=even, sequence_parallel=True)
-    assert "reduce-scatter" in plan.params["layers.0.attention.wo.weight"].collectives[0]
+    assert plan.params["layers.0.attention.wo.weight"].collectives[0].kind == "reduce-scatter"
 
 
 class _SharedNormTwice(nn.Module):
