@@ -42,6 +42,18 @@ columns are permuted at materialize time so each rank holds its share of
 every section, and the split takes local sizes. Whole heads stay on one rank
 because each section's view to heads must divide by tp like any other.
 
+An *expert site* (:mod:`passes.experts`: a matmul on one expert of a stacked
+``[E, out, in]`` weight) takes a role the same way; its parameter is stored cut
+over tp on the out dim (colwise) or the in dim (rowwise), so the expert picks
+between the parameter and the matmul carry the cut without communication.
+
+Reruns also revise two choices. A narrowing linear (fewer outputs than inputs:
+a router) whose region is idle is computed whole instead of gathered. A region
+of partial sums whose products meet gradient-carrying replicated values (top-k
+routing weights) is reduced right at its products when one all-reduce per
+product costs fewer collectives than the region's reductions plus an extra
+backward all-reduce per such value.
+
 With a user plan the roles come from the plan and only layouts are derived;
 a role that disagrees with the incoming layout costs a redistribute, never a
 wrong result.
