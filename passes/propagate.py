@@ -657,19 +657,7 @@ def _partials_cheaper_reduced_early(plan: LayoutPlan, sites: Sites) -> set[fx.No
     products = {s.node for s in sites.linears} | {s.node for s in sites.experts}
     partial = {n for n, lay in plan.layouts.items() if lay in PARTIALS}
     early: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    for start in partial:
-        if start in seen:
-            continue
-        region, frontier = set(), [start]
-        while frontier:
-            node = frontier.pop()
-            if node in region:
-                continue
-            region.add(node)
-            frontier += [u for u in node.users if u in partial and (node, u) not in plan.edges]
-            frontier += [i for i in node.all_input_nodes if i in partial and (i, node) not in plan.edges]
-        seen |= region
+    for region in _components(partial, lambda value, user: (value, user) not in plan.edges):
         sources = {n for n in region if not any(i in region for i in n.all_input_nodes)}
         if not sources <= products:
             continue
@@ -707,22 +695,27 @@ def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
     """Connected idle sharded values (joined by uses that keep them sharded)."""
     idle = {v for v, lay in plan.layouts.items() if _is_sharded(lay) and lay not in PARTIALS and v not in useful}
-    regions, seen = [], set()
-    for start in idle:
+    return _components(idle, lambda value, user: not _gathers(plan, value, user))
+
+
+def _components(members: set[fx.Node], joined) -> list[set[fx.Node]]:
+    """Connected parts of ``members``, two values joined when one reads the other and
+    ``joined(value, user)`` holds for that use."""
+    components, seen = [], set()
+    for start in members:
         if start in seen:
             continue
-        region, frontier = set(), [start]
+        component, frontier = set(), [start]
         while frontier:
-            value = frontier.pop()
-            if value in region:
+            node = frontier.pop()
+            if node in component:
                 continue
-            region.add(value)
-            neighbours = [u for u in value.users if not _gathers(plan, value, u)]
-            neighbours += [i for i in value.all_input_nodes if not _gathers(plan, i, value)]
-            frontier += [n for n in neighbours if n in idle and n not in region]
-        seen |= region
-        regions.append(region)
-    return regions
+            component.add(node)
+            frontier += [u for u in node.users if u in members and joined(node, u)]
+            frontier += [i for i in node.all_input_nodes if i in members and joined(i, node)]
+        seen |= component
+        components.append(component)
+    return components
 
 
 def _gathers(plan: LayoutPlan, value: fx.Node, consumer: fx.Node) -> bool:
