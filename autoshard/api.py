@@ -5,11 +5,13 @@ capture -> discover -> propagate -> (plan) -> layouts -> transpose -> partition 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard.carry import check_activations_carry
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
@@ -23,7 +25,7 @@ from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
-from autoshard.plan import Plan
+from autoshard.plan import Plan, mixed_precision_of
 from autoshard.retarget import retarget
 
 
@@ -37,13 +39,15 @@ def plan(
     loss_parallel: bool = False,
     dynamic_shapes=None,
     sequence_parallel: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
     ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
-    plan for a mesh that does not exist in this process.
+    plan for a mesh that does not exist in this process. The other options are
+    :func:`autoshard`'s.
     """
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes)
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy)
     return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, options)[0]
 
 
@@ -60,6 +64,7 @@ def autoshard(
     loss_parallel: bool = False,
     dynamic_shapes=None,
     sequence_parallel: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -88,22 +93,35 @@ def autoshard(
     ``sequence_parallel``: norms, dropout and residual adds run sharded over
     the sequence; each rowwise all-reduce becomes a reduce-scatter and each
     colwise group's input an all-gather (reduce-scatter in backward).
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``, applied by every FSDP unit
+    (master parameters and optimizer state stay fp32; parameters are
+    all-gathered and computed in ``param_dtype``, gradients reduce-scattered in
+    ``reduce_dtype``). autoshard's tp collectives follow it: activations travel
+    in ``param_dtype`` and every sum of partial values (rowwise outputs, grouped
+    input gradients, sequence-parallel reduce-scatters) is taken in
+    ``reduce_dtype``. Needs a dp axis, since FSDP2 applies the casts.
     """
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes)
+    if mp_policy is not None and not axes.has_dp:
+        raise ValueError(
+            "autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none "
+            f"({axes.to_dict()}); on a tp-only mesh cast the model (model.to(torch.bfloat16)) instead"
+        )
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy)
     final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan, options)
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
+    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
     if tp_group is not None:
-        insert_redistributes(gm, layout_plan, tp_group)
+        insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
     scatter = frozenset(
         s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
             s.weight_fqn] == ROWWISE
     )
     partial = frozenset(s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == PARTIAL)
-    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial)
+    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial, reduce_dtype)
     parts = partition(gm, captured.block_fqns)
     sharded = materialize(
         parts,
@@ -113,6 +131,7 @@ def autoshard(
         captured.aliases,
         sync_module_states=sync_module_states,
         reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
     )
     verify(sharded, final_plan, axes)
     sharded.autoshard_plan = final_plan
@@ -146,6 +165,8 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
     layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
+    if options.mp_policy is not None:
+        final = dataclasses.replace(final, mixed_precision=mixed_precision_of(options.mp_policy))
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:

@@ -32,6 +32,12 @@ lookup is then closed by ``reduce_partial``.
 
 Groups are named by ``ProcessGroup.group_name`` (the functional-collective
 convention), so the ops carry no Python objects and trace cleanly.
+
+Every op that sums partial values (``enter_tp``'s backward, ``reduce_partial``,
+``reduce_scatter_partial``, ``gather_for_colwise``'s backward) takes an optional
+``reduce_dtype``: under a mixed-precision policy activations travel in bf16, but
+these sums are taken in ``reduce_dtype`` (upcast, reduce, cast back), as FSDP2
+does for gradients. Gathers and cuts move values unchanged and need none.
 """
 
 from __future__ import annotations
@@ -51,9 +57,11 @@ def _group_rank(group_name: str) -> int:
     return dist.get_rank(_resolve_process_group(group_name))
 
 
-def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+def _all_reduce_sum(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sum over ranks, in ``reduce_dtype`` when given (upcast, reduce, cast back)."""
+    wire = x if reduce_dtype is None or x.dtype == reduce_dtype else x.to(reduce_dtype)
+    out = torch.ops._c10d_functional.all_reduce(wire.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out).to(x.dtype)
 
 
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
@@ -65,12 +73,15 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return torch.cat(torch.chunk(stacked, size, dim=0), dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """Sum over ranks, keep this rank's chunk along ``dim``."""
+def _reduce_scatter(
+    x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Sum over ranks, keep this rank's chunk along ``dim`` (summed in ``reduce_dtype`` when given)."""
     size = _group_size(group_name)
-    stacked = torch.cat(torch.chunk(x, size, dim=dim), dim=0).contiguous()
+    wire = x if reduce_dtype is None or x.dtype == reduce_dtype else x.to(reduce_dtype)
+    stacked = torch.cat(torch.chunk(wire, size, dim=dim), dim=0).contiguous()
     out = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", size, group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return torch.ops._c10d_functional.wait_tensor(out).to(x.dtype)
 
 
 def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
@@ -94,36 +105,36 @@ def _chunk_shape(x: torch.Tensor, dim: int, group_name: str) -> list[int]:
 
 
 @torch.library.custom_op(f"{_LIB}::enter_tp", mutates_args=())
-def enter_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def enter_tp(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Replicated input of colwise linears; sums their partial input-gradients once."""
     return x.clone()
 
 
 @enter_tp.register_fake
-def _(x, group_name):
+def _(x, group_name, reduce_dtype=None):
     return torch.empty_like(x)
 
 
 def _enter_tp_backward(ctx, grad):
-    return _all_reduce_sum(grad, ctx.group_name), None
+    return _all_reduce_sum(grad, ctx.group_name, ctx.reduce_dtype), None, None
 
 
 # --- reduce_partial: all-reduce forward, identity backward --------------------
 
 
 @torch.library.custom_op(f"{_LIB}::reduce_partial", mutates_args=())
-def reduce_partial(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def reduce_partial(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Partial sums (a rowwise linear's output) to the replicated total."""
-    return _all_reduce_sum(x, group_name)
+    return _all_reduce_sum(x, group_name, reduce_dtype)
 
 
 @reduce_partial.register_fake
-def _(x, group_name):
+def _(x, group_name, reduce_dtype=None):
     return torch.empty_like(x)
 
 
 def _reduce_partial_backward(ctx, grad):
-    return grad, None
+    return grad, None, None
 
 
 # --- gather_shards: all-gather forward, chunk backward ------------------------
@@ -166,34 +177,38 @@ def _take_shard_backward(ctx, grad):
 
 
 @torch.library.custom_op(f"{_LIB}::reduce_scatter_partial", mutates_args=())
-def reduce_scatter_partial(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+def reduce_scatter_partial(
+    x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Partial sums (a rowwise output) to their total, sharded along ``dim`` (the sequence)."""
-    return _reduce_scatter(x, dim, group_name)
+    return _reduce_scatter(x, dim, group_name, reduce_dtype)
 
 
 @reduce_scatter_partial.register_fake
-def _(x, dim, group_name):
+def _(x, dim, group_name, reduce_dtype=None):
     return x.new_empty(_chunk_shape(x, dim, group_name))
 
 
 def _reduce_scatter_partial_backward(ctx, grad):
-    return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+    return _all_gather(grad, ctx.dim, ctx.group_name), None, None, None
 
 
 @torch.library.custom_op(f"{_LIB}::gather_for_colwise", mutates_args=())
-def gather_for_colwise(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+def gather_for_colwise(
+    x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A sequence-sharded input of colwise linears, all-gathered; their partial
     input-gradients are summed and scattered back in one reduce-scatter."""
     return _all_gather(x, dim, group_name)
 
 
 @gather_for_colwise.register_fake
-def _(x, dim, group_name):
+def _(x, dim, group_name, reduce_dtype=None):
     return x.new_empty(_gathered_shape(x, dim, group_name))
 
 
 def _gather_for_colwise_backward(ctx, grad):
-    return _reduce_scatter(grad, ctx.dim, ctx.group_name), None, None
+    return _reduce_scatter(grad, ctx.dim, ctx.group_name, ctx.reduce_dtype), None, None, None
 
 
 # --- vocab_shard_ids: this rank's rows of a vocabulary-sharded table -----------
@@ -236,11 +251,13 @@ def as_sharded_dtensor(x: torch.Tensor, dim: int, group_name: str):
 
 
 def _keep_group(ctx, inputs, output):
-    ctx.group_name = inputs[-1]
+    ctx.group_name = inputs[1]
+    ctx.reduce_dtype = inputs[2] if len(inputs) > 2 else None
 
 
 def _keep_dim_and_group(ctx, inputs, output):
     ctx.dim, ctx.group_name = inputs[1], inputs[2]
+    ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
 
 
 enter_tp.register_autograd(_enter_tp_backward, setup_context=_keep_group)

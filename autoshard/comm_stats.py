@@ -79,6 +79,12 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def _dtype(t) -> torch.dtype | None:
+    if isinstance(t, (list, tuple)):
+        return _dtype(t[0]) if t else None
+    return t.dtype if isinstance(t, torch.Tensor) else None
+
+
 def _wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
     if group_size <= 1:
         return 0.0
@@ -100,6 +106,8 @@ class CollectiveCounter(TorchDispatchMode):
         self._size_by_axis = {a: g.size() for a, g in axes.items()}
         self._counts: dict[str, Counter] = {a: Counter() for a in axes}
         self._bytes: dict[str, float] = {a: 0.0 for a in axes}
+        self._dtypes: dict[str, Counter] = {a: Counter() for a in axes}
+        self._bytes_by_kind: dict[str, Counter] = {a: Counter() for a in axes}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -111,14 +119,20 @@ class CollectiveCounter(TorchDispatchMode):
         """
         return True
 
-    def _record(self, kind: str, group, payload) -> None:
+    def _record(self, kind: str, group, payload, dtype: torch.dtype | None = None) -> None:
         if not isinstance(group, str):  # c10d ops carry the ProcessGroup as a ScriptObject
             group = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
             group = group.group_name
         axis = self._axis_by_group_name.get(group, "other")
         self._counts.setdefault(axis, Counter())[kind] += 1
         size = self._size_by_axis.get(axis) or dist.get_world_size(_resolve_process_group(group))
-        self._bytes[axis] = self._bytes.get(axis, 0.0) + _wire_bytes(kind, _nbytes(payload), size)
+        nbytes = _nbytes(payload)
+        if dtype is not None and isinstance(payload, torch.Tensor):
+            nbytes = payload.numel() * dtype.itemsize
+        self._bytes[axis] = self._bytes.get(axis, 0.0) + _wire_bytes(kind, nbytes, size)
+        self._bytes_by_kind.setdefault(axis, Counter())[kind] += _wire_bytes(kind, nbytes, size)
+        dtype = dtype or _dtype(payload)
+        self._dtypes.setdefault(axis, Counter())[(kind, str(dtype).removeprefix("torch."))] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -126,7 +140,10 @@ class CollectiveCounter(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
             kind, group_index = _AUTOSHARD[packet]
-            self._record(kind, args[group_index], out if kind == "all_gather" else args[0])
+            # a sum taken in the op's reduce_dtype (mixed precision) travels in that dtype
+            reduce_dtype = args[group_index + 1] if len(args) > group_index + 1 else kwargs.get("reduce_dtype")
+            payload = out if kind == "all_gather" else args[0]
+            self._record(kind, args[group_index], payload, reduce_dtype if kind != "all_gather" else None)
         elif packet in _FUNCTIONAL:
             kind, group_index = _FUNCTIONAL[packet]
             payload = out if kind == "all_gather" else args[0]
@@ -144,6 +161,14 @@ class CollectiveCounter(TorchDispatchMode):
             axis: CollectiveStats(axis, dict(counts), int(round(self._bytes.get(axis, 0.0))))
             for axis, counts in self._counts.items()
         }
+
+    def wire_bytes(self, axis: str, kind: str) -> int:
+        """Wire bytes per rank of one kind of collective on ``axis`` (ring model)."""
+        return int(round(self._bytes_by_kind.get(axis, Counter())[kind]))
+
+    def dtypes(self, axis: str) -> dict[tuple[str, str], int]:
+        """``(kind, dtype name) -> count`` of the collectives on ``axis``."""
+        return dict(self._dtypes.get(axis, Counter()))
 
     def count(self, axis: str) -> int:
         return sum(self._counts.get(axis, Counter()).values())

@@ -18,12 +18,14 @@ class PlanOptions:
     """``on_indivisible``: replicate over tp (noted) or refuse a weight whose sharded dim does
     not divide by tp. ``loss_parallel``: outputs sharded over their last dim leave as DTensors.
     ``sequence_parallel``: the residual stream is sharded over the sequence between blocks.
-    ``dynamic_shapes``: ``torch.export``'s spec for symbolic batch and sequence dims."""
+    ``dynamic_shapes``: ``torch.export``'s spec for symbolic batch and sequence dims.
+    ``mp_policy``: FSDP2's mixed-precision policy, which autoshard's tp sums follow too."""
 
     on_indivisible: str = "replicate"
     loss_parallel: bool = False
     sequence_parallel: bool = False
     dynamic_shapes: object = None
+    mp_policy: object = None  # torch.distributed.fsdp.MixedPrecisionPolicy
 
     def __post_init__(self) -> None:
         if self.on_indivisible not in ON_INDIVISIBLE:

@@ -133,6 +133,8 @@ class Plan:
     functions: tuple[str, ...] = ()  # custom autograd.Functions checked and inlined
     # where tp stops: (unit, op and source line) of each sharded value gathered inside a block
     breaks: tuple[tuple[str, str], ...] = ()
+    # the mixed-precision policy the model runs with: {"param_dtype": ..., "reduce_dtype": ...}
+    mixed_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -161,6 +163,7 @@ class Plan:
             "activation_units": list(self.activation_units),
             "functions": list(self.functions),
             "breaks": [list(b) for b in self.breaks],
+            "mixed_precision": dict(self.mixed_precision),
         }
 
     @classmethod
@@ -189,6 +192,7 @@ class Plan:
             activation_units=tuple(data.get("activation_units", ())),
             functions=tuple(data.get("functions", ())),
             breaks=tuple((str(u), str(w)) for u, w in data.get("breaks", ())),
+            mixed_precision={str(k): str(v) for k, v in data.get("mixed_precision", {}).items()},
         )
 
     def __str__(self) -> str:
@@ -228,9 +232,20 @@ class Plan:
                 "before backward) and reduce-scatters their gradients; gradients of R parameters "
                 "are all-reduced"
             )
+        if self.mixed_precision:
+            out.append(self.mixed_precision_line())
         if "tp" in self.mesh:
             out.append(self.breaks_line())
         return "\n".join(out)
+
+    def mixed_precision_line(self) -> str:
+        """Which dtype each kind of traffic and computation uses."""
+        param = self.mixed_precision.get("param_dtype", "float32")
+        reduce = self.mixed_precision.get("reduce_dtype", param)
+        return (
+            f"mixed precision: parameters all-gathered and computed in {param}, activations in {param}; "
+            f"gradient reduce-scatters and every tp partial sum in {reduce}; master weights stay float32"
+        )
 
     def num_tp_collectives(self, unit: str | None = None) -> int:
         """tp collectives per training step (forward + backward), in one FSDP unit or in all.
@@ -282,3 +297,13 @@ def section_order(sections: tuple[int, ...], tp: int):
         for j in range(size // tp)
     ]
     return torch.tensor(order, dtype=torch.long)
+
+
+def mixed_precision_of(policy) -> dict[str, str]:
+    """The plan's record of FSDP2's ``MixedPrecisionPolicy`` (dtype names, unset ones left out)."""
+    names = {}
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field, None)
+        if dtype is not None:
+            names[field] = str(dtype).removeprefix("torch.")
+    return names

@@ -47,7 +47,10 @@ _NAME = {
 }
 
 
-def insert_redistributes(gm: fx.GraphModule, plan: LayoutPlan, group_name: str) -> None:
+def insert_redistributes(
+    gm: fx.GraphModule, plan: LayoutPlan, group_name: str, reduce_dtype: torch.dtype | None = None
+) -> None:
+    """Insert the collective nodes of every edge; sums of partial values in ``reduce_dtype``."""
     graph = gm.graph
     for node, args in plan.new_args.items():
         node.args = args
@@ -63,14 +66,14 @@ def insert_redistributes(gm: fx.GraphModule, plan: LayoutPlan, group_name: str) 
             key = (value, steps[: i + 1])
             if key not in made:
                 first_reader = min(readers[key], key=position.__getitem__)
-                made[key] = _insert_step(graph, current, step, group_name, first_reader, plan.tp)
+                made[key] = _insert_step(graph, current, step, group_name, first_reader, plan.tp, reduce_dtype)
             current = made[key]
         consumer.replace_input_with(value, current)
     graph.lint()
 
 
 def _insert_step(
-    graph: fx.Graph, value: fx.Node, step, group_name: str, first_reader: fx.Node, tp: int
+    graph: fx.Graph, value: fx.Node, step, group_name: str, first_reader: fx.Node, tp: int, reduce_dtype=None
 ) -> fx.Node:
     """The collective node for ``step`` on ``value``, placed after the value it reads.
 
@@ -85,6 +88,8 @@ def _insert_step(
             node = _strided_step(graph, value, step, group_name)
         else:
             args = (value, group_name) if step.kind in (ENTER_TP, REDUCE) else (value, step.dim, group_name)
+            if reduce_dtype is not None and step.kind in (ENTER_TP, REDUCE, GATHER_FOR_COLWISE):
+                args += (reduce_dtype,)  # a sum of partial values, forward or backward
             node = graph.call_function(_OP[step.kind], args)
             if step.kind == REDUCE and step.dim == "avg":  # a mean over the sharded dim: sum of means / tp
                 node._rename(f"{value.name}_summed")

@@ -52,6 +52,7 @@ def materialize(
     *,
     sync_module_states: bool = True,
     reshard_after_forward: bool = True,
+    mp_policy=None,
 ) -> fx.GraphModule:
     root = part.root
     _follow_module_order(root, model)
@@ -70,7 +71,7 @@ def materialize(
     _create_tensors_on(root, device)
     replicated_dp = {fqn for fqn, e in plan.params.items() if e.placements.get(DP) == "R"}
     if axes.has_dp:
-        _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward)
+        _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy)
     if deferred:
         _allocate_local_shards(root, device)
         _tie(root, aliases)
@@ -225,7 +226,9 @@ def _read_params_locally(gm: fx.GraphModule) -> None:
     gm.graph.lint()
 
 
-def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_dp: set, reshard: bool):
+def _apply_fsdp(
+    root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_dp: set, reshard: bool, mp_policy=None
+):
     dp_mesh = axes.submesh(DP)
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
@@ -238,14 +241,16 @@ def _apply_fsdp(root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_
     def shard_dim(param):  # S(1) where tp already cuts dim 0 (a tied vocabulary table)
         return dp_dim.get(param)
 
+    policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
+
     for gm in part.blocks.values():
         own = {p for p in gm.parameters() if p in ignored}
         fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None,
-                    shard_placement_fn=shard_dim)
+                    shard_placement_fn=shard_dim, **policy)
     # The root keeps its parameters between forward and backward (FSDP2 default for the root):
     # the head runs first in backward and would re-gather immediately.
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None,
-                shard_placement_fn=shard_dim)
+                shard_placement_fn=shard_dim, **policy)
     root.register_forward_hook(_reshard_after_inference)
 
 

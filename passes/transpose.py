@@ -38,25 +38,30 @@ def rewrite_linears(
     tp: int = 1,
     scatter_sequence: frozenset[str] = frozenset(),
     partial: frozenset[str] = frozenset(),
+    reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """``scatter_sequence``: rowwise weights whose output is reduce-scattered over the
     sequence (sequence parallelism) instead of all-reduced. ``partial``: rowwise weights
     whose output leaves as a partial sum, reduced where a consumer needs the total (the
-    ``reduce`` edges of :mod:`passes.layouts`), so two of them may share one all-reduce."""
+    ``reduce`` edges of :mod:`passes.layouts`), so two of them may share one all-reduce.
+    ``reduce_dtype``: the dtype every sum of partial values is taken in (mixed precision)."""
     for site in sites.linears:
         role = roles[site.weight_fqn]
         if role in (COLWISE, ROWWISE, VOCAB_PARALLEL):
             group = None if site.weight_fqn in partial else tp_group
-            _rewrite(gm.graph, site, role, group, site.weight_fqn in scatter_sequence)
+            _rewrite(gm.graph, site, role, group, site.weight_fqn in scatter_sequence, reduce_dtype)
     if tp_group is not None:
         for site in sites.embeddings:
             if roles[site.weight_fqn] == VOCAB_PARALLEL:
-                _rewrite_vocab_parallel_lookup(gm.graph, site, tp_group, site.num_embeddings // tp)
+                _rewrite_vocab_parallel_lookup(gm.graph, site, tp_group, site.num_embeddings // tp, reduce_dtype)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
 
 
-def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None, scatter: bool = False) -> None:
+def _rewrite(
+    graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None, scatter: bool = False, reduce_dtype=None
+) -> None:
+    sums = (reduce_dtype,) if reduce_dtype is not None else ()
     node = site.node
     x = _current_input(site)
     folded_bias = site.output is not node  # bias added by a separate `add` the site owns
@@ -69,12 +74,12 @@ def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None,
         _inherit(product, node, f"{node.name}_local")
         if role == ROWWISE and tp_group is not None:
             if scatter:
-                reduced = graph.call_function(collectives.REDUCE_SCATTER_PARTIAL, (product, 1, tp_group))
+                reduced = graph.call_function(collectives.REDUCE_SCATTER_PARTIAL, (product, 1, tp_group, *sums))
                 if bias is not None:  # added on this rank's rows only: its gradient is partial
-                    bias = graph.call_function(collectives.ENTER_TP, (bias, tp_group))
+                    bias = graph.call_function(collectives.ENTER_TP, (bias, tp_group, *sums))
                     _inherit(bias, node, f"{site.bias_node.name}_enter_tp")
             else:
-                reduced = graph.call_function(collectives.REDUCE_PARTIAL, (product, tp_group))
+                reduced = graph.call_function(collectives.REDUCE_PARTIAL, (product, tp_group, *sums))
             _inherit(reduced, node, f"{node.name}_reduced")
             product = reduced
     if bias is not None:
@@ -84,7 +89,9 @@ def _rewrite(graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None,
         graph.erase_node(node)
 
 
-def _rewrite_vocab_parallel_lookup(graph: fx.Graph, site: EmbeddingSite, tp_group: str, rows: int) -> None:
+def _rewrite_vocab_parallel_lookup(
+    graph: fx.Graph, site: EmbeddingSite, tp_group: str, rows: int, reduce_dtype=None
+) -> None:
     """``embedding(W, ids)`` on this rank's vocabulary rows: masked, then all-reduced."""
     node = site.node
     ids = node.args[1]
@@ -100,7 +107,8 @@ def _rewrite_vocab_parallel_lookup(graph: fx.Graph, site: EmbeddingSite, tp_grou
         masked = graph.call_function(aten.mul.Tensor, (node, in_shard))
         _inherit(masked, node, f"{node.name}_masked")
     with graph.inserting_after(masked):
-        reduced = graph.call_function(collectives.REDUCE_PARTIAL, (masked, tp_group))
+        sums = (reduce_dtype,) if reduce_dtype is not None else ()
+        reduced = graph.call_function(collectives.REDUCE_PARTIAL, (masked, tp_group, *sums))
         _inherit(reduced, node, f"{node.name}_reduced")
     node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not masked)
 

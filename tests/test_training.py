@@ -1,0 +1,123 @@
+"""Real-training features against a single-device run on the same global batch.
+
+One 4-process gloo group (2x2 mesh): bf16 mixed precision (FSDP2's policy, with
+autoshard's tp sums in the reduce dtype), gradient clipping over the sharded
+parameters, and gradient accumulation without dp reduce-scatters on the
+micro-steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import autoshard
+from autoshard.comm_stats import CollectiveCounter
+from examples.models import Llama, LlamaConfig
+from tests.distributed import distributed_tests
+from tests.parity import assert_parity, dp_slice, full, lm_loss, rel_error, train_both
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _batch(seed: int = 0, batch: int = 8, seq: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, seq), generator=gen), torch.randint(0, 256, (batch, seq), generator=gen)
+
+
+def _float_lm_loss(logits, targets):
+    return lm_loss(logits.float(), targets)
+
+
+def _axes(mesh):
+    return {a: mesh.get_group(a) for a in mesh.mesh_dim_names}
+
+
+def _one_step(sharded, mesh, tokens, targets) -> CollectiveCounter:
+    with CollectiveCounter(_axes(mesh)) as counter:
+        _float_lm_loss(sharded(dp_slice(tokens, mesh)), dp_slice(targets, mesh)).backward()
+    for p in sharded.parameters():
+        p.grad = None
+    return counter
+
+
+def check_bf16_mixed_precision(ctx):
+    """10 AdamW steps in bf16 follow the fp32 single-device losses within 3e-2; master
+    weights stay fp32; FSDP all-gathers half the bytes; every tp partial sum is fp32."""
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch()
+    torch.manual_seed(0)
+    run = train_both(
+        Llama(LlamaConfig()), mesh, tokens, targets, _float_lm_loss,
+        optimizer="adamw", lr=1e-3, adam_eps=1e-6, steps=10, shard_kwargs={"mp_policy": BF16},
+    )
+    assert_parity(run, loss_tol=3e-2, param_tol=None)
+    sharded = run.sharded
+    assert all(p.dtype == torch.float32 for p in sharded.parameters())
+    assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(sharded.autoshard_plan)
+
+    bf16 = _one_step(sharded, mesh, tokens, targets)
+    torch.manual_seed(0)
+    fp32_model = autoshard.autoshard(Llama(LlamaConfig()), mesh, example_inputs=(dp_slice(tokens, mesh),))
+    fp32 = _one_step(fp32_model, mesh, tokens, targets)
+    ratio = bf16.wire_bytes("dp", "all_gather") / fp32.wire_bytes("dp", "all_gather")
+    assert ratio <= 0.55, ratio
+    sums = {key: n for key, n in bf16.dtypes("tp").items() if key[0] in ("all_reduce", "reduce_scatter")}
+    assert sums and all(dtype == "float32" for _, dtype in sums), bf16.dtypes("tp")
+    assert bf16.count("tp") == fp32.count("tp") == sharded.autoshard_plan.num_tp_collectives()
+
+
+def check_clip_grad_norm_is_the_single_device_norm(ctx):
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(1)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    reference = Llama(LlamaConfig())
+    reference.load_state_dict(model.state_dict())
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(dp_slice(tokens, mesh),))
+    lm_loss(sharded(dp_slice(tokens, mesh)), dp_slice(targets, mesh)).backward()
+    lm_loss(reference(tokens), targets).backward()
+    got = torch.nn.utils.clip_grad_norm_(list(sharded.parameters()), max_norm=0.5)
+    want = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm=0.5)
+    assert rel_error(full(got), want) <= 1e-5, (full(got), want)
+    grads = dict(reference.named_parameters())
+    plan = sharded.autoshard_plan
+    for name, p in sharded.named_parameters():
+        grad = full(p.grad).t() if plan.params[name].transposed else full(p.grad)  # stored [in, out]
+        assert rel_error(grad, grads[name].grad, 1e-6) <= 1e-5, name  # clipped alike
+
+
+def check_gradient_accumulation_without_dp_sync(ctx):
+    """Two micro-batches: the first skips FSDP's reduce-scatters, the second reduces the
+    sum; the updated weights equal one single-device step on both micro-batches."""
+    mesh = ctx.mesh_2d
+    micro = [_batch(2), _batch(3)]
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    reference = Llama(LlamaConfig())
+    reference.load_state_dict(model.state_dict())
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(dp_slice(micro[0][0], mesh),))
+    opt_s = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for i, (tokens, targets) in enumerate(micro):
+        last = i == len(micro) - 1
+        sharded.set_requires_gradient_sync(last)
+        with CollectiveCounter(_axes(mesh)) as counter:
+            (lm_loss(sharded(dp_slice(tokens, mesh)), dp_slice(targets, mesh)) / len(micro)).backward()
+        reduce_scatters = counter.stats()["dp"].counts.get("reduce_scatter", 0)
+        assert (reduce_scatters > 0) == last, (i, counter.stats()["dp"])
+        (lm_loss(reference(tokens), targets) / len(micro)).backward()
+    opt_s.step()
+    opt_r.step()
+    state = reference.state_dict()
+    worst = max(rel_error(full(v), state[k]) for k, v in sharded.state_dict().items())
+    assert worst <= 1e-5, worst
+
+
+CHECKS = [
+    check_bf16_mixed_precision,
+    check_clip_grad_norm_is_the_single_device_norm,
+    check_gradient_accumulation_without_dp_sync,
+]
+
+outcomes, test_training = distributed_tests(CHECKS)
