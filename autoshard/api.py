@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from autoshard.agreement import check_ranks_agree
 from autoshard.carry import check_activations_carry
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
 from autoshard.options import PlanOptions
@@ -111,6 +113,7 @@ def autoshard(
         )
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy)
     final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan, options)
+    _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
     reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
@@ -137,6 +140,18 @@ def autoshard(
     sharded.autoshard_plan = final_plan
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded
+
+
+def _check_agreement(final_plan: Plan, inputs, axes: MeshAxes) -> None:
+    """All ranks of the mesh planned alike, or all raise the same ``ValueError``. Over the
+    default group when the mesh spans it; else per mesh axis (a rank that differs shares an
+    axis group with one that does not, so the check still fires, on those groups' ranks)."""
+    mesh = axes.mesh
+    if mesh.size() == dist.get_world_size():
+        check_ranks_agree(final_plan, inputs)
+        return
+    for name in mesh.mesh_dim_names:
+        check_ranks_agree(final_plan, inputs, mesh.get_group(name))
 
 
 def _axes(mesh) -> MeshAxes:

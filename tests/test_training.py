@@ -3,17 +3,21 @@
 One 4-process gloo group (2x2 mesh): bf16 mixed precision (FSDP2's policy, with
 autoshard's tp sums in the reduce dtype), gradient clipping over the sharded
 parameters, and gradient accumulation without dp reduce-scatters on the
-micro-steps.
+micro-steps; and a rank whose model differs, named on every rank.
 """
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
 from autoshard.comm_stats import CollectiveCounter
-from examples.models import Llama, LlamaConfig
+from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, full, lm_loss, rel_error, train_both
 
@@ -114,10 +118,29 @@ def check_gradient_accumulation_without_dp_sync(ctx):
     assert worst <= 1e-5, worst
 
 
+def check_a_rank_whose_model_differs_is_named_on_every_rank(ctx):
+    """Rank 3 builds a narrower MLP: every rank raises the same ValueError, at once,
+    before any collective could abort (gloo) or hang (NCCL)."""
+    narrow = dist.get_rank() == 3
+    model = MLPStack(hidden=48 if narrow else 64)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        autoshard.autoshard(model, ctx.mesh_2d, example_inputs=(torch.randn(1, 5, 32),))
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert "rank(s) [3] differ from rank(s) [0, 1, 2]" in message, message
+    assert "parameter 'blocks.0.fc1.weight' is colwise of shape [64, 32]" in message, message
+    assert "vs colwise of shape [48, 32]" in message, message
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)  # the group is still usable, and the message is the same
+    assert len(set(gathered)) == 1
+
+
 CHECKS = [
     check_bf16_mixed_precision,
     check_clip_grad_norm_is_the_single_device_norm,
     check_gradient_accumulation_without_dp_sync,
+    check_a_rank_whose_model_differs_is_named_on_every_rank,
 ]
 
 outcomes, test_training = distributed_tests(CHECKS)
