@@ -19,6 +19,8 @@ from autoshard.carry import check_activations_carry
 from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
 from autoshard.options import PlanOptions
 from autoshard.passes.capture import capture
+from autoshard.passes.checkpointing import MODES as CHECKPOINT_MODES
+from autoshard.passes.checkpointing import apply_activation_checkpointing
 from autoshard.passes.discover import find_sites
 from autoshard.passes.layouts import insert_redistributes
 from autoshard.passes.materialize import materialize
@@ -67,6 +69,7 @@ def autoshard(
     dynamic_shapes=None,
     sequence_parallel: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
+    activation_checkpointing: str | None = None,
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -102,10 +105,18 @@ def autoshard(
     in ``param_dtype`` and every sum of partial values (rowwise outputs, grouped
     input gradients, sequence-parallel reduce-scatters) is taken in
     ``reduce_dtype``. Needs a dp axis, since FSDP2 applies the casts.
+    ``activation_checkpointing``: ``"full"`` recomputes each block in backward
+    (its forward tp collectives included), ``"selective"`` keeps the outputs of
+    matmuls, attention and tp collectives and recomputes the rest (no extra tp
+    collective), ``None`` keeps every activation.
     """
     axes = _axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
+    if activation_checkpointing not in (None, *CHECKPOINT_MODES):
+        raise ValueError(
+            f"autoshard: activation_checkpointing must be None, 'full' or 'selective', got {activation_checkpointing!r}"
+        )
     if mp_policy is not None and not axes.has_dp:
         raise ValueError(
             "autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none "
@@ -136,6 +147,7 @@ def autoshard(
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
     )
+    apply_activation_checkpointing(parts.blocks, activation_checkpointing)  # on the final block code
     verify(sharded, final_plan, axes)
     sharded.autoshard_plan = final_plan
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)

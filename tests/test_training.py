@@ -118,6 +118,50 @@ def check_gradient_accumulation_without_dp_sync(ctx):
     assert worst <= 1e-5, worst
 
 
+def _held_for_backward(sharded, mesh, tokens) -> int:
+    """Bytes a forward leaves allocated for backward: the profiler's net CPU allocation over
+    the forward, minus that of the same forward without autograd (outputs, kept parameters).
+    Saved-tensor hooks cannot count this: checkpointing keeps its inputs and saved outputs
+    outside them."""
+
+    def net(grad: bool) -> int:
+        with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
+            out = sharded(dp_slice(tokens, mesh))
+        del out
+        return sum(e.cpu_memory_usage for e in prof.events())
+
+    net(True)  # the first call allocates once-only state (FSDP's buffers)
+    held = net(True) - net(False)
+    for p in sharded.parameters():
+        p.grad = None
+    return held
+
+
+def check_activation_checkpointing(ctx):
+    """"full" and "selective" train exactly like no checkpointing; "full" holds at most half
+    the bytes for backward on a 4-block model, and "selective" adds no tp collective.
+    (What "selective" holds is measured in the benchmark, not asserted here.)"""
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(4, seq=64)  # activations outweigh the 4 blocks' parameters
+    config = LlamaConfig(num_layers=4)
+    held, tp = {}, {}
+    for mode in (None, "full", "selective"):
+        torch.manual_seed(0)
+        run = train_both(
+            Llama(config), mesh, tokens, targets, lm_loss, steps=3,
+            shard_kwargs={"activation_checkpointing": mode},
+        )
+        assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
+        held[mode] = _held_for_backward(run.sharded, mesh, tokens)
+        tp[mode] = _one_step(run.sharded, mesh, tokens, targets).count("tp")
+        planned = run.sharded.autoshard_plan.num_tp_collectives()
+    assert tp[None] == tp["selective"] == planned, tp
+    # "full" recomputes each block up to its last saved tensor (checkpoint's early stop): the
+    # attention output's all-reduce runs again, the MLP output's (saved by nothing) does not
+    assert tp["full"] == planned + 4, tp
+    assert held["full"] <= 0.5 * held[None], held
+
+
 def check_a_rank_whose_model_differs_is_named_on_every_rank(ctx):
     """Rank 3 builds a narrower MLP: every rank raises the same ValueError, at once,
     before any collective could abort (gloo) or hang (NCCL)."""
@@ -140,6 +184,7 @@ CHECKS = [
     check_bf16_mixed_precision,
     check_clip_grad_norm_is_the_single_device_norm,
     check_gradient_accumulation_without_dp_sync,
+    check_activation_checkpointing,
     check_a_rank_whose_model_differs_is_named_on_every_rank,
 ]
 
