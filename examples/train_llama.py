@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import autoshard  # noqa: E402
@@ -41,6 +42,7 @@ from autoshard.launch import spawn  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
 
 PARITY_TOLERANCE = 1e-4  # max |loss - reference| / |reference| over the run
+BF16_TOLERANCE = 3e-2  # the same, for a bf16 run against the fp32 reference
 
 CONFIG = LlamaConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=128)
 
@@ -66,6 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--compile", choices=("none", "aot_eager", "inductor"), default="none",
         help="shard with torch.compile(model, backend=autoshard.backend(mesh, compiler=...)) instead of "
         "autoshard.autoshard (default: none)",
+    )
+    parser.add_argument(
+        "--bf16", action="store_true",
+        help="bf16 mixed precision: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); the "
+        f"loss is then compared with the fp32 reference at {BF16_TOLERANCE:.0e} relative",
+    )
+    parser.add_argument(
+        "--activation-checkpointing", choices=("none", "full", "selective"), default="none",
+        help="recompute each block in backward (full) or all but its matmuls and collectives (selective)",
     )
     args = parser.parse_args(argv)
     if args.batch % args.dp:
@@ -191,7 +202,7 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
     if world_size != args.dp * args.tp:
         raise ValueError(f"world size {world_size} != dp*tp = {args.dp}*{args.tp}")
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     mesh = init_device_mesh(args.device, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
 
     torch.manual_seed(args.seed)  # every rank builds the same model
@@ -204,11 +215,16 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
     example = (dp_slice(inputs, mesh),)
     if rank == 0:
         print(autoshard.plan(model, mesh, example_inputs=example), flush=True)
+    options = {}
+    if args.bf16:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if args.activation_checkpointing != "none":
+        options["activation_checkpointing"] = args.activation_checkpointing
     if args.compile == "none":
-        sharded = trained = autoshard.autoshard(model, mesh, example_inputs=example)
+        sharded = trained = autoshard.autoshard(model, mesh, example_inputs=example, **options)
         optimizer = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
     else:  # sharded on the first call; the optimizer is repointed to the shards on its first step
-        trained = autoshard.backend(mesh, compiler=args.compile)
+        trained = autoshard.backend(mesh, compiler=args.compile, **options)
         sharded = torch.compile(model, backend=trained)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if rank == 0 else None
@@ -235,9 +251,13 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
         return None
     progress.close()
     print(f"{args.steps} steps in {elapsed:.1f} s\n\n{report}\n")
-    print(f"max |loss - reference| = {max_diff:.2e} (relative {max_rel:.2e}, tolerance {PARITY_TOLERANCE:.0e})",
+    print(f"max |loss - reference| = {max_diff:.2e} (relative {max_rel:.2e}, tolerance {tolerance(args):.0e})",
           flush=True)
     return {"max_abs_diff": max_diff, "max_rel_diff": max_rel}
+
+
+def tolerance(args: argparse.Namespace) -> float:
+    return BF16_TOLERANCE if args.bf16 else PARITY_TOLERANCE
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -268,7 +288,7 @@ def run_spawned(args: argparse.Namespace) -> dict | None:
 if __name__ == "__main__":
     cli_args = parse_args()
     result = run_in_launcher_process(cli_args) if under_launcher() else run_spawned(cli_args)
-    if result is not None and result["max_rel_diff"] > PARITY_TOLERANCE:
+    if result is not None and result["max_rel_diff"] > tolerance(cli_args):
         print(f"FAILED: the sharded loss differs from the reference by {result['max_rel_diff']:.2e} "
-              f"(relative) > {PARITY_TOLERANCE:.0e}", file=sys.stderr)
+              f"(relative) > {tolerance(cli_args):.0e}", file=sys.stderr)
         raise SystemExit(1)
