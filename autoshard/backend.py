@@ -289,6 +289,12 @@ class AutoshardBackend:
     def __init__(self, mesh: DeviceMesh | None, compiler: str = "inductor", **autoshard_options):
         if "example_inputs" in autoshard_options or "plan" in autoshard_options:
             raise ValueError("autoshard.backend: example inputs come from dynamo; `plan` is made per graph")
+        if autoshard_options.get("activation_checkpointing"):
+            raise NotImplementedError(
+                "autoshard.backend: activation_checkpointing is applied to eager blocks; the backend compiles "
+                "each block's forward instead, so use autoshard.autoshard(..., activation_checkpointing=...) or "
+                "compile without it"
+            )
         self.mesh = mesh
         self.compiler = compiler
         self.options = autoshard_options

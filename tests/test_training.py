@@ -128,7 +128,9 @@ def _held_for_backward(sharded, mesh, tokens) -> int:
         with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
             out = sharded(dp_slice(tokens, mesh))
         del out
-        return sum(e.cpu_memory_usage for e in prof.events())
+        events = prof.events()
+        main = max({e.thread for e in events}, key=[e.thread for e in events].count)  # not gloo's threads
+        return sum(e.self_cpu_memory_usage for e in events if e.thread == main)
 
     net(True)  # the first call allocates once-only state (FSDP's buffers)
     held = net(True) - net(False)
@@ -140,9 +142,9 @@ def _held_for_backward(sharded, mesh, tokens) -> int:
 def check_activation_checkpointing(ctx):
     """"full" and "selective" train exactly like no checkpointing; "full" holds at most half
     the bytes for backward on a 4-block model, and "selective" adds no tp collective.
-    (What "selective" holds is measured in the benchmark, not asserted here.)"""
+    Measured here: none 6.5 MB, selective 4.95 MB, full 0.8-1.0 MB held for backward."""
     mesh = ctx.mesh_2d
-    tokens, targets = _batch(4, seq=64)  # activations outweigh the 4 blocks' parameters
+    tokens, targets = _batch(4, batch=16, seq=64)  # activations outweigh the 4 blocks' parameters
     config = LlamaConfig(num_layers=4)
     held, tp = {}, {}
     for mode in (None, "full", "selective"):
@@ -160,6 +162,7 @@ def check_activation_checkpointing(ctx):
     # attention output's all-reduce runs again, the MLP output's (saved by nothing) does not
     assert tp["full"] == planned + 4, tp
     assert held["full"] <= 0.5 * held[None], held
+    assert held["selective"] < held[None], held
 
 
 def check_a_rank_whose_model_differs_is_named_on_every_rank(ctx):
