@@ -228,3 +228,22 @@ def test_custom_autograd_function_on_a_weight_is_refused(mesh_2x2):
     assert "max relative difference" in message  # measured on the example inputs
     assert "test_bad_input.py" in message and "_StraightThrough.apply(self.w)" in message
     assert torch.autograd.Function.apply.__func__.__qualname__ == "Function.apply"  # restored
+
+
+def test_unknown_activation_checkpointing_mode(mesh_2x2):
+    with pytest.raises(ValueError, match="activation_checkpointing must be None, 'full' or 'selective', got 'all'"):
+        autoshard.autoshard(MLPStack(), mesh_2x2, example_inputs=(FEATURES,), activation_checkpointing="all")
+
+
+def test_mixed_precision_needs_a_dp_axis(fake_world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    tp_only = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match="mp_policy is applied by FSDP2 on the dp axis"):
+        autoshard.autoshard(MLPStack(), tp_only, example_inputs=(FEATURES,),
+                            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+def test_the_compile_backend_refuses_activation_checkpointing():
+    with pytest.raises(NotImplementedError, match="activation_checkpointing is applied to eager blocks"):
+        autoshard.backend(None, activation_checkpointing="full")
