@@ -46,6 +46,7 @@ error: the full weights it would be planned from are gone.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Iterator
 
 import torch
@@ -320,6 +321,7 @@ class AutoshardBackend:
         for fqn, param in sharded.named_parameters(remove_duplicate=False):
             param.autoshard_fqn = fqn
             _SHARDED[originals[fqn]] = _Sharded(param, code, sharded)
+        _hook_owners_state_dicts({id(p) for p in originals.values()}, skip=(as_module,))
         return _ShardedGraph(sharded, inputs, example_inputs)
 
     @property
@@ -366,6 +368,67 @@ class AutoshardBackend:
         for module in self.sharded:
             keys = module.state_dict(keep_vars=True).keys()
             module.load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=False)
+
+
+def _hook_owners_state_dicts(released: set[int], skip: tuple[nn.Module, ...]) -> None:
+    """Make the user's own modules give and take their released parameters' shards.
+
+    After sharding, the model's parameters are released (their storage freed),
+    so ``model.state_dict()`` would return empty tensors and
+    ``model.load_state_dict()`` would write into freed storage. The modules that
+    own those parameters are found once (dynamo hands the backend tensors, not
+    modules), and hooked: saving puts each parameter's shard in the original
+    layout (a DTensor, as ``autoshard``'s own state dict gives) under the
+    user's key; loading sends each value to its shard and keeps the freed
+    parameter out of the copy. Existing checkpoint code keeps working.
+    """
+    for module in gc.get_objects():
+        if not issubclass(type(module), nn.Module) or any(module is m for m in skip):  # type(): no weak proxies
+            continue
+        names = [n for n, p in module._parameters.items() if p is not None and id(p) in released]
+        if names and not getattr(module, "_autoshard_state_dict_hooked", False):
+            module._autoshard_state_dict_hooked = True
+            module.register_state_dict_post_hook(_save_shards)
+            module.register_load_state_dict_pre_hook(_load_shards)
+            module.register_load_state_dict_post_hook(_forget_loaded_shards)
+
+
+def _released(module: nn.Module):
+    """(local name, its _Sharded) of ``module``'s released parameters."""
+    for name, param in module._parameters.items():
+        sharded = _SHARDED.get(param) if param is not None else None
+        if sharded is not None:
+            yield name, sharded
+
+
+def _save_shards(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    cache: dict[int, dict] = {}
+    for name, sharded in _released(module):
+        if prefix + name not in state_dict:
+            continue  # kept out by keep_vars or a subclass
+        values = cache.get(id(sharded.module))
+        if values is None:
+            values = cache[id(sharded.module)] = sharded.module.state_dict()
+        state_dict[prefix + name] = values[sharded.param.autoshard_fqn]
+
+
+def _load_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    loaded = []
+    for name, sharded in _released(module):
+        value = state_dict.pop(prefix + name, None)
+        if value is None:
+            continue
+        sharded.module.load_state_dict({sharded.param.autoshard_fqn: value}, strict=False)
+        loaded.append(prefix + name)
+    module._autoshard_loaded = loaded
+
+
+def _forget_loaded_shards(module, incompatible_keys) -> None:
+    """The keys the pre-hook took were loaded into shards: not missing."""
+    for key in getattr(module, "_autoshard_loaded", ()):
+        if key in incompatible_keys.missing_keys:
+            incompatible_keys.missing_keys.remove(key)
+    module._autoshard_loaded = []
 
 
 def _compile_blocks(sharded: fx.GraphModule, compiler: str) -> None:

@@ -232,8 +232,33 @@ def check_inductor_backend(ctx):
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)
 
 
+def check_the_models_own_state_dict_after_sharding(ctx):
+    """``model.state_dict()`` / ``model.load_state_dict()`` on the user's module, after the backend
+    sharded it: the shards in the original layout out, a single-device state dict in."""
+    run = _LlamaRun.start(ctx, Llama, 2)
+    model, compiled, tokens, targets, mesh = run.model, run.compiled, run.tokens, run.targets, run.mesh
+    _train(compiled, _adamw(model.parameters()), tokens, targets, mesh, steps=2)
+    saved = model.state_dict()
+    ref_state = run.ref.state_dict()
+    assert saved.keys() == ref_state.keys()
+    for fqn, value in ref_state.items():
+        assert saved[fqn].shape == value.shape, fqn  # original layout: [out, in], not stored [in, out]
+        err = rel_error(full(saved[fqn]), full(value), 1e-2)
+        assert err <= 1e-6, f"{fqn}: model.state_dict() differs from eager by {err:.2e}"
+    assert isinstance(saved["layers.0.attention.wq.weight"], DTensor)
+
+    torch.manual_seed(5)
+    fresh = Llama(LlamaConfig(num_layers=2)).state_dict()  # a plain single-device checkpoint
+    result = model.load_state_dict(fresh)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    run.ref.load_state_dict(fresh)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(tokens), run.ref(tokens), rtol=1e-6, atol=1e-6)
+
+
 CHECKS = [
     check_backend_trains_like_eager,
+    check_the_models_own_state_dict_after_sharding,
     check_graph_breaks_each_get_the_eager_plan,
     check_registered_backend_name,
     check_default_mesh,
