@@ -97,6 +97,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import autoshard  # noqa: E402
@@ -123,7 +124,13 @@ PARITY_RTOL_INDUCTOR = 1e-4
 PAIRS = {
     "eager": ("autoshard", "recipe"),
     "compiled": ("autoshard_compiled", "recipe_compiled"),
+    # eager, configured alike on both sides
+    "bf16": ("autoshard_bf16", "recipe_bf16"),  # MixedPrecisionPolicy(bfloat16, float32)
+    "selective": ("autoshard_selective", "recipe_selective"),  # selective activation checkpointing
+    "full": ("autoshard_full", "recipe_full"),  # full activation checkpointing
 }
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+PARITY_RTOL_BF16 = 3e-2  # a bf16 run against the fp32 single-device model
 COMPILED_VARIANTS = PAIRS["compiled"]
 COMPILERS = ("inductor", "aot_eager")
 # target name -> (metric key in a variant summary, max allowed autoshard/recipe ratio); checked on the eager pair
@@ -185,11 +192,13 @@ class Built:
 
 def build_variant(variant: str, model: torch.nn.Module, mesh, example_tokens: torch.Tensor, compiler: str) -> Built:
     """Shard ``model`` with the chosen method; the only place the variants differ."""
-    if variant == "autoshard":
-        sharded = autoshard.autoshard(model, mesh, example_inputs=(example_tokens,))
+    options = _variant_options(variant)
+    if variant.startswith("autoshard") and variant != "autoshard_compiled":
+        autoshard_options = {"mp_policy": options["mp_policy"], "activation_checkpointing": options["checkpointing"]}
+        sharded = autoshard.autoshard(model, mesh, example_inputs=(example_tokens,), **autoshard_options)
         return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
-    if variant == "recipe":
-        sharded = parallelize_recipe(model, mesh)
+    if variant.startswith("recipe") and variant != "recipe_compiled":
+        sharded = parallelize_recipe(model, mesh, **options)
         return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
     if variant == "autoshard_compiled":
         backend = autoshard.backend(mesh, compiler=compiler)
@@ -200,7 +209,18 @@ def build_variant(variant: str, model: torch.nn.Module, mesh, example_tokens: to
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def _variant_options(variant: str) -> dict:
+    """The training options a variant name carries (the same on both sides of its pair)."""
+    suffix = variant.split("_", 1)[1] if "_" in variant else ""
+    return {
+        "mp_policy": BF16 if suffix == "bf16" else None,
+        "checkpointing": suffix if suffix in ("selective", "full") else None,
+    }
+
+
 def parity_rtol(variant: str, compiler: str) -> float:
+    if variant.endswith("_bf16"):
+        return PARITY_RTOL_BF16
     return PARITY_RTOL_INDUCTOR if variant in COMPILED_VARIANTS and compiler == "inductor" else PARITY_RTOL
 
 
@@ -389,11 +409,33 @@ def measure_variant(rank: int, world_size: int, variant: str, steps: int, warmup
         else:
             train_step(built.step_module, optimizer, tokens, targets)
     final_loss = eval_loss(built.step_module, mesh)
+    # last: its no_grad forward leaves the recipe's root gathered; compiled variants would compile again
+    held = held_for_backward(built.step_module, tokens) if variant not in COMPILED_VARIANTS else None
     result = gather_measurements(rank, world_size, times, first_step_s, comm, parity, param_bytes, final_loss)
+    held_max = max_over_ranks([float(held)])[0] if held is not None else None
     if result is not None:
+        result["held_bytes_per_block_max"] = None if held_max is None else held_max / MODEL_CONFIG.num_layers
         # what dynamo compiled: a block it gave up on (recompile limit) would run eagerly unnoticed
         result["dynamo_graphs_rank0"] = dynamo_counters["stats"]["unique_graphs"]
     return result
+
+
+def held_for_backward(module, tokens) -> int:
+    """Bytes one forward leaves allocated for backward: the profiler's net allocation on this
+    thread (gloo's threads allocate too) with autograd, minus the same forward without."""
+
+    def net(grad: bool) -> int:
+        with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
+            out = module(tokens)
+        del out
+        events = prof.events()
+        main = max({e.thread for e in events}, key=[e.thread for e in events].count)
+        return sum(e.self_cpu_memory_usage for e in events if e.thread == main)
+
+    held = net(True) - net(False)
+    for p in module.parameters():
+        p.grad = None
+    return held
 
 
 def gather_measurements(rank, world_size, times, first_step_s, comm, parity, param_bytes, final_loss) -> dict | None:
@@ -470,11 +512,12 @@ def summarize(variant: str, results: list[dict], compiler: str) -> dict:
         "first_step_parity": first["parity"],
         "dynamo_graphs_rank0": first["dynamo_graphs_rank0"],
         "parity_rtol": parity_rtol(variant, compiler),
+        "held_bytes_per_block": first.get("held_bytes_per_block_max"),
     }
 
 
-def ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def check_recipe_parity(summary: dict) -> None:
@@ -528,6 +571,7 @@ def table_rows(columns: list[dict]) -> list[tuple[str, list[float], str]]:
         ("first step, incl. compile (s)", each(lambda c: c["first_step_s"]), "f2"),
         *comm_rows(columns),
         ("param bytes / rank", each(lambda c: c["param_bytes_per_rank"]), "d"),
+        ("held for backward / block (bytes)", each(lambda c: c.get("held_bytes_per_block")), "d"),
         ("peak RSS / rank (MiB, max)", each(lambda c: c["peak_rss_kib_per_rank"] / 1024), "f1"),
         ("final loss (held-out batch)", each(lambda c: c["final_loss"]), "f6"),
         ("step-1 loss rel err vs 1 device", each(lambda c: c["first_step_parity"]["loss_rel_err"]), "e"),
@@ -536,7 +580,9 @@ def table_rows(columns: list[dict]) -> list[tuple[str, list[float], str]]:
     ]
 
 
-def fmt(value: float, kind: str) -> str:
+def fmt(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
     if kind == "d":
         return f"{int(value):,}"
     if kind == "e":
@@ -551,7 +597,8 @@ def format_table(summary: dict, compiler: str) -> str:
     """One (autoshard, recipe, ratio) column group per pair that ran, side by side."""
     pairs = selected_pairs(summary)
     group_width = 2 * VALUE_WIDTH + RATIO_WIDTH
-    titles = {"eager": "eager", "compiled": f"compiled ({compiler})"}
+    titles = {"eager": "eager", "compiled": f"compiled ({compiler})", "bf16": "eager bf16",
+              "selective": "selective checkpointing", "full": "full checkpointing"}
     names = [n for n, pair in PAIRS.items() if pair in pairs]
     group_line = " " * LABEL_WIDTH + "".join(f"{titles[n]:>{group_width}}" for n in names)
     pair_header = f"{'autoshard':>{VALUE_WIDTH}}{'recipe':>{VALUE_WIDTH}}{'a/r':>{RATIO_WIDTH}}"
@@ -616,7 +663,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first (>= 2: the first compiles, the last one is counted)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, variant order alternating")
-    parser.add_argument("--variants", default="eager,compiled", help="pairs to run: eager, compiled or both")
+    parser.add_argument("--variants", default=",".join(PAIRS),
+                        help=f"comma-separated pairs to run, of {', '.join(PAIRS)} (default: all)")
     parser.add_argument("--compiler", default="inductor", choices=COMPILERS, help="compiler of the compiled pair")
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON output path")
     args = parser.parse_args(argv)

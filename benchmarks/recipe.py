@@ -30,9 +30,10 @@ import torch
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 def block_tp_plan() -> dict:
@@ -56,20 +57,53 @@ def root_tp_plan() -> dict:
     }
 
 
-def parallelize_recipe(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def parallelize_recipe(
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+    checkpointing: str | None = None,
+) -> nn.Module:
     """Apply tp then FSDP2 to ``model`` in place (the torchtitan order) and return it.
 
     tp must come first so FSDP2 shards the tp-local blocks on dim 0 of the
-    already tp-sharded DTensors.
+    already tp-sharded DTensors. ``mp_policy`` goes to every ``fully_shard``
+    (PyTorch applies its ``reduce_dtype`` to FSDP's reductions only: TP's
+    Partial -> Replicate all-reduce runs in the activations' dtype).
+    ``checkpointing`` ("full" or "selective") runs each block under
+    ``torch.utils.checkpoint`` as torchtitan does; selective saves matmul,
+    attention and collective outputs.
     """
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     parallelize_module(model, tp_mesh, root_tp_plan())
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_tp_plan())
+        if checkpointing is not None:
+            extra = {"context_fn": _selective_contexts} if checkpointing == "selective" else {}
+            block.forward = functools.partial(_checkpointed, block.forward, extra)
+    policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=dp_mesh, **policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **policy)
     return model
+
+
+_aten, _funcol = torch.ops.aten, torch.ops._c10d_functional
+_SAVED = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _funcol.all_reduce.default, _funcol.all_gather_into_tensor.default, _funcol.reduce_scatter_tensor.default,
+    _funcol.wait_tensor.default,
+}
+
+
+def _selective_contexts():
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed(forward, extra: dict, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def compile_recipe_blocks(model: nn.Module, compiler: str) -> nn.Module:
