@@ -1,24 +1,36 @@
 """Run a function on N local processes that form one gloo/NCCL process group.
 
 Used by the demo, the benchmark and the distributed tests: on a machine
-without a launcher, ``spawn(fn, world_size=4)`` stands in for ``torchrun``.
-Each rank calls ``fn(rank, world_size, *args)`` with the default process
-group initialized; the return values come back to the caller, rank-ordered.
-An exception on any rank is re-raised in the caller with its traceback.
+without a launcher, ``spawn(fn, world_size=4)`` stands in for ``torchrun``,
+and uses torchrun's own machinery (``torch.distributed.launcher``'s elastic
+agent) to start, watch and stop the ranks. Each rank calls
+``fn(rank, world_size, *args)`` with the default process group initialized;
+the return values come back to the caller, rank-ordered. When a rank raises
+or dies, the agent stops the others at once and the caller gets
+:class:`RankFailed` with that rank's traceback (or exit code).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import pickle
 import socket
-import tempfile
 import traceback
+import uuid
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+class RankFailed(RuntimeError):
+    """A rank of a :func:`spawn` raised (its traceback is the message) or died (its exit code)."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed: {detail}")
+        self.rank = rank
 
 
 def free_port() -> int:
@@ -35,37 +47,60 @@ def spawn(
     threads_per_rank: int = 1,
     timeout: datetime.timedelta | None = None,
 ) -> list:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _run,
-            args=(world_size, port, backend, threads_per_rank, timeout, out_dir, fn, args),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                ok, value = pickle.load(f)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-    return results
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"autoshard-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the agent's INFO lines on every start
+    try:
+        results = elastic_launch(config, _rank_main)(fn, args, backend, threads_per_rank, timeout)
+    except ChildFailedError as err:
+        # the rank that failed on its own, not one whose collective broke because a peer left
+        rank, failure = min(err.failures.items(), key=lambda kv: (_IN_COLLECTIVE in _failure_text(kv[1]), kv[0]))
+        raise RankFailed(rank, _failure_text(failure)) from None
+    finally:
+        quiet.setLevel(level)
+    return [results[rank] for rank in range(world_size)]
 
 
-def _run(rank, world_size, port, backend, threads, timeout, out_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _failure_text(failure) -> str:
+    """The rank's traceback when it raised (recorded by ``@record``), else its exit code."""
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        return extra.get("py_callstack") or message.get("message") or str(message)
+    return f"exit code {failure.exitcode}" + (f": {message}" if message and "exitcode" not in str(message) else "")
+
+
+class PeerFailed(RuntimeError):
+    """This rank's collective failed, most likely because another rank failed first."""
+
+
+_IN_COLLECTIVE = PeerFailed.__name__
+_DISTRIBUTED_DIR = os.path.dirname(dist.__file__) + os.sep
+
+
+@record
+def _rank_main(fn, args, backend, threads, timeout):
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(threads)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout)
     try:
-        result = (True, fn(rank, world_size, *args))
-    except BaseException:  # reported to the caller with the rank's traceback
-        result = (False, traceback.format_exc())
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+        result = fn(rank, world_size, *args)
+    except Exception as err:
+        # no destroy_process_group here: it can wait on peers, and the traceback must be out first
+        frames = traceback.extract_tb(err.__traceback__)
+        if frames and frames[-1].filename.startswith(_DISTRIBUTED_DIR):
+            raise PeerFailed(f"{type(err).__name__} in a collective: {err}") from err
+        raise
+    dist.destroy_process_group()
+    return result

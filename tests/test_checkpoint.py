@@ -18,13 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard import checkpoint
-from autoshard.launch import spawn
+from autoshard.launch import RankFailed, spawn
 from examples.models import Llama, LlamaConfig
 from tests.distributed import distributed_tests
 from tests.hf_cases import CASES, VOCAB
@@ -311,7 +310,7 @@ def test_resume_after_a_rank_is_killed_mid_save(tmp_path):
     is exactly the one of a run that never failed (same mesh, bit-exact state)."""
     directory, losses_file = str(tmp_path / "run"), str(tmp_path / "losses.jsonl")
     timeout = datetime.timedelta(seconds=20)
-    with pytest.raises(mp.ProcessExitedException, match=f"process {KILLED_RANK} terminated with exit code 1"):
+    with pytest.raises(RankFailed, match=f"rank {KILLED_RANK} failed: exit code 1"):
         spawn(_run_killed_while_saving, 4, (directory, losses_file), timeout=timeout)
     with open(losses_file) as f:
         before_crash = [json.loads(line) for line in f]

@@ -1,0 +1,53 @@
+"""The local launcher: results in rank order; a rank that raises or dies stops the others at once
+and is reported with its traceback or exit code."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoshard.launch import RankFailed, spawn
+
+
+def _sum_of_ranks(rank, world_size, offset):
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return rank + offset, total.item()
+
+
+def _rank_one_raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one cannot go on")
+    dist.barrier()  # the others wait here for rank 1, which never comes
+    time.sleep(600)
+
+
+def _rank_two_dies(rank, world_size):
+    if rank == 2:
+        os._exit(3)
+    time.sleep(600)
+
+
+def test_results_come_back_in_rank_order():
+    assert spawn(_sum_of_ranks, 3, (10,)) == [(10, 3.0), (11, 3.0), (12, 3.0)]
+
+
+def test_a_rank_that_raises_is_reported_with_its_traceback_and_the_others_stop():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as err:
+        spawn(_rank_one_raises, 3)
+    assert time.monotonic() - start < 60  # not the barrier's or the sleep's timeout
+    assert err.value.rank == 1
+    assert "ValueError: rank one cannot go on" in str(err.value)
+    assert "_rank_one_raises" in str(err.value)  # the rank's traceback
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 2 failed: exit code 3"):
+        spawn(_rank_two_dies, 3)
+    assert time.monotonic() - start < 60
