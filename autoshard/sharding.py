@@ -17,8 +17,10 @@ import enum
 from autoshard.mesh import DP, TP, MeshAxes
 
 
-class Role(enum.StrEnum):
-    """How tp treats a parameter (see :mod:`autoshard.plan` for each role's storage)."""
+class Role(str, enum.Enum):
+    """How tp treats a parameter (see :mod:`autoshard.plan` for each role's storage).
+
+    A ``str`` enum: equal to its value, and printed as it (Python 3.10 has no ``StrEnum``)."""
 
     COLWISE = "colwise"
     ROWWISE = "rowwise"
@@ -30,6 +32,12 @@ class Role(enum.StrEnum):
 
     def __repr__(self) -> str:
         return repr(self.value)  # messages and reprs read as the plan's JSON does
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 # The stored dim tp cuts, per role: every linear weight and embedding table is an

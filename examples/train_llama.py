@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.launch import spawn  # noqa: E402
@@ -140,28 +141,23 @@ def train_step(model, optimizer, inputs, targets) -> torch.Tensor:
 
 
 class Progress:
-    """Rank 0's progress: one updating line on a terminal, one line per step in a log."""
-
-    WIDTH = 24
+    """Rank 0's progress with ``tqdm``: a live bar on a terminal; in a log (not a terminal)
+    one line per step, so the losses stay readable in CI output."""
 
     def __init__(self, steps: int):
-        self.steps = steps
         self.interactive = sys.stdout.isatty()
+        self.bar = tqdm(total=steps, desc="training", unit="step", file=sys.stdout, disable=not self.interactive)
 
     def update(self, step: int, loss: float, reference: float) -> None:
-        done = round(self.WIDTH * step / self.steps)
-        bar = (f"[{'#' * done}{'.' * (self.WIDTH - done)}] step {step}/{self.steps}  "
-               f"loss {loss:.4f}  reference {reference:.4f}  |diff| {abs(loss - reference):.1e}")
+        stats = f"loss {loss:.4f}  reference {reference:.4f}  |diff| {abs(loss - reference):.1e}"
         if self.interactive:
-            sys.stdout.write("\r" + bar)
-            sys.stdout.flush()
+            self.bar.set_postfix_str(stats, refresh=False)
+            self.bar.update(1)
         else:
-            print(bar, flush=True)
+            print(f"step {step}/{self.bar.total}  {stats}", flush=True)
 
     def close(self) -> None:
-        if self.interactive:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+        self.bar.close()
 
 
 # --- memory report ------------------------------------------------------------------------------
