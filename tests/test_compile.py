@@ -256,8 +256,30 @@ def check_the_models_own_state_dict_after_sharding(ctx):
         torch.testing.assert_close(compiled(tokens), run.ref(tokens), rtol=1e-6, atol=1e-6)
 
 
+def check_backend_with_mixed_precision(ctx):
+    """``autoshard.backend(mesh, mp_policy=...)``: the compiled model trains like eager autoshard
+    under the same bf16 policy, and its plan prints the policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch._dynamo.reset()
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(mesh)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_layers=2))
+    eager = autoshard.autoshard(copy.deepcopy(model), mesh, example_inputs=(tokens,), mp_policy=policy)
+    ref_losses = _train(lambda t: eager(t).float(), _adamw(eager.parameters()), tokens, targets, mesh, steps=2)
+    backend = autoshard.backend(mesh, compiler="aot_eager", mp_policy=policy)
+    compiled = torch.compile(model, backend=backend)
+    losses = _train(lambda t: compiled(t).float(), _adamw(model.parameters()), tokens, targets, mesh, steps=2)
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (losses, ref_losses)
+    assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(backend.sharded[0].autoshard_plan)
+
+
 CHECKS = [
     check_backend_trains_like_eager,
+    check_backend_with_mixed_precision,
     check_the_models_own_state_dict_after_sharding,
     check_graph_breaks_each_get_the_eager_plan,
     check_registered_backend_name,
