@@ -334,7 +334,10 @@ class AutoshardBackend:
         units = tuple(u for p in plans for u in p.units)
         activations = tuple(a for p in plans for a in p.activations)
         activation_units = tuple(p.unit_of_activation(i) for p in plans for i in range(len(p.activations)))
-        return Plan(plans[0].mesh, params, units, activations, activation_units=activation_units)
+        return dataclasses.replace(
+            plans[0], params=params, units=units, activations=activations, activation_units=activation_units,
+            functions=tuple(f for p in plans for f in p.functions), breaks=tuple(b for p in plans for b in p.breaks),
+        )
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.sharded:

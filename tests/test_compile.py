@@ -274,7 +274,7 @@ def check_backend_with_mixed_precision(ctx):
     losses = _train(lambda t: compiled(t).float(), _adamw(model.parameters()), tokens, targets, mesh, steps=2)
     for got, want in zip(losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (losses, ref_losses)
-    assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(backend.sharded[0].autoshard_plan)
+    assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(backend.plan)
 
 
 CHECKS = [
