@@ -78,7 +78,7 @@ def _failure_text(failure) -> str:
     if isinstance(message, dict):
         extra = message.get("extraInfo", {})
         return extra.get("py_callstack") or message.get("message") or str(message)
-    return f"exit code {failure.exitcode}" + (f": {message}" if message and "exitcode" not in str(message) else "")
+    return f"exit code {failure.exitcode}"  # it died without raising (killed, os._exit): no traceback
 
 
 class PeerFailed(RuntimeError):
