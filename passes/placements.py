@@ -13,7 +13,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from autoshard.errors import describe
+from autoshard.errors import describe, source_line
 from autoshard.mesh import DP, MeshAxes
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
@@ -67,8 +67,9 @@ def build_plan(
     for fqn, shape in captured.param_shapes.items():
         site = site_by_param.get(fqn)
         role, transposed, note = _role_of(fqn, site, layout_plan.roles)
-        if site is not None and site.weight_fqn in layout_plan.notes and axes.has_tp:
-            note = layout_plan.notes[site.weight_fqn]
+        explained_by = site.weight_fqn if site is not None else fqn  # an expert weight is its own site
+        if explained_by in layout_plan.notes and axes.has_tp:
+            note = layout_plan.notes[explained_by]
         source = getattr(site, "output", getattr(site, "node", None))
         if site is not None and fqn == site.weight_fqn and source in layout_plan.gathered_early and axes.has_tp:
             ends = layout_plan.gathered_early[source]
@@ -86,14 +87,10 @@ def build_plan(
                 note = _expert_note(expert, layout_plan.roles[fqn], tp_dim)
             else:
                 note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
-        elif fqn in expert_sites and fqn in layout_plan.notes and axes.has_tp:
-            note = layout_plan.notes[fqn]
         placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn), tp_dim)
         sections = ()
-        if axes.has_tp and isinstance(site, LinearSite):
-            sections = layout_plan.fused.get(site.weight_fqn, ())  # the weight's and its bias's
-        elif axes.has_tp and fqn in layout_plan.sharded_params:
-            sections = layout_plan.fused.get(fqn, ())
+        if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
+            sections = layout_plan.fused.get(explained_by, ())  # a linear's weight and bias share them
         padding = dp_padding(shape, transposed, placements.get(DP), axes.dp)
         if padding:
             note = (note + "; " if note else "") + padding
@@ -123,7 +120,7 @@ def _expert_note(site, role: str, tp_dim: int) -> str:
     dims = "output" if role == COLWISE else "input"
     return (
         f"experts' {role} weight, read per expert by {site.node.target.__name__.split('.')[0]} at "
-        f"{describe(site.node).split(' at ', 1)[-1]}: tp cuts its {dims} dim {tp_dim}, FSDP the experts"
+        f"{source_line(site.node)}: tp cuts its {dims} dim {tp_dim}, FSDP the experts"
     )
 
 
@@ -241,21 +238,25 @@ def _collectives_by_weight(
                 continue
             seen.add(key)
             node = consumer if consumer.op != "output" else value
-            cause = describe(consumer)
             if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
                 if value.op == "get_attr":
-                    record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=f"sharded {cause}"), node)
+                    cause = f"sharded {describe(consumer)}"
+                    record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=cause), node)
                 else:
-                    record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", f"sharded {cause}"), node)
+                    cause = f"sharded {describe(consumer)}"
+                    record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", cause), node)
             elif step.kind == GATHER:
                 if value in origin:
                     collective = Collective(ALL_GATHER, "fwd", "output")
                 else:
-                    collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", cause)
+                    collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", describe(consumer))
                 record(_region_origin(value, lp, origin), collective, node)
             elif step.kind == GATHER_FOR_COLWISE:
                 record(
-                    None, Collective(GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {cause}", over_sequence=True),
+                    None,
+                    Collective(
+                        GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}", over_sequence=True
+                    ),
                     node,
                 )
             elif step.kind == SHARDED_OUTPUT:
@@ -263,11 +264,13 @@ def _collectives_by_weight(
             elif step.kind == REDUCE:
                 weights = tuple(_partial_origins(value, lp, origin))
                 if not weights:
+                    cause = describe(consumer)
                     record(None, Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", cause), node)
                 else:
                     _add_shared(by_weight, Collective(ALL_REDUCE, "fwd", "output", shared_by=weights))
             elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
-                record(None, Collective(TAKE_SHARD_KIND, "bwd", f"'{value.name}'", cause, dim=step.dim), node)
+                take = Collective(TAKE_SHARD_KIND, "bwd", f"'{value.name}'", describe(consumer), dim=step.dim)
+                record(None, take, node)
     return {k: tuple(v) for k, v in by_weight.items()}, activations, activation_nodes
 
 
