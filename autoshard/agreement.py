@@ -6,8 +6,9 @@ inputs of another shape, the first collective that follows (the broadcast of
 rank 0's weights, FSDP's first all-gather) gets mismatched sizes: gloo aborts the
 process, NCCL hangs. So before any collective, the ranks exchange a digest of
 their plan and input signature (one ``all_gather_object`` of a few bytes) and,
-when they differ, exchange the summaries behind them; every rank then raises the same ``ValueError`` naming the
-ranks that differ and the first parameter or input where they do.
+when they differ, exchange the summaries behind them; every rank then raises
+the same ``ValueError`` naming the ranks that differ and the first parameter
+or input where they do.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard.plan import Plan
+from autoshard.state_dict import StoredLayout
 
 _DYNAMO_SELF = "L['self']"
 
@@ -185,6 +186,7 @@ class _Sharded:
     param: nn.Parameter  # the sharded parameter that replaces it (read by the optimizer hook)
     code: str  # code of the dynamo graph it was sharded in
     module: fx.GraphModule  # that graph's sharded module
+    layout: StoredLayout  # how that module stores it (for the model's own state dict)
 
 
 # released model parameter -> its _Sharded
@@ -318,9 +320,11 @@ class AutoshardBackend:
         self.sharded.append(sharded)
         _install_optimizer_hook()
         originals = dict(as_module.named_parameters(remove_duplicate=False))
+        plan = sharded.autoshard_plan
+        layout = StoredLayout.of(plan, plan.mesh.get("tp", 1))
         for fqn, param in sharded.named_parameters(remove_duplicate=False):
             param.autoshard_fqn = fqn
-            _SHARDED[originals[fqn]] = _Sharded(param, code, sharded)
+            _SHARDED[originals[fqn]] = _Sharded(param, code, sharded, layout)
         _hook_owners_state_dicts({id(p) for p in originals.values()}, skip=(as_module,))
         return _ShardedGraph(sharded, inputs, example_inputs)
 
@@ -388,8 +392,8 @@ def _hook_owners_state_dicts(released: set[int], skip: tuple[nn.Module, ...]) ->
     for module in gc.get_objects():
         if not issubclass(type(module), nn.Module) or any(module is m for m in skip):  # type(): no weak proxies
             continue
-        names = [n for n, p in module._parameters.items() if p is not None and id(p) in released]
-        if names and not getattr(module, "_autoshard_state_dict_hooked", False):
+        owns = any(p is not None and id(p) in released for p in module._parameters.values())
+        if owns and not getattr(module, "_autoshard_state_dict_hooked", False):
             module._autoshard_state_dict_hooked = True
             module.register_state_dict_post_hook(_save_shards)
             module.register_load_state_dict_pre_hook(_load_shards)
@@ -405,14 +409,9 @@ def _released(module: nn.Module):
 
 
 def _save_shards(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    cache: dict[int, dict] = {}
     for name, sharded in _released(module):
-        if prefix + name not in state_dict:
-            continue  # kept out by keep_vars or a subclass
-        values = cache.get(id(sharded.module))
-        if values is None:
-            values = cache[id(sharded.module)] = sharded.module.state_dict()
-        state_dict[prefix + name] = values[sharded.param.autoshard_fqn]
+        if prefix + name in state_dict:  # else kept out by the module
+            state_dict[prefix + name] = sharded.layout.to_original(sharded.param.autoshard_fqn, sharded.param.detach())
 
 
 def _load_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
