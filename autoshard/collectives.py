@@ -59,7 +59,7 @@ def _group_rank(group_name: str) -> int:
 
 def _all_reduce_sum(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sum over ranks, in ``reduce_dtype`` when given (upcast, reduce, cast back)."""
-    wire = x if reduce_dtype is None or x.dtype == reduce_dtype else x.to(reduce_dtype)
+    wire = x if reduce_dtype is None else x.to(reduce_dtype)  # .to is a no-op in the same dtype
     out = torch.ops._c10d_functional.all_reduce(wire.contiguous(), "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor(out).to(x.dtype)
 
@@ -78,7 +78,7 @@ def _reduce_scatter(
 ) -> torch.Tensor:
     """Sum over ranks, keep this rank's chunk along ``dim`` (summed in ``reduce_dtype`` when given)."""
     size = _group_size(group_name)
-    wire = x if reduce_dtype is None or x.dtype == reduce_dtype else x.to(reduce_dtype)
+    wire = x if reduce_dtype is None else x.to(reduce_dtype)
     stacked = torch.cat(torch.chunk(wire, size, dim=dim), dim=0).contiguous()
     out = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", size, group_name)
     return torch.ops._c10d_functional.wait_tensor(out).to(x.dtype)

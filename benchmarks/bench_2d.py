@@ -105,6 +105,7 @@ from autoshard.comm_stats import CollectiveCounter  # noqa: E402
 from autoshard.launch import spawn  # noqa: E402
 from benchmarks.recipe import compile_recipe_blocks, parallelize_recipe  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
+from tests.parity import held_for_backward  # noqa: E402
 
 MODEL_CONFIG = LlamaConfig(
     num_layers=4, dim=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=256, max_seq_len=64
@@ -418,24 +419,6 @@ def measure_variant(rank: int, world_size: int, variant: str, steps: int, warmup
         # what dynamo compiled: a block it gave up on (recompile limit) would run eagerly unnoticed
         result["dynamo_graphs_rank0"] = dynamo_counters["stats"]["unique_graphs"]
     return result
-
-
-def held_for_backward(module, tokens) -> int:
-    """Bytes one forward leaves allocated for backward: the profiler's net allocation on this
-    thread (gloo's threads allocate too) with autograd, minus the same forward without."""
-
-    def net(grad: bool) -> int:
-        with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
-            out = module(tokens)
-        del out
-        events = prof.events()
-        main = max({e.thread for e in events}, key=[e.thread for e in events].count)
-        return sum(e.self_cpu_memory_usage for e in events if e.thread == main)
-
-    held = net(True) - net(False)
-    for p in module.parameters():
-        p.grad = None
-    return held
 
 
 def gather_measurements(rank, world_size, times, first_step_s, comm, parity, param_bytes, final_loss) -> dict | None:

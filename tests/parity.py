@@ -129,3 +129,25 @@ def assert_parity(run: ParityRun, *, loss_tol: float, param_tol: float | None) -
     if param_tol is not None:
         worst = max(run.param_errors.items(), key=lambda kv: kv[1])
         assert worst[1] <= param_tol, f"parameter {worst[0]} differs from the reference: rel error {worst[1]:.2e}"
+
+
+def held_for_backward(module, *inputs) -> int:
+    """Bytes a forward leaves allocated for backward: the profiler's net CPU allocation over
+    the forward with autograd, minus that of the same forward without (outputs, parameters
+    kept gathered). Counted on the calling thread only: gloo's threads allocate too.
+    Saved-tensor hooks cannot count this: checkpointing keeps its inputs and saved outputs
+    outside them."""
+
+    def net(grad: bool) -> int:
+        with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
+            out = module(*inputs)
+        del out
+        events = prof.events()
+        main = max({e.thread for e in events}, key=[e.thread for e in events].count)
+        return sum(e.self_cpu_memory_usage for e in events if e.thread == main)
+
+    net(True)  # the first call allocates once-only state (FSDP's buffers)
+    held = net(True) - net(False)
+    for p in module.parameters():
+        p.grad = None
+    return held

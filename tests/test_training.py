@@ -19,7 +19,7 @@ import autoshard
 from autoshard.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests
-from tests.parity import assert_parity, dp_slice, full, lm_loss, rel_error, train_both
+from tests.parity import assert_parity, dp_slice, full, held_for_backward, lm_loss, rel_error, train_both
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -118,27 +118,6 @@ def check_gradient_accumulation_without_dp_sync(ctx):
     assert worst <= 1e-5, worst
 
 
-def _held_for_backward(sharded, mesh, tokens) -> int:
-    """Bytes a forward leaves allocated for backward: the profiler's net CPU allocation over
-    the forward, minus that of the same forward without autograd (outputs, kept parameters).
-    Saved-tensor hooks cannot count this: checkpointing keeps its inputs and saved outputs
-    outside them."""
-
-    def net(grad: bool) -> int:
-        with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
-            out = sharded(dp_slice(tokens, mesh))
-        del out
-        events = prof.events()
-        main = max({e.thread for e in events}, key=[e.thread for e in events].count)  # not gloo's threads
-        return sum(e.self_cpu_memory_usage for e in events if e.thread == main)
-
-    net(True)  # the first call allocates once-only state (FSDP's buffers)
-    held = net(True) - net(False)
-    for p in sharded.parameters():
-        p.grad = None
-    return held
-
-
 def check_activation_checkpointing(ctx):
     """"full" and "selective" train exactly like no checkpointing; "full" holds at most half
     the bytes for backward on a 4-block model, and "selective" adds no tp collective.
@@ -154,7 +133,7 @@ def check_activation_checkpointing(ctx):
             shard_kwargs={"activation_checkpointing": mode},
         )
         assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
-        held[mode] = _held_for_backward(run.sharded, mesh, tokens)
+        held[mode] = held_for_backward(run.sharded, dp_slice(tokens, mesh))
         tp[mode] = _one_step(run.sharded, mesh, tokens, targets).count("tp")
         planned = run.sharded.autoshard_plan.num_tp_collectives()
     assert tp[None] == tp["selective"] == planned, tp
