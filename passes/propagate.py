@@ -595,9 +595,8 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
 
 
 _VIEWS = (
-    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default, torch.ops.aten.alias.default,
+    _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.view.default,
+    _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default, _aten.alias.default,
 )
 _ENTER = (Redistribute(ENTER_TP),)
 
@@ -656,16 +655,15 @@ def _partials_cheaper_reduced_early(plan: LayoutPlan, sites: Sites) -> set[fx.No
     its k outputs per token before they are weighted and summed)."""
     products = {s.node for s in sites.linears} | {s.node for s in sites.experts}
     partial = {n for n, lay in plan.layouts.items() if lay in PARTIALS}
+    reduced_values = {v for (v, _), steps in plan.edges.items() if steps and steps[0].kind == REDUCE}
+    entered_pairs = [(v, c) for (v, c), steps in plan.edges.items() if any(s.kind == ENTER_TP for s in steps)]
     early: set[fx.Node] = set()
     for region in _components(partial, lambda value, user: (value, user) not in plan.edges):
         sources = {n for n in region if not any(i in region for i in n.all_input_nodes)}
         if not sources <= products:
             continue
-        reduced = {v for (v, c), steps in plan.edges.items() if v in region and steps and steps[0].kind == REDUCE}
-        entered = {
-            v for (v, c), steps in plan.edges.items()
-            if c in region and v not in region and any(step.kind == ENTER_TP for step in steps)
-        }
+        reduced = reduced_values & region
+        entered = {v for v, c in entered_pairs if c in region and v not in region}
         if entered and len(sources) < len(reduced) + len(entered):
             early |= sources
     return early
