@@ -14,8 +14,10 @@ from autoshard import collectives  # noqa: F401  (registers the torch.ops.autosh
 from autoshard.api import autoshard, plan
 from autoshard.backend import backend, register_backend_name
 from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
+from autoshard.mesh import data_parallel_rank
 from autoshard.plan import ParamSharding, Plan
 
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 
-__all__ = ["autoshard", "plan", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest"]
+__all__ = ["autoshard", "plan", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
+           "data_parallel_rank"]

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard.agreement import check_ranks_agree
 from autoshard.carry import check_activations_carry
-from autoshard.mesh import DP, MeshAxes, axes_from_sizes, read_mesh
+from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
 from autoshard.passes.capture import capture
 from autoshard.passes.checkpointing import MODES as CHECKPOINT_MODES
@@ -189,7 +189,7 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         # an expert weight's role is planned again from its layout unless the plan replicated it
         experts = {s.weight_fqn for s in sites.experts}
         roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == "replicate"}
-        dp_placements = {fqn: p.placements[DP] for fqn, p in given.params.items() if DP in p.placements}
+        dp_placements = {fqn: dp_choice(p.placements) for fqn, p in given.params.items() if dp_choice(p.placements)}
     layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if options.mp_policy is not None:
@@ -228,7 +228,7 @@ def _check_plan_params(given: Plan, param_shapes) -> None:
                 f"autoshard: plan says '{fqn}' has shape {list(entry.shape)}, the model has "
                 f"{list(param_shapes[fqn])}"
             )
-        dp = entry.placements.get(DP)
+        dp = dp_choice(entry.placements)
         allowed = ("S(1)", "R") if entry.role == "vocab_parallel" else ("S(0)", "R")
         if dp not in (None, *allowed):
             raise ValueError(

@@ -181,6 +181,8 @@ def save_checkpoint(
     step: int,
     sharded: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
 ) -> str:
     """Save model (and optimizer) state with DCP to ``directory/step_<step>``; return that path.
 
@@ -189,52 +191,58 @@ def save_checkpoint(
     commit marker, which lists every file with its size, by write-temp, fsync
     and ``os.replace``: the checkpoint becomes visible all at once or not at
     all. A step directory left by an earlier attempt is removed first.
-    ``directory`` must be one filesystem every rank sees.
+    ``directory`` must be one filesystem every rank sees. ``process_group``
+    is the ranks that hold ``sharded`` (default: every rank of the job); give
+    it when the module's mesh covers only part of the job, as DCP's own.
     """
     if step < 0:
         raise ValueError(f"autoshard: checkpoint step must be >= 0, got {step}")
     path = step_directory(directory, step)
-    if _rank() == 0:
+    if _rank(process_group) == 0:
         _remove_marker_then_directory(path)
         os.makedirs(path)
-    _barrier()
+    _barrier(process_group)
     model_sd, optim_sd = get_state_dict(sharded, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=not _distributed())
-    if _rank() == 0:
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=not _distributed(),
+             process_group=process_group)
+    if _rank(process_group) == 0:
         _write_marker(path, step)
-    _barrier()
+    _barrier(process_group)
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, sharded: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+def load_checkpoint(path: str | os.PathLike, sharded: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, process_group: dist.ProcessGroup | None = None) -> int:
     """Load one committed checkpoint directory into ``sharded`` (and ``optimizer``); return its step.
 
     A directory without a valid commit marker raises a ``ValueError`` saying
-    what is missing, before anything is read.
+    what is missing, before anything is read. ``process_group`` as for
+    :func:`save_checkpoint`.
     """
     path = os.fspath(path)
     step = verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(sharded, optimizer)
     state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    dcp.load(state, checkpoint_id=path, no_dist=not _distributed(), process_group=process_group)
     set_state_dict(sharded, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optim"))
     return step
 
 
 def load_latest(directory: str | os.PathLike, sharded: nn.Module,
-                optimizer: torch.optim.Optimizer | None = None) -> int | None:
+                optimizer: torch.optim.Optimizer | None = None, *,
+                process_group: dist.ProcessGroup | None = None) -> int | None:
     """Load the newest committed checkpoint under ``directory``; its step, or None if there is none.
 
     Step directories without a valid commit marker (torn by a failure during
     save) are skipped with a warning. Rank 0 chooses, so every rank loads the
     same checkpoint.
     """
-    choice = [latest_checkpoint(directory) if _rank() == 0 else None]
+    choice = [latest_checkpoint(directory) if _rank(process_group) == 0 else None]
     if _distributed():
-        dist.broadcast_object_list(choice, src=0)
+        dist.broadcast_object_list(choice, group=process_group, group_src=0)
     if choice[0] is None:
         return None
-    return load_checkpoint(choice[0][1], sharded, optimizer)
+    return load_checkpoint(choice[0][1], sharded, optimizer, process_group=process_group)
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> tuple[int, str] | None:
@@ -329,10 +337,10 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+def _rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if _distributed() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)

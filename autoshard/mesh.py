@@ -1,4 +1,13 @@
-"""Read the user's DeviceMesh into the two axes autoshard knows: ``dp`` and ``tp``."""
+"""Read the user's DeviceMesh into the axes autoshard knows.
+
+Three kinds of axis: ``tp`` (tensor parallel), the FSDP axis that shards
+parameters (``dp``, or ``dp_shard`` under HSDP) and, under HSDP,
+``dp_replicate``, over which every FSDP shard is replicated and gradients are
+all-reduced after the reduce-scatter. The names are torchtitan's, so a mesh
+built for a torchtitan job is accepted as it is. Planning needs only the
+shard axis and tp: a plan's per-parameter dp choice (``S(0)``, ``S(1)`` or
+``R``) is made on the shard axis and ``dp_replicate`` is always ``R``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,11 @@ import dataclasses
 from torch.distributed.device_mesh import DeviceMesh
 
 DP, TP = "dp", "tp"
+DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
+
+# Accepted axis names, outer to inner (data parallel outside tp, as FSDP2 composes with TP).
+MESH_SHAPES = ((DP, TP), (DP,), (TP,), (DP_REPLICATE, DP_SHARD, TP), (DP_REPLICATE, DP_SHARD))
+_ORDER = (DP_REPLICATE, DP_SHARD, DP, TP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +42,29 @@ class MeshAxes:
         return dict(self.sizes).get(axis, 1)
 
     @property
+    def shard_axis(self) -> str | None:
+        """The axis FSDP2 shards parameters over: ``dp_shard`` under HSDP, else ``dp``."""
+        return next((a for a in (DP_SHARD, DP) if a in self.names), None)
+
+    @property
+    def dp_axes(self) -> tuple[str, ...]:
+        """Every data-parallel axis, outer first: ``("dp_replicate", "dp_shard")`` or ``("dp",)``."""
+        return tuple(a for a in self.names if a != TP)
+
+    @property
     def dp(self) -> int:
-        return self.size(DP)
+        """FSDP's shard degree (what padding and a shard's size depend on)."""
+        return self.size(self.shard_axis) if self.shard_axis else 1
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas of each FSDP shard there are (``dp_replicate``; 1 without HSDP)."""
+        return self.size(DP_REPLICATE)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches: ``dp_replicate * dp_shard`` (or ``dp``)."""
+        return self.dp * self.replicas
 
     @property
     def tp(self) -> int:
@@ -41,11 +76,20 @@ class MeshAxes:
 
     @property
     def has_dp(self) -> bool:
-        return DP in self.names
+        return self.shard_axis is not None
+
+    @property
+    def is_hsdp(self) -> bool:
+        return DP_REPLICATE in self.names
 
     def submesh(self, axis: str) -> DeviceMesh:
         assert self.mesh is not None, "planning-only MeshAxes has no DeviceMesh"
         return self.mesh if self.mesh.ndim == 1 else self.mesh[axis]
+
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` takes: 1-D for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+        assert self.mesh is not None, "planning-only MeshAxes has no DeviceMesh"
+        return self.mesh if self.mesh.ndim == len(self.dp_axes) else self.mesh[self.dp_axes]
 
     def group_name(self, axis: str) -> str:
         return self.submesh(axis).get_group().group_name
@@ -54,18 +98,20 @@ class MeshAxes:
         return dict(self.sizes)
 
 
-def read_mesh(mesh: DeviceMesh) -> MeshAxes:
-    """Validate ``mesh`` and return its axes.
+def dp_choice(placements) -> str | None:
+    """A plan entry's placement on the FSDP shard axis (``dp`` or ``dp_shard``), if it has one."""
+    return placements.get(DP, placements.get(DP_SHARD))
 
-    Accepted: a 2-D mesh named ``("dp", "tp")`` (dp outer, as FSDP2 composes with
-    TP), or a 1-D mesh named ``("dp",)`` or ``("tp",)``.
-    """
+
+def read_mesh(mesh: DeviceMesh) -> MeshAxes:
+    """Validate ``mesh`` and return its axes (one of :data:`MESH_SHAPES`)."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"autoshard: `mesh` must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if names not in ((DP, TP), (DP,), (TP,)):
+    if names not in MESH_SHAPES:
         raise ValueError(
-            f"autoshard: mesh axes must be named ('dp', 'tp') (dp outer), ('dp',) or ('tp',); "
+            f"autoshard: mesh axes must be named ('dp', 'tp') (dp outer), ('dp',) or ('tp',), or for HSDP "
+            f"('dp_replicate', 'dp_shard', 'tp') or ('dp_replicate', 'dp_shard'); "
             f"got mesh_dim_names={names or None} with shape {tuple(mesh.shape)}. "
             "Create it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
         )
@@ -73,8 +119,27 @@ def read_mesh(mesh: DeviceMesh) -> MeshAxes:
 
 
 def axes_from_sizes(sizes: dict[str, int]) -> MeshAxes:
-    unknown = set(sizes) - {DP, TP}
-    if unknown:
-        raise ValueError(f"autoshard: unknown mesh axes {sorted(unknown)}; expected 'dp' and/or 'tp'")
-    order = [a for a in (DP, TP) if a in sizes]
+    """The axes of a mesh given by sizes only (``{"dp": 2, "tp": 2}``), in mesh order."""
+    order = tuple(a for a in _ORDER if a in sizes)
+    unknown = sorted(set(sizes) - set(_ORDER))
+    if unknown or order not in MESH_SHAPES:
+        what = f"unknown mesh axes {unknown}" if unknown else f"mesh axes {sorted(sizes)} do not go together"
+        raise ValueError(
+            f"autoshard: {what}; expected 'dp' and/or 'tp', or 'dp_replicate' and 'dp_shard' (HSDP) "
+            "with or without 'tp'"
+        )
     return MeshAxes(tuple((a, int(sizes[a])) for a in order))
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(index, count)``: which of ``count`` data-parallel batches this rank takes.
+
+    Ranks that differ only in ``tp`` take the same batch; under HSDP the index
+    runs over ``(dp_replicate, dp_shard)`` coordinates, replicate outer. A
+    tp-only mesh has one batch.
+    """
+    axes = read_mesh(mesh)
+    index = 0
+    for axis in axes.dp_axes:
+        index = index * axes.size(axis) + mesh.get_local_rank(axis)
+    return index, axes.data_parallel

@@ -226,11 +226,17 @@ class Plan:
         if any(p.sections for p in self.params.values()):
             out.append("[a|b|c] fused output sections, permuted so each tp rank holds its share of each")
         out += list(self.functions)
-        if "dp" in self.mesh:
+        shard_axis = next((a for a in ("dp_shard", "dp") if a in self.mesh), None)
+        if shard_axis:
             out.append(
-                "dp: each FSDP unit all-gathers its S(0) parameters before forward (blocks again "
+                f"{shard_axis}: each FSDP unit all-gathers its S(0) parameters before forward (blocks again "
                 "before backward) and reduce-scatters their gradients; gradients of R parameters "
                 "are all-reduced"
+            )
+        if "dp_replicate" in self.mesh:
+            out.append(
+                "dp_replicate: HSDP, every parameter replicated; each gradient shard is all-reduced "
+                "across replicas after its reduce-scatter"
             )
         if self.mixed_precision:
             out.append(self.mixed_precision_line())

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from autoshard.mesh import DP, MeshAxes, axes_from_sizes
+from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice
 from autoshard.sharding import GATHERED_EARLY, dp_padding, param_placements, tp_dim_of
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ _REPLICATED = re.compile(r"replicated over tp: its (?P<what>.+?) \((?P<size>\d+)
 
 
 def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
-    """``plan`` on a mesh of ``sizes`` (``{"dp": 4}``, ``{"tp": 4}``, ``{"dp": 2, "tp": 2}``).
+    """``plan`` on a mesh of ``sizes`` (``{"dp": 4}``, ``{"tp": 4}``, ``{"dp": 2, "tp": 2}``,
+    ``{"dp_replicate": 2, "dp_shard": 2, "tp": 2}``): the dp choice moves between ``dp`` and
+    ``dp_shard``, and ``dp_replicate`` is always ``R``.
 
     Raises a ``ValueError`` naming the parameter, its stored dim and size when
     a tp-sharded dim (or a fused section) does not divide by the new tp size,
@@ -102,8 +104,8 @@ def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
 
 
 def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> ParamSharding:
-    dp_choice = entry.placements.get(DP) if old.has_dp else None
-    placements = param_placements(entry.role, entry.shape, new, dp_choice, tp_dim_of(entry))
+    choice = dp_choice(entry.placements) if old.has_dp else None
+    placements = param_placements(entry.role, entry.shape, new, choice, tp_dim_of(entry))
     return dataclasses.replace(
         entry,
         placements=placements,
@@ -116,7 +118,7 @@ def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> Param
 def _retarget_note(entry: ParamSharding, placements: Mapping[str, str], old: MeshAxes, new: MeshAxes) -> str:
     """The note with its padding recomputed for the new dp and its tp parts for the new tp."""
     note = entry.note
-    old_padding = dp_padding(entry.shape, entry.transposed, entry.placements.get(DP), old.dp)
+    old_padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), old.dp)
     if old_padding:
         note = note.removesuffix(old_padding).removesuffix("; ")
     if not new.has_tp:
@@ -124,7 +126,7 @@ def _retarget_note(entry: ParamSharding, placements: Mapping[str, str], old: Mes
         note = _drop_from(note, "replicated over tp: ")
     elif new.tp != old.tp:
         note = _REPLICATED.sub(lambda m: _replicated_note(m, new.tp), note)
-    padding = dp_padding(entry.shape, entry.transposed, placements.get(DP), new.dp)
+    padding = dp_padding(entry.shape, entry.transposed, dp_choice(placements), new.dp)
     if padding:
         note = (note + "; " if note else "") + padding
     return note

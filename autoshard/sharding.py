@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from autoshard.mesh import DP, TP, MeshAxes
+from autoshard.mesh import DP_REPLICATE, TP, MeshAxes
 
 
 class Role(str, enum.Enum):
@@ -70,13 +70,15 @@ def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:
 def param_placements(
     role: str, shape, axes: MeshAxes, dp_placement: str | None = None, tp_dim: int | None = None
 ) -> dict[str, str]:
-    """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides dp's;
-    ``tp_dim`` is the dim tp cuts for role ``sharded``, fixed by the role otherwise)."""
+    """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides the FSDP
+    shard axis's; ``tp_dim`` is the dim tp cuts for role ``sharded``, fixed by the role otherwise)."""
     placements = {}
     if role != Role.SHARDED:
         tp_dim = TP_DIM_BY_ROLE[Role(role)]
+    if axes.is_hsdp:
+        placements[DP_REPLICATE] = "R"  # HSDP replicates every shard; only the shard axis is a choice
     if axes.has_dp:
-        placements[DP] = dp_placement or default_dp_placement(role, shape, tp_dim)
+        placements[axes.shard_axis] = dp_placement or default_dp_placement(role, shape, tp_dim)
     if axes.has_tp:
         placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
     return placements

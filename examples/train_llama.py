@@ -3,6 +3,7 @@
 Run from the repository root:
 
     python examples/train_llama.py                    # spawns dp*tp local CPU ranks (gloo)
+    python examples/train_llama.py --replicate 2      # HSDP: ("dp_replicate", "dp_shard", "tp") = (2, 2, 2)
     python examples/train_llama.py --compile aot_eager  # torch.compile with autoshard's backend
     torchrun --nproc-per-node 4 examples/train_llama.py --device cuda
 
@@ -56,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--dp", type=int, default=2, help="data-parallel (FSDP) mesh size (default: 2)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel mesh size (default: 2)")
+    parser.add_argument(
+        "--replicate", type=int, default=1,
+        help="HSDP: replicas of each FSDP shard group; >1 builds the mesh (dp_replicate, dp_shard, tp) = "
+        "(replicate, dp, tp) (default: 1, plain FSDP over dp)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
     parser.add_argument("--batch", type=int, default=8, help="global batch size in sequences (default: 8)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default: 32)")
@@ -80,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="recompute each block in backward (full) or all but its matmuls and collectives (selective)",
     )
     args = parser.parse_args(argv)
-    if args.batch % args.dp:
-        parser.error(f"--batch {args.batch} must be divisible by --dp {args.dp}")
+    if args.batch % (args.dp * args.replicate):
+        parser.error(f"--batch {args.batch} must be divisible by --dp x --replicate = {args.dp * args.replicate}")
     if args.seq_len > CONFIG.max_seq_len:
         parser.error(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {CONFIG.max_seq_len}")
     return args
@@ -114,8 +120,10 @@ def global_batch(rule: torch.Tensor, step: int, args) -> tuple[torch.Tensor, tor
 
 
 def dp_slice(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's share of the global batch; all tp ranks of one dp group get the same share."""
-    return tensor.chunk(mesh["dp"].size())[mesh.get_local_rank("dp")]
+    """This rank's share of the global batch; the tp ranks of one data-parallel coordinate
+    (one dp rank, or one (dp_replicate, dp_shard) pair under HSDP) get the same share."""
+    index, count = autoshard.data_parallel_rank(mesh)
+    return tensor.chunk(count)[index]
 
 
 # --- training -----------------------------------------------------------------------------------
@@ -128,8 +136,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def mean_over_dp(loss: torch.Tensor, mesh: DeviceMesh) -> float:
     """The global-batch loss: dp slices are equal-sized, so it is the mean of the local means."""
     total = loss.detach().clone()
-    dist.all_reduce(total, group=mesh.get_group("dp"))
-    return total.item() / mesh["dp"].size()
+    for axis in mesh.mesh_dim_names:
+        if axis != "tp":
+            dist.all_reduce(total, group=mesh.get_group(axis))
+    return total.item() / autoshard.data_parallel_rank(mesh)[1]
 
 
 def train_step(model, optimizer, inputs, targets) -> torch.Tensor:
@@ -182,11 +192,14 @@ def memory_report(sharded, full_bytes: int, mesh: DeviceMesh, rank: int) -> str 
     dist.gather_object(mine, everyone, dst=0)
     if rank != 0:
         return None
+    sharding = mesh.size() // (mesh["dp_replicate"].size() if "dp_replicate" in mesh.mesh_dim_names else 1)
+    names = ",".join(mesh.mesh_dim_names)
     lines = [f"parameter memory per rank (full model: {full_bytes:,} bytes; ideal fraction "
-             f"1/(dp*tp) = {1 / mesh.size():.3f})",
-             f"{'rank':>4}  {'(dp,tp)':>7}  {'bytes':>9}  {'fraction':>8}"]
-    for r, (dp, tp), nbytes in everyone:
-        lines.append(f"{r:>4}  {f'({dp},{tp})':>7}  {nbytes:>9,}  {nbytes / full_bytes:>8.3f}")
+             f"1/(dp*tp) = {1 / sharding:.3f})",
+             f"{'rank':>4}  {f'({names})':>{len(names) + 2}}  {'bytes':>9}  {'fraction':>8}"]
+    for r, coordinate, nbytes in everyone:
+        where = f"({','.join(map(str, coordinate))})"
+        lines.append(f"{r:>4}  {where:>{len(names) + 2}}  {nbytes:>9,}  {nbytes / full_bytes:>8.3f}")
     return "\n".join(lines)
 
 
@@ -195,11 +208,15 @@ def memory_report(sharded, full_bytes: int, mesh: DeviceMesh, rank: int) -> str 
 
 def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None:
     """Run on every rank; rank 0 returns the parity result the launcher turns into an exit code."""
-    if world_size != args.dp * args.tp:
-        raise ValueError(f"world size {world_size} != dp*tp = {args.dp}*{args.tp}")
+    if world_size != world_size_of(args):
+        raise ValueError(f"world size {world_size} != replicate*dp*tp = {args.replicate}*{args.dp}*{args.tp}")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    mesh = init_device_mesh(args.device, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    if args.replicate > 1:
+        mesh = init_device_mesh(args.device, (args.replicate, args.dp, args.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    else:
+        mesh = init_device_mesh(args.device, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
 
     torch.manual_seed(args.seed)  # every rank builds the same model
     model = Llama(CONFIG).to(args.device)
@@ -227,7 +244,8 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
     progress = Progress(args.steps) if rank == 0 else None
     if rank == 0:
         print(f"\ntraining {args.steps} steps on {args.batch}x{args.seq_len} tokens per step "
-              f"(dp={args.dp} x tp={args.tp}, {args.device}"
+              f"({' x '.join(f'{a}={n}' for a, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True))}, "
+              f"{args.device}"
               f"{'' if args.compile == 'none' else ', compiled with ' + args.compile})", flush=True)
     max_diff = max_rel = 0.0
     start = time.perf_counter()
@@ -250,6 +268,10 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
     print(f"max |loss - reference| = {max_diff:.2e} (relative {max_rel:.2e}, tolerance {tolerance(args):.0e})",
           flush=True)
     return {"max_abs_diff": max_diff, "max_rel_diff": max_rel}
+
+
+def world_size_of(args: argparse.Namespace) -> int:
+    return args.replicate * args.dp * args.tp
 
 
 def tolerance(args: argparse.Namespace) -> float:
@@ -276,9 +298,9 @@ def run_in_launcher_process(args: argparse.Namespace) -> dict | None:
 
 
 def run_spawned(args: argparse.Namespace) -> dict | None:
-    """No launcher: start dp*tp local processes; rank 0's result comes back here."""
+    """No launcher: start replicate*dp*tp local processes; rank 0's result comes back here."""
     backend = "nccl" if args.device == "cuda" else "gloo"
-    return spawn(main_fn, world_size=args.dp * args.tp, args=(args,), backend=backend)[0]
+    return spawn(main_fn, world_size=world_size_of(args), args=(args,), backend=backend)[0]
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ nowhere, so it must be filled on the model before sharding, or it is refused.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -36,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-from autoshard.mesh import DP, TP, MeshAxes
+from autoshard.mesh import TP, MeshAxes, dp_choice
 from autoshard.passes.capture import parameters_on_meta
 from autoshard.passes.partition import Partitioned
 from autoshard.plan import Plan, placement, section_order
@@ -57,7 +59,7 @@ def materialize(
     root = part.root
     _follow_module_order(root, model)
     device = torch.device(axes.mesh.device_type)
-    _copy_buffers(root, model, device, sync_module_states)
+    _copy_buffers(root, model, device, sync_module_states, axes)
     deferred = parameters_on_meta(model)  # shards are allocated after FSDP2 has cut them
     originals = dict(model.named_parameters())
     for fqn, entry in plan.params.items():
@@ -69,7 +71,7 @@ def materialize(
         if axes.has_tp:
             _read_params_locally(gm)
     _create_tensors_on(root, device)
-    replicated_dp = {fqn for fqn, e in plan.params.items() if e.placements.get(DP) == "R"}
+    replicated_dp = {fqn for fqn, e in plan.params.items() if dp_choice(e.placements) == "R"}
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy)
     if deferred:
@@ -111,12 +113,13 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         stored = stored.contiguous()
     else:
         stored = stored.to(device=device, copy=True).contiguous()
-        if sync and dist.get_world_size() > 1:
-            dist.broadcast(stored, src=0)
+        if sync:
+            _broadcast_from_first_rank(stored, axes)
     if axes.has_tp:
         tp = placement(entry.placements[TP])
-        if axes.has_dp and entry.placements.get(DP) == "R":
-            stored = distribute_tensor(stored, axes.mesh, [Replicate(), tp], src_data_rank=None)
+        if axes.has_dp and dp_choice(entry.placements) == "R":
+            dp_replicated = [Replicate()] * len(axes.dp_axes)
+            stored = distribute_tensor(stored, axes.mesh, [*dp_replicated, tp], src_data_rank=None)
         else:
             stored = distribute_tensor(stored, axes.submesh(TP), [tp], src_data_rank=None)
     return nn.Parameter(stored, requires_grad=original.requires_grad)
@@ -141,7 +144,7 @@ def _set(root: nn.Module, fqn: str, param: nn.Parameter) -> None:
         owner.register_parameter(name, param)
 
 
-def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool) -> None:
+def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool, axes: MeshAxes) -> None:
     """Fresh copies of the buffers the graph reads, persistent exactly as in the model.
 
     Constants the capture lifted out of the forward (``torch.tensor(...)`` in
@@ -162,9 +165,26 @@ def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool) -> None
             value = torch.empty_like(buffer, device=device)
         else:
             value = buffer.detach().to(device=device, copy=True)
-            if sync and dist.get_world_size() > 1 and value.is_floating_point():
-                dist.broadcast(value, src=0)
+            if sync and value.is_floating_point():
+                _broadcast_from_first_rank(value, axes)
         owner.register_buffer(name, value, persistent=fqn in persistent)
+
+
+def _broadcast_from_first_rank(value: torch.Tensor, axes: MeshAxes) -> None:
+    """Give every rank of the mesh the value of its first rank (DDP's ``sync_module_states``).
+
+    A mesh that is the whole job takes one broadcast; one that covers part of it
+    (the rest of the job runs another stage or another model) takes one per mesh
+    axis, each from coordinate 0 of that axis: the ranks outside never join.
+    """
+    mesh = axes.mesh
+    if mesh.size() == 1:
+        return
+    if mesh.size() == dist.get_world_size():
+        dist.broadcast(value, src=0)
+        return
+    for axis in mesh.mesh_dim_names:
+        dist.broadcast(value, group=mesh.get_group(axis), group_src=0)
 
 
 def _refuse_buffers_without_values(fqns: list[str]) -> None:
@@ -229,13 +249,13 @@ def _read_params_locally(gm: fx.GraphModule) -> None:
 def _apply_fsdp(
     root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_dp: set, reshard: bool, mp_policy=None
 ):
-    dp_mesh = axes.submesh(DP)
+    dp_mesh = axes.dp_mesh()  # 2-D under HSDP: FSDP2 shards over dp_shard, replicates over dp_replicate
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
     dp_dim = {
-        params[fqn]: placement(entry.placements[DP])
+        params[fqn]: placement(dp_choice(entry.placements))
         for fqn, entry in plan.params.items()
-        if entry.placements.get(DP, "R") != "R"
+        if dp_choice(entry.placements) not in (None, "R")
     }
 
     def shard_dim(param):  # S(1) where tp already cuts dim 0 (a tied vocabulary table)
@@ -269,15 +289,20 @@ def _reshard_after_inference(root: nn.Module, args, output) -> None:
 
 
 def _average_grads_over_dp(root: nn.Module, replicated_dp: set[str], axes: MeshAxes) -> None:
-    """Gradients of the parameters FSDP2 ignores (dp placement ``R``), averaged as FSDP2's."""
-    group = axes.submesh(DP).get_group()
+    """Gradients of the parameters FSDP2 ignores (dp placement ``R``), averaged as FSDP2's.
+
+    Under HSDP the sum runs over ``dp_shard`` and then ``dp_replicate``, the
+    order FSDP2 reduces its own gradients in, and is divided by both sizes.
+    """
+    groups = tuple(axes.submesh(axis).get_group() for axis in reversed(axes.dp_axes))
     params = dict(root.named_parameters())
     for param in {params[f] for f in replicated_dp if f in params}:
-        param.register_post_accumulate_grad_hook(lambda p, group=group: _average_grad(p, group))
+        param.register_post_accumulate_grad_hook(lambda p, groups=groups: _average_grad(p, groups))
 
 
-def _average_grad(param: torch.Tensor, group) -> None:
+def _average_grad(param: torch.Tensor, groups) -> None:
     grad = param.grad
     local = grad.to_local() if hasattr(grad, "to_local") else grad
-    dist.all_reduce(local, group=group)
-    local.div_(dist.get_world_size(group))
+    for group in groups:
+        dist.all_reduce(local, group=group)
+    local.div_(math.prod(dist.get_world_size(g) for g in groups))

@@ -14,7 +14,7 @@ import dataclasses
 import torch.fx as fx
 
 from autoshard.errors import describe, source_line
-from autoshard.mesh import DP, MeshAxes
+from autoshard.mesh import MeshAxes, dp_choice
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import unit_of_node
@@ -91,7 +91,7 @@ def build_plan(
         sections = ()
         if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
             sections = layout_plan.fused.get(explained_by, ())  # a linear's weight and bias share them
-        padding = dp_padding(shape, transposed, placements.get(DP), axes.dp)
+        padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
         if padding:
             note = (note + "; " if note else "") + padding
         entries[fqn] = ParamSharding(

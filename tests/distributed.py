@@ -1,4 +1,4 @@
-"""Run many checks in one 4-process gloo group, report each as its own test.
+"""Run many checks in one gloo group (4 ranks, or 8 for HSDP), report each as its own test.
 
 Spawning ranks costs ~15 s (mostly imports), so each test file spawns once:
 the ranks build their meshes, run every check of the file in order and
@@ -24,21 +24,46 @@ from autoshard.launch import spawn
 
 @dataclasses.dataclass
 class Context:
+    """The meshes of one job: a 4-rank job has the first three, an 8-rank job the others."""
+
     rank: int
     world_size: int
-    mesh_2d: DeviceMesh  # ("dp", "tp") = (2, 2)
-    mesh_tp: DeviceMesh  # ("tp",) = (4,)
-    mesh_dp: DeviceMesh  # ("dp",) = (4,)
+    mesh_2d: DeviceMesh | None = None  # ("dp", "tp") = (2, 2): the 4-rank job, or ranks 0-3 of 8
+    mesh_tp: DeviceMesh | None = None  # ("tp",) = (4,)
+    mesh_dp: DeviceMesh | None = None  # ("dp",) = (4,)
+    mesh_hsdp: DeviceMesh | None = None  # ("dp_replicate", "dp_shard", "tp") = (2, 2, 2)
+    mesh_hsdp_dp: DeviceMesh | None = None  # ("dp_replicate", "dp_shard") = (2, 4)
+    group_2d: dist.ProcessGroup | None = None  # 8 ranks: the group of mesh_2d's ranks (0-3)
+
+    @property
+    def in_2d(self) -> bool:
+        """Whether this rank is one of ``mesh_2d``'s (every rank of a 4-rank job)."""
+        return self.rank < 4
+
+
+def _context(rank: int, world_size: int) -> Context:
+    if world_size == 4:
+        return Context(
+            rank,
+            world_size,
+            mesh_2d=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+            mesh_tp=init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+            mesh_dp=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)),
+        )
+    assert world_size == 8, world_size
+    return Context(
+        rank,
+        world_size,
+        # every rank builds the 4-rank mesh (its groups are created collectively); ranks 4-7 never use it
+        mesh_2d=DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp")),
+        mesh_hsdp=init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp")),
+        mesh_hsdp_dp=init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard")),
+        group_2d=dist.new_group([0, 1, 2, 3]),
+    )
 
 
 def _run_all(rank: int, world_size: int, checks) -> dict[str, str | None]:
-    ctx = Context(
-        rank,
-        world_size,
-        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
-        init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
-        init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)),
-    )
+    ctx = _context(rank, world_size)
     outcomes = {}
     for check in checks:
         torch.manual_seed(0)
@@ -66,7 +91,7 @@ def run_checks(checks, world_size: int = 4) -> Outcomes:
     return Outcomes(spawn(_run_all, world_size, (tuple(checks),), timeout=datetime.timedelta(seconds=120)))
 
 
-def distributed_tests(checks):
+def distributed_tests(checks, world_size: int = 4):
     """``(fixture, test)`` for a test file: one spawn for the file, one test per check.
 
     Bind both at module level: ``outcomes, test_checks = distributed_tests(CHECKS)``.
@@ -78,7 +103,7 @@ def distributed_tests(checks):
 
     @pytest.fixture(scope="module")
     def outcomes():
-        return run_checks(checks)
+        return run_checks(checks, world_size)
 
     @pytest.mark.parametrize("name", [c.__name__ for c in checks])
     def test_check(outcomes, name):

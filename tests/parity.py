@@ -41,10 +41,7 @@ def full(value: torch.Tensor) -> torch.Tensor:
 
 
 def dp_rank_and_size(mesh) -> tuple[int, int]:
-    names = mesh.mesh_dim_names
-    if "dp" not in names:
-        return 0, 1
-    return mesh.get_local_rank("dp"), mesh.size(names.index("dp"))
+    return autoshard.data_parallel_rank(mesh)
 
 
 def dp_slice(batch: torch.Tensor, mesh) -> torch.Tensor:
@@ -57,7 +54,9 @@ def mean_over_dp(value: torch.Tensor, mesh) -> torch.Tensor:
     if size == 1:
         return value.detach()
     total = value.detach().clone()
-    dist.all_reduce(total, group=mesh.get_group("dp"))
+    for axis in mesh.mesh_dim_names:
+        if axis != "tp":
+            dist.all_reduce(total, group=mesh.get_group(axis))
     return total / size
 
 

@@ -102,6 +102,7 @@ def test_a_user_plan_asking_for_an_indivisible_layout_is_an_error(fake_world):
         ((2, 2), ("data", "model"), r"mesh_dim_names=\('data', 'model'\)"),
         ((2, 2), ("tp", "dp"), r"\('dp', 'tp'\) \(dp outer\)"),
         ((4,), ("batch",), r"mesh_dim_names=\('batch',\)"),
+        ((2, 2), ("dp_shard", "tp"), r"\('dp_replicate', 'dp_shard', 'tp'\)"),
     ],
 )
 def test_mesh_without_expected_axis_names(fake_world, shape, names, message):

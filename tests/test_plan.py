@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
 from autoshard import Plan
@@ -17,7 +18,10 @@ from examples.models import CumulativeMLP, Llama, LlamaConfig, MLPStack, RawLine
 from tests.cases import FEATURES, MODELS, TOKENS
 from tests.golden import check_golden
 
-MESHES = {"2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "dp4": {"dp": 4}}
+MESHES = {
+    "2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "dp4": {"dp": 4},
+    "hsdp_2x2x2": {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
+}
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -235,6 +239,11 @@ RETARGETS = [
     ({"dp": 2, "tp": 2}, {"dp": 4, "tp": 1}),
     ({"tp": 4}, {"dp": 2, "tp": 2}),
     ({"tp": 2}, {"dp": 8}),
+    ({"dp": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"dp": 2, "tp": 2}),
+    ({"dp_replicate": 2, "dp_shard": 4, "tp": 2}, {"tp": 4}),
+    ({"dp": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 4}),
+    ({"dp_replicate": 4, "dp_shard": 2}, {"dp": 8}),
 ]
 
 
@@ -265,6 +274,10 @@ def test_retargeting_keeps_edited_roles_and_dp_choices():
     assert moved.roles() == Plan.from_dict(plan).roles()
     dp_only = Plan.from_dict(plan).for_mesh({"dp": 4})
     assert dp_only.params["blocks.1.fc1.weight"].placements == {"dp": "R"}
+    hsdp = Plan.from_dict(plan).for_mesh({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    assert hsdp.params["blocks.1.fc1.weight"].placements == {"dp_replicate": "R", "dp_shard": "R", "tp": "S(1)"}
+    assert hsdp.params["blocks.0.fc2.weight"].placements == {"dp_replicate": "R", "dp_shard": "S(0)", "tp": "R"}
+    assert hsdp.for_mesh({"dp": 2, "tp": 2}) == Plan.from_dict(plan)
     assert all(not p.collectives and not p.sections for p in dp_only.params.values()) and not dp_only.activations
 
 
@@ -314,6 +327,10 @@ def test_a_plan_without_tp_is_not_retargeted_to_a_tp_mesh():
         plan.for_mesh({"dp": 2, "tp": 2})
     with pytest.raises(ValueError, match=r"unknown mesh axes \['pp'\]"):
         plan.for_mesh({"pp": 2})
+    with pytest.raises(ValueError, match=r"mesh axes \['dp', 'dp_shard'\] do not go together"):
+        plan.for_mesh({"dp": 2, "dp_shard": 2})
+    with pytest.raises(ValueError, match=r"mesh axes \['dp_shard'\] do not go together"):
+        plan.for_mesh({"dp_shard": 2})
 
 
 def test_a_retargeted_plan_is_applied(fake_world):
@@ -391,3 +408,26 @@ def test_modules_import_each_other_without_cycles():
 
     for name in deps:
         visit(name, [name])
+
+
+def test_an_hsdp_plan_shows_the_replicate_axis():
+    """HSDP: a column per axis, dp_replicate always R, the dp choice on dp_shard; JSON round trip."""
+    plan = autoshard.plan(MLPStack(), {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, example_inputs=(FEATURES,))
+    header = str(plan).splitlines()[1].split()
+    assert header[3:6] == ["dp_replicate", "dp_shard", "tp"]
+    assert all(p.placements["dp_replicate"] == "R" for p in plan.params.values())
+    assert plan.params["blocks.0.fc1.weight"].placements == {"dp_replicate": "R", "dp_shard": "S(0)", "tp": "S(1)"}
+    assert plan.params["blocks.0.fc1.bias"].placements == {"dp_replicate": "R", "dp_shard": "R", "tp": "S(0)"}
+    assert "dp_replicate: HSDP" in str(plan)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_hsdp_on_a_fake_world_places_replicate_then_shard(fake_world):
+    """(dp_replicate, dp_shard) = (2, 2): FSDP2 gets the 2-D mesh; each rank takes one batch of four."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    sharded = autoshard.autoshard(MLPStack(), mesh, example_inputs=(FEATURES,))
+    weight = sharded.get_parameter("blocks.0.fc1.weight")
+    assert weight.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+    assert tuple(weight.placements) == (Replicate(), Shard(0))
+    assert autoshard.data_parallel_rank(mesh) == (0, 4)
+    assert autoshard.data_parallel_rank(init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))) == (0, 1)
