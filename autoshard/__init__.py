@@ -13,6 +13,7 @@ block in forward and two in backward.
 from autoshard import collectives  # noqa: F401  (registers the torch.ops.autoshard ops)
 from autoshard.api import autoshard, plan
 from autoshard.backend import backend, register_backend_name
+from autoshard.block_quant import BlockQuant
 from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.mesh import data_parallel_rank
 from autoshard.plan import ParamSharding, Plan
@@ -20,4 +21,4 @@ from autoshard.plan import ParamSharding, Plan
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 
 __all__ = ["autoshard", "plan", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
-           "data_parallel_rank"]
+           "data_parallel_rank", "BlockQuant"]

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard.agreement import check_ranks_agree
+from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.carry import check_activations_carry
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
@@ -44,6 +45,7 @@ def plan(
     dynamic_shapes=None,
     sequence_parallel: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
+    all_gather_quant: BlockQuant | None = None,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
@@ -51,7 +53,8 @@ def plan(
     plan for a mesh that does not exist in this process. The other options are
     :func:`autoshard`'s.
     """
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy)
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
+                          all_gather_quant)
     return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, options)[0]
 
 
@@ -70,6 +73,7 @@ def autoshard(
     sequence_parallel: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     activation_checkpointing: str | None = None,
+    all_gather_quant: BlockQuant | None = None,
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -105,6 +109,13 @@ def autoshard(
     in ``param_dtype`` and every sum of partial values (rowwise outputs, grouped
     input gradients, sequence-parallel reduce-scatters) is taken in
     ``reduce_dtype``. Needs a dp axis, since FSDP2 applies the casts.
+    ``all_gather_quant``: an :class:`autoshard.BlockQuant`; each rank quantizes its
+    tile of every 2-D weight block by block right before FSDP's all-gather, which
+    then carries 1-byte values and one fp32 scale per block; the gathered weight is
+    dequantized to the compute dtype before the matmul. Master weights,
+    gradients and optimizer state are untouched. A weight whose tile does not
+    divide by the block is gathered unquantized (the plan says why) unless
+    ``BlockQuant(on_unaligned="error")``. On a mesh without dp nothing is gathered.
     ``activation_checkpointing``: ``"full"`` recomputes each block in backward
     (its forward tp collectives included), ``"selective"`` keeps the outputs of
     matmuls, attention and tp collectives and recomputes the rest (no extra tp
@@ -122,7 +133,8 @@ def autoshard(
             "autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none "
             f"({axes.to_dict()}); on a tp-only mesh cast the model (model.to(torch.bfloat16)) instead"
         )
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy)
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
+                          all_gather_quant)
     final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan, options)
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     gm = captured.gm
@@ -194,6 +206,8 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
     final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if options.mp_policy is not None:
         final = dataclasses.replace(final, mixed_precision=mixed_precision_of(options.mp_policy))
+    if options.all_gather_quant is not None:
+        final = with_quantized_gathers(final, axes, options.all_gather_quant)
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:

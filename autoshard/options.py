@@ -19,18 +19,27 @@ class PlanOptions:
     not divide by tp. ``loss_parallel``: outputs sharded over their last dim leave as DTensors.
     ``sequence_parallel``: the residual stream is sharded over the sequence between blocks.
     ``dynamic_shapes``: ``torch.export``'s spec for symbolic batch and sequence dims.
-    ``mp_policy``: FSDP2's mixed-precision policy, which autoshard's tp sums follow too."""
+    ``mp_policy``: FSDP2's mixed-precision policy, which autoshard's tp sums follow too.
+    ``all_gather_quant``: a :class:`~autoshard.block_quant.BlockQuant` for FSDP's all-gathers."""
 
     on_indivisible: str = "replicate"
     loss_parallel: bool = False
     sequence_parallel: bool = False
     dynamic_shapes: object = None
     mp_policy: object = None  # torch.distributed.fsdp.MixedPrecisionPolicy
+    all_gather_quant: object = None  # autoshard.BlockQuant
 
     def __post_init__(self) -> None:
         if self.on_indivisible not in ON_INDIVISIBLE:
             raise ValueError(
                 f"autoshard: on_indivisible must be 'replicate' or 'error', got {self.on_indivisible!r}"
+            )
+        from autoshard.block_quant import BlockQuant
+
+        if self.all_gather_quant is not None and not isinstance(self.all_gather_quant, BlockQuant):
+            raise ValueError(
+                "autoshard: all_gather_quant must be an autoshard.BlockQuant (e.g. "
+                f"BlockQuant(dtype=torch.float8_e4m3fn, block=128)), got {type(self.all_gather_quant).__name__}"
             )
 
     def for_tp(self, has_tp: bool) -> PlanOptions:

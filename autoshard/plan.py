@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from autoshard.block_quant import BlockQuant, TileQuant
 from autoshard.retarget import retarget
 from autoshard.sharding import Collective, Role
 
@@ -70,6 +71,7 @@ class ParamSharding:
     collectives: tuple[Collective, ...] = ()
     note: str = ""
     sections: tuple[int, ...] = ()
+    gather: TileQuant | None = None  # with a quantized all-gather: its tile and blocks, or why not
 
     def sharded_dim(self, axis: str) -> int | None:
         """The stored dim ``axis`` cuts, or None when replicated over it."""
@@ -90,7 +92,7 @@ class ParamSharding:
             "collectives": [c.to_dict() for c in self.collectives],
             "note": self.note,
             "sections": list(self.sections),
-        }
+        } | ({"gather": self.gather.to_dict()} if self.gather is not None else {})
 
     @classmethod
     def from_dict(cls, fqn: str, data: Mapping) -> ParamSharding:
@@ -112,6 +114,7 @@ class ParamSharding:
             collectives=tuple(Collective.from_dict(c) for c in data.get("collectives", ())),
             note=str(data.get("note", "")),
             sections=tuple(int(n) for n in data.get("sections", ())),
+            gather=TileQuant.from_dict(data["gather"]) if data.get("gather") else None,
         )
 
 
@@ -135,6 +138,8 @@ class Plan:
     breaks: tuple[tuple[str, str], ...] = ()
     # the mixed-precision policy the model runs with: {"param_dtype": ..., "reduce_dtype": ...}
     mixed_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # the block-quantized all-gather: BlockQuant.to_dict() ({} when FSDP gathers as stored)
+    all_gather_quant: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -164,7 +169,7 @@ class Plan:
             "functions": list(self.functions),
             "breaks": [list(b) for b in self.breaks],
             "mixed_precision": dict(self.mixed_precision),
-        }
+        } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -193,18 +198,23 @@ class Plan:
             functions=tuple(data.get("functions", ())),
             breaks=tuple((str(u), str(w)) for u, w in data.get("breaks", ())),
             mixed_precision={str(k): str(v) for k, v in data.get("mixed_precision", {}).items()},
+            all_gather_quant={str(k): str(v) for k, v in data.get("all_gather_quant", {}).items()},
         )
 
     def __str__(self) -> str:
         axes = list(self.mesh)
         has_tp = "tp" in self.mesh
-        header = ["parameter", "role", "stored", *axes, "unit"] + (["tp collectives"] if has_tp else [])
+        spec = self.quant_spec()
+        header = ["parameter", "role", "stored", *axes, "unit"] + (["all-gather"] if spec else []) + (
+            ["tp collectives"] if has_tp else [])
         rows = []
         for fqn, p in self.params.items():
             stored = "x".join(map(str, p.stored_shape)) or "scalar"
             stored += " (T)" if p.transposed else ""
             stored += f" [{'|'.join(map(str, p.sections))}]" if p.sections else ""
             row = [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>"]
+            if spec:
+                row.append(p.gather.describe(spec) if p.gather is not None else "-")
             rows.append(row + (["; ".join(map(str, p.collectives)) or "-"] if has_tp else []))
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
@@ -240,9 +250,25 @@ class Plan:
             )
         if self.mixed_precision:
             out.append(self.mixed_precision_line())
+        if self.all_gather_quant:
+            out.append(self.all_gather_quant_line())
         if "tp" in self.mesh:
             out.append(self.breaks_line())
         return "\n".join(out)
+
+    def quant_spec(self) -> BlockQuant | None:
+        return BlockQuant.from_dict(self.all_gather_quant) if self.all_gather_quant else None
+
+    def all_gather_quant_line(self) -> str:
+        spec = self.quant_spec()
+        gathers = [p.gather for p in self.params.values() if p.gather is not None]
+        quantized = sum(g.quantized for g in gathers)
+        rows, cols = spec.shape
+        return (
+            f"all-gather quantized: {spec.label()} ({self.all_gather_quant['dtype']}, blocks of {rows}x{cols} "
+            f"inside each rank's tile, one float32 scale per block) for {quantized} of {len(gathers)} weights; "
+            "master weights, gradients and optimizer state stay unquantized"
+        )
 
     def mixed_precision_line(self) -> str:
         """Which dtype each kind of traffic and computation uses."""

@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice
 from autoshard.sharding import GATHERED_EARLY, dp_padding, param_placements, tp_dim_of
 
@@ -57,7 +58,7 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
         )
     if new.has_tp:
         _check_divisible(plan, old, new)
-    return dataclasses.replace(
+    moved = dataclasses.replace(
         plan,
         mesh=new.to_dict(),
         params={fqn: _retarget_entry(entry, old, new) for fqn, entry in plan.params.items()},
@@ -65,6 +66,9 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
         activation_units=plan.activation_units if new.has_tp else (),
         breaks=plan.breaks if new.has_tp else (),
     )
+    if plan.all_gather_quant:  # tiles change with the mesh: decide each weight's blocks again
+        moved = with_quantized_gathers(moved, new, BlockQuant.from_dict(plan.all_gather_quant))
+    return moved
 
 
 def mesh_axes(sizes: Mapping[str, int]) -> MeshAxes:

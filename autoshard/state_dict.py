@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from autoshard.plan import Plan, section_order
+from autoshard.quantized_gather import master_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,9 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int, model: nn.Mod
     metadata = copy.deepcopy(getattr(model.state_dict(), "_metadata", None)) if model is not None else None
 
     def to_original_layout(module, state_dict, prefix, local_metadata):
+        for key, value in state_dict.items():
+            if not isinstance(value, nn.Parameter):  # keep_vars=True asks for the parameters themselves
+                state_dict[key] = master_values(value)
         for fqn in layout.changed:
             key = prefix + fqn
             if key in state_dict:

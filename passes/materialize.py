@@ -42,6 +42,7 @@ from autoshard.mesh import TP, MeshAxes, dp_choice
 from autoshard.passes.capture import parameters_on_meta
 from autoshard.passes.partition import Partitioned
 from autoshard.plan import Plan, placement, section_order
+from autoshard.quantized_gather import wrap_for_quantized_gather
 from autoshard.state_dict import install_state_dict_hooks
 
 
@@ -71,6 +72,8 @@ def materialize(
         if axes.has_tp:
             _read_params_locally(gm)
     _create_tensors_on(root, device)
+    _wrap_quantized_gathers(root, plan)
+    _tie(root, aliases)
     replicated_dp = {fqn for fqn, e in plan.params.items() if dp_choice(e.placements) == "R"}
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy)
@@ -123,6 +126,16 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         else:
             stored = distribute_tensor(stored, axes.submesh(TP), [tp], src_data_rank=None)
     return nn.Parameter(stored, requires_grad=original.requires_grad)
+
+
+def _wrap_quantized_gathers(root: nn.Module, plan: Plan) -> None:
+    """Give each weight the plan quantizes for FSDP's all-gather the hooks that do it."""
+    spec = plan.quant_spec()
+    if spec is None:
+        return
+    for fqn, entry in plan.params.items():
+        if entry.gather is not None and entry.gather.quantized:
+            _set(root, fqn, wrap_for_quantized_gather(root.get_parameter(fqn), spec))
 
 
 def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
