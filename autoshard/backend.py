@@ -59,6 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard.plan import Plan
+from autoshard.quantized_gather import master_values
 from autoshard.state_dict import StoredLayout
 
 _DYNAMO_SELF = "L['self']"
@@ -411,7 +412,8 @@ def _released(module: nn.Module):
 def _save_shards(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     for name, sharded in _released(module):
         if prefix + name in state_dict:  # else kept out by the module
-            state_dict[prefix + name] = sharded.layout.to_original(sharded.param.autoshard_fqn, sharded.param.detach())
+            master = master_values(sharded.param.detach())
+            state_dict[prefix + name] = sharded.layout.to_original(sharded.param.autoshard_fqn, master)
 
 
 def _load_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

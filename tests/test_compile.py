@@ -277,9 +277,29 @@ def check_backend_with_mixed_precision(ctx):
     assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(backend.plan)
 
 
+def check_backend_with_a_quantized_all_gather(ctx):
+    """``autoshard.backend(mesh, all_gather_quant=...)``: the compiled model gathers fp8 blocks and
+    trains like eager autoshard with the same option; its plan says so."""
+    torch._dynamo.reset()
+    mesh = ctx.mesh_2d
+    tokens, targets = _batch(mesh)
+    spec = autoshard.BlockQuant(torch.float8_e4m3fn, 16)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_layers=2))
+    eager = autoshard.autoshard(copy.deepcopy(model), mesh, example_inputs=(tokens,), all_gather_quant=spec)
+    ref_losses = _train(eager, _adamw(eager.parameters()), tokens, targets, mesh, steps=2)
+    backend = autoshard.backend(mesh, compiler="aot_eager", all_gather_quant=spec)
+    compiled = torch.compile(model, backend=backend)
+    losses = _train(compiled, _adamw(model.parameters()), tokens, targets, mesh, steps=2)
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
+    assert "all-gather quantized: fp8 16x16" in str(backend.plan)
+
+
 CHECKS = [
     check_backend_trains_like_eager,
     check_backend_with_mixed_precision,
+    check_backend_with_a_quantized_all_gather,
     check_the_models_own_state_dict_after_sharding,
     check_graph_breaks_each_get_the_eager_plan,
     check_registered_backend_name,
