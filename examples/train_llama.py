@@ -5,6 +5,7 @@ Run from the repository root:
     python examples/train_llama.py                    # spawns dp*tp local CPU ranks (gloo)
     python examples/train_llama.py --replicate 2      # HSDP: ("dp_replicate", "dp_shard", "tp") = (2, 2, 2)
     python examples/train_llama.py --compile aot_eager  # torch.compile with autoshard's backend
+    python examples/train_llama.py --all-gather-quant fp8  # FSDP all-gathers fp8 blocks
     torchrun --nproc-per-node 4 examples/train_llama.py --device cuda
 
 Rank 0 prints the sharding plan, then trains the sharded model next to a
@@ -45,6 +46,7 @@ from examples.models import Llama, LlamaConfig  # noqa: E402
 
 PARITY_TOLERANCE = 1e-4  # max |loss - reference| / |reference| over the run
 BF16_TOLERANCE = 3e-2  # the same, for a bf16 run against the fp32 reference
+QUANT_TOLERANCE = 3e-2  # the same, for a quantized all-gather against the unquantized reference
 
 CONFIG = LlamaConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=128)
 
@@ -81,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="bf16 mixed precision: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); the "
         f"loss is then compared with the fp32 reference at {BF16_TOLERANCE:.0e} relative",
     )
+    parser.add_argument(
+        "--all-gather-quant", choices=("none", "fp8", "int8"), default="none",
+        help="quantize FSDP's all-gather block by block (autoshard.BlockQuant, blocks of --quant-block) "
+        "(default: none)",
+    )
+    parser.add_argument("--quant-block", type=int, default=16,
+                        help="square block size for --all-gather-quant (default: 16, fits the demo's tiles)")
     parser.add_argument(
         "--activation-checkpointing", choices=("none", "full", "selective"), default="none",
         help="recompute each block in backward (full) or all but its matmuls and collectives (selective)",
@@ -233,6 +242,9 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if args.activation_checkpointing != "none":
         options["activation_checkpointing"] = args.activation_checkpointing
+    if args.all_gather_quant != "none":
+        dtype = torch.float8_e4m3fn if args.all_gather_quant == "fp8" else torch.int8
+        options["all_gather_quant"] = autoshard.BlockQuant(dtype, args.quant_block)
     if args.compile == "none":
         sharded = trained = autoshard.autoshard(model, mesh, example_inputs=example, **options)
         optimizer = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
@@ -275,6 +287,8 @@ def world_size_of(args: argparse.Namespace) -> int:
 
 
 def tolerance(args: argparse.Namespace) -> float:
+    if args.all_gather_quant != "none":
+        return QUANT_TOLERANCE
     return BF16_TOLERANCE if args.bf16 else PARITY_TOLERANCE
 
 
