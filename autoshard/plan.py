@@ -40,6 +40,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from autoshard.block_quant import BlockQuant, TileQuant
+from autoshard.export import to_hf_tp_plan, to_parallelize_plan
 from autoshard.retarget import retarget
 from autoshard.sharding import Collective, Role
 
@@ -157,6 +158,15 @@ class Plan:
         retargeted to a mesh with one. See :mod:`autoshard.retarget`.
         """
         return retarget(self, sizes)
+
+    def to_parallelize_plan(self, model=None):
+        """The equivalent ``parallelize_module`` plan and the weights it cannot express (see
+        :mod:`autoshard.export`); ``model`` gives module types, else they are inferred."""
+        return to_parallelize_plan(self, model)
+
+    def to_hf_tp_plan(self, model=None) -> dict[str, str]:
+        """This plan's tp decisions as a Hugging Face ``tp_plan`` dict (see :mod:`autoshard.export`)."""
+        return to_hf_tp_plan(self, model)
 
     def to_dict(self) -> dict:
         return {
