@@ -190,7 +190,8 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
     saved = _as_plan(given)
     given = _check_plan_mesh(saved, axes) if saved is not None else None
-    captured = capture(model, example_inputs, example_kwargs, options.dynamic_shapes)
+    compute_dtype = options.mp_policy.param_dtype if options.mp_policy is not None and axes.has_dp else None
+    captured = capture(model, example_inputs, example_kwargs, options.dynamic_shapes, compute_dtype)
     sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
     dp_placements = None

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 from autoshard.block_quant import BlockQuant, TileQuant
 from autoshard.export import to_hf_tp_plan, to_parallelize_plan
+from autoshard.predict import predicted_comm
 from autoshard.retarget import retarget
 from autoshard.sharding import Collective, Role
 
@@ -158,6 +159,14 @@ class Plan:
         retargeted to a mesh with one. See :mod:`autoshard.retarget`.
         """
         return retarget(self, sizes)
+
+    def predicted_comm(self, *, reshard_after_forward: bool = True, master_dtype=None):
+        """``{axis: {kind: (num_collectives, wire_bytes)}}`` of one training step, computed from
+        this plan alone (see :mod:`autoshard.predict`)."""
+        import torch
+
+        return predicted_comm(self, reshard_after_forward=reshard_after_forward,
+                              master_dtype=master_dtype or torch.float32)
 
     def to_parallelize_plan(self, model=None):
         """The equivalent ``parallelize_module`` plan and the weights it cannot express (see

@@ -135,6 +135,10 @@ class Collective:
     over_sequence: bool = False
     dim: int | None = None
     axis: str = "tp"
+    # the tensor the ring formula counts (an all-reduce's, a gather's output, a scatter's input):
+    # its elements (tp-unsharded, the plan's dp-local shapes) and traced dtype; 0/"" when unknown
+    numel: int = 0
+    dtype: str = ""
     legacy_text: str = ""
 
     @property

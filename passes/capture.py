@@ -107,11 +107,25 @@ class CaptureError(ValueError):
 
 
 def capture(
-    model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None
+    model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None, compute_dtype=None
 ) -> CapturedGraph:
-    """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``."""
+    """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``.
+
+    ``compute_dtype`` (mixed precision's ``param_dtype``) captures the forward as it will
+    run: on meta, with floating parameters and inputs in that dtype (FSDP2 casts both) and
+    buffers as they are. A model that upcasts internally (an RMSNorm in float32, then back
+    to its input's dtype) is then captured with the casts it makes at run time, not with
+    the float32 it would see in a float32 trace.
+    """
     traced, traced_args, traced_kwargs = model, tuple(args), kwargs or {}
-    if parameters_on_meta(model):
+    if compute_dtype is not None:
+        traced = _twin(model, _to_meta, _parameters_as(compute_dtype))
+        _cast_unit_inputs(traced, find_blocks(model), compute_dtype)
+        traced_args, traced_kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: _to_meta(t).to(compute_dtype) if t.is_floating_point() else _to_meta(t),
+            (traced_args, traced_kwargs),
+        )
+    elif parameters_on_meta(model):
         traced = _twin_on_meta(model)
         traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (traced_args, traced_kwargs))
     traced_calls = []
@@ -133,6 +147,10 @@ def capture(
     graph = unlifted.graph
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            # export's check before each `.to`: under mixed precision FSDP2 already cast what
+            # the check would expect uncast (a block's inputs), and the `.to` stays a no-op
             graph.erase_node(node)
     aliases = _tied_aliases(model)
     _read_tied_parameters_by_one_name(graph, aliases)
@@ -175,10 +193,43 @@ def _twin_on_meta(model: nn.Module) -> nn.Module:
     return _twin(model, _to_meta)
 
 
-def _twin(model: nn.Module, buffer_fn) -> nn.Module:
-    """``model``'s module tree, shallow-copied, with the same parameters and ``buffer_fn`` of
-    each buffer. The user's modules are not touched: each twin gets its own ``_modules``
-    and ``_buffers`` dicts. A module reachable under two names stays one twin.
+def _parameters_as(dtype: torch.dtype):
+    """Each parameter as a meta parameter, in ``dtype`` when floating; one per original, so a tied
+    parameter stays tied."""
+    made: dict[int, nn.Parameter] = {}
+
+    def convert(param: nn.Parameter) -> nn.Parameter:
+        if id(param) not in made:
+            target = dtype if param.is_floating_point() else param.dtype
+            made[id(param)] = nn.Parameter(torch.empty_like(param, device="meta", dtype=target),
+                                           requires_grad=param.requires_grad)
+        return made[id(param)]
+
+    return convert
+
+
+def _cast_unit_inputs(twin: nn.Module, blocks: tuple[str, ...], dtype: torch.dtype) -> None:
+    """Cast each block's floating inputs to ``dtype`` as FSDP2's mixed precision does at every
+    FSDP unit (rotary tables passed into a block arrive in ``param_dtype``). The hooks go on
+    the twin's own hook dicts, never the user's modules'."""
+
+    def cast(module, args, kwargs):
+        to = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return pytree.tree_map_only(torch.Tensor, to, (args, kwargs))
+
+    for fqn in blocks:
+        block = twin.get_submodule(fqn)
+        for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called"):
+            if name in block.__dict__:
+                setattr(block, name, type(block.__dict__[name])(block.__dict__[name]))
+        block.register_forward_pre_hook(cast, with_kwargs=True)
+
+
+def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
+    """``model``'s module tree, shallow-copied, with the same parameters (or ``param_fn`` of each)
+    and ``buffer_fn`` of each buffer. The user's modules are not touched: each twin gets its own
+    ``_modules``, ``_buffers`` (and ``_parameters``) dicts. A module reachable under two names
+    stays one twin.
     """
     twins: dict[int, nn.Module] = {}
 
@@ -186,6 +237,8 @@ def _twin(model: nn.Module, buffer_fn) -> nn.Module:
         if id(module) not in twins:
             clone = twins[id(module)] = copy.copy(module)
             clone._buffers = {n: None if b is None else buffer_fn(b) for n, b in module._buffers.items()}
+            if param_fn is not None:
+                clone._parameters = {n: None if p is None else param_fn(p) for n, p in module._parameters.items()}
             clone._modules = {n: None if c is None else twin(c) for n, c in module._modules.items()}
         return twins[id(module)]
 

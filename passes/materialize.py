@@ -67,14 +67,17 @@ def materialize(
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
     _tie(root, aliases)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
+    replicated_dp = {fqn for fqn, e in plan.params.items() if dp_choice(e.placements) == "R"}
+    cast_to = mp_policy.param_dtype if mp_policy is not None and axes.has_dp else None
     for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
         _name_param_reads(gm, prefix, transposed)
         if axes.has_tp:
             _read_params_locally(gm)
+        if cast_to is not None:
+            _cast_reads(gm, prefix, replicated_dp, cast_to)
     _create_tensors_on(root, device)
     _wrap_quantized_gathers(root, plan)
     _tie(root, aliases)
-    replicated_dp = {fqn for fqn, e in plan.params.items() if dp_choice(e.placements) == "R"}
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy)
     if deferred:
@@ -208,6 +211,28 @@ def _refuse_buffers_without_values(fqns: list[str]) -> None:
             f"on the model before autoshard (e.g. `model.get_submodule(path).name = tensor`, computed as the "
             f"module's __init__ does)"
         )
+
+
+def _cast_reads(gm: fx.GraphModule, prefix: str, fqns: set[str], dtype: torch.dtype) -> None:
+    """Cast each read of a floating parameter in ``fqns`` to ``dtype``.
+
+    Under mixed precision FSDP2 casts the parameters it manages; the ones it
+    ignores (replicated over dp, e.g. a colwise bias) would stay fp32 and turn
+    every activation they touch back to fp32. The cast's backward returns the
+    gradient in the parameter's own dtype, as FSDP2's does.
+    """
+    params = dict(gm.named_parameters())
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or prefix + node.target not in fqns or not params[node.target].is_floating_point():
+            continue
+        read = next((u for u in node.users if u.op == "call_method" and u.target == "to_local"), node)
+        with gm.graph.inserting_after(read):
+            cast = gm.graph.call_method("to", (read, dtype))
+        read.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
+        cast._rename(f"{read.name}_{str(dtype).removeprefix('torch.')}")
+        cast.meta.update({k: v for k, v in read.meta.items() if k != "val"})
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _create_tensors_on(root: fx.GraphModule, device: torch.device) -> None:

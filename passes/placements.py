@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 from autoshard.errors import describe, source_line
@@ -197,18 +198,21 @@ def _collectives_by_weight(
             continue  # recorded with the reduce edge its partial sum reaches
         elif role == ROWWISE and lp.layouts.get(site.output) == SEQ_DIM:
             by_weight.setdefault(site.weight_fqn, []).append(
-                Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True)
+                _sized(Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True), site.output)
             )
         elif role == ROWWISE:
-            by_weight.setdefault(site.weight_fqn, []).append(Collective(ALL_REDUCE, "fwd", "output"))
+            collective = _sized(Collective(ALL_REDUCE, "fwd", "output"), site.output)
+            by_weight.setdefault(site.weight_fqn, []).append(collective)
     for group in colwise_by_input.values():
         names = tuple(s.weight_fqn for s in group)
         steps = lp.edges.get((group[0].input, group[0].node), ())
         if any(step.kind == GATHER_FOR_COLWISE for step in steps):
             first = Collective(GATHER_SCATTER, "fwd", "input", over_sequence=True, shared_by=names)
+        elif group[0].input not in lp.carries_grad:
+            continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
         else:
             first = Collective(ALL_REDUCE, "bwd", "input grad", shared_by=names)
-        _add_shared(by_weight, first)
+        _add_shared(by_weight, _sized(first, group[0].input))
 
     origin = {}
     for site in sites.linears:
@@ -217,13 +221,15 @@ def _collectives_by_weight(
     for site in sites.embeddings:
         origin[site.node] = site.weight_fqn
         if lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
-            by_weight.setdefault(site.weight_fqn, []).append(Collective(ALL_REDUCE, "fwd", "embedding output"))
+            by_weight.setdefault(site.weight_fqn, []).append(
+                _sized(Collective(ALL_REDUCE, "fwd", "embedding output"), site.node))
     colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
     activations: list[Collective] = []
     activation_nodes: list[fx.Node] = []
 
-    def record(fqn: str | None, collective: Collective, node: fx.Node) -> None:
+    def record(fqn: str | None, collective: Collective, node: fx.Node, value: fx.Node) -> None:
         """Next to its weight when one explains it, else among the activation collectives."""
+        collective = _sized(collective, value)
         if fqn is None:
             activations.append(collective)
             activation_nodes.append(node)
@@ -241,16 +247,16 @@ def _collectives_by_weight(
             if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
                 if value.op == "get_attr":
                     cause = f"sharded {describe(consumer)}"
-                    record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=cause), node)
+                    record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=cause), node, value)
                 else:
                     cause = f"sharded {describe(consumer)}"
-                    record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", cause), node)
+                    record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", cause), node, value)
             elif step.kind == GATHER:
                 if value in origin:
                     collective = Collective(ALL_GATHER, "fwd", "output")
                 else:
                     collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", describe(consumer))
-                record(_region_origin(value, lp, origin), collective, node)
+                record(_region_origin(value, lp, origin), collective, node, value)
             elif step.kind == GATHER_FOR_COLWISE:
                 record(
                     None,
@@ -258,20 +264,36 @@ def _collectives_by_weight(
                         GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}", over_sequence=True
                     ),
                     node,
+                    value,
                 )
             elif step.kind == SHARDED_OUTPUT:
-                record(_region_origin(value, lp, origin), Collective(NO_COLLECTIVE, "fwd", "output"), node)
+                record(_region_origin(value, lp, origin), Collective(NO_COLLECTIVE, "fwd", "output"), node, value)
             elif step.kind == REDUCE:
                 weights = tuple(_partial_origins(value, lp, origin))
                 if not weights:
                     cause = describe(consumer)
-                    record(None, Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", cause), node)
+                    record(None, Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", cause), node, value)
                 else:
-                    _add_shared(by_weight, Collective(ALL_REDUCE, "fwd", "output", shared_by=weights))
+                    _add_shared(by_weight, _sized(Collective(ALL_REDUCE, "fwd", "output", shared_by=weights), value))
             elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
                 take = Collective(TAKE_SHARD_KIND, "bwd", f"'{value.name}'", describe(consumer), dim=step.dim)
-                record(None, take, node)
+                record(None, take, node, value)
     return {k: tuple(v) for k, v in by_weight.items()}, activations, activation_nodes
+
+
+def _sized(collective: Collective, value: fx.Node) -> Collective:
+    """``collective`` with the elements and dtype of ``value`` (the whole, tp-unsharded tensor it
+    moves), when the capture gave it a static shape."""
+    val = value.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return collective
+    numel = val.numel()
+    if not isinstance(numel, int):
+        try:
+            numel = int(numel)
+        except (TypeError, ValueError):
+            return collective  # symbolic (dynamic_shapes): sized per call, not in the plan
+    return dataclasses.replace(collective, numel=numel, dtype=str(val.dtype).removeprefix("torch."))
 
 
 def _add_shared(by_weight: dict, collective: Collective) -> None:

@@ -69,6 +69,7 @@ def test_plan_dict_round_trips_through_json():
         "collectives": [{
             "kind": "all-reduce", "direction": "bwd", "subject": "input grad", "cause": "", "shared_by": [
                 "blocks.0.fc1.weight"], "counted": True, "over_sequence": False, "dim": None, "axis": "tp",
+            "numel": 2 * 5 * 32, "dtype": "float32",  # the input [2, 5, 32] whose gradient is all-reduced
         }],
         "note": "",
         "sections": [],

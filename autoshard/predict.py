@@ -1,0 +1,152 @@
+"""Predicted communication of one training step, from the plan alone.
+
+``plan.predicted_comm()`` returns ``{axis: {kind: (num_collectives, wire_bytes)}}``
+for one steady-state step (forward, backward, optimizer step) at the shapes the
+plan was made with, counted as :class:`~autoshard.comm_stats.CollectiveCounter`
+counts a running step (ring-model wire bytes per rank), without running anything:
+
+* **tp**: every collective the plan records (its kind, direction and the
+  elements and dtype of the tensor it moves, kept in the record), shared ones
+  once. Sums of partial values travel in the policy's ``reduce_dtype``, other
+  activations in the dtype they were captured in (``param_dtype`` under mixed
+  precision, or what the model casts them to).
+* **FSDP** (``dp`` or ``dp_shard``): per FSDP unit, one all-gather before
+  forward and, for a block that reshards after forward, one before backward;
+  one reduce-scatter of its gradients. Each parameter counts its local shard
+  padded as FSDP2 pads it (dim ``k`` rounded up to a multiple of the shard
+  degree), in ``param_dtype`` / ``reduce_dtype`` under mixed precision, and a
+  weight with a quantized all-gather as its 1-byte values plus one fp32 scale
+  per block. A parameter replicated over dp adds one gradient all-reduce per
+  dp axis. Under HSDP each unit's reduced shard is all-reduced once over
+  ``dp_replicate``.
+* The optimizer step of any ``torch.optim`` optimizer on the sharded
+  parameters communicates nothing (gradient clipping would).
+
+Activation checkpointing is not modelled (``"full"`` re-runs forward tp
+collectives that checkpointing does not stop early).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, axes_from_sizes, dp_choice
+from autoshard.sharding import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    GATHER_SCATTER,
+    NO_COLLECTIVE,
+    REDUCE_SCATTER,
+    TAKE_SHARD,
+    tp_dim_of,
+)
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _ring(kind: str, nbytes: float, ranks: int) -> float:
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks
+    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
+
+
+class _Tally:
+    def __init__(self):
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def add(self, axis: str, kind: str, nbytes: float, ranks: int, times: int = 1) -> None:
+        self.counts[axis][kind] += times
+        self.bytes[axis][kind] += times * _ring(kind, nbytes, ranks)
+
+    def result(self) -> dict[str, dict[str, tuple[int, int]]]:
+        return {axis: {kind: (n, int(round(self.bytes[axis][kind]))) for kind, n in kinds.items()}
+                for axis, kinds in self.counts.items()}
+
+
+def predicted_comm(plan, *, reshard_after_forward: bool = True,
+                   master_dtype: torch.dtype = torch.float32) -> dict[str, dict[str, tuple[int, int]]]:
+    """See the module docstring. ``reshard_after_forward`` is ``autoshard``'s option of that name;
+    ``master_dtype`` the parameters' dtype (the plan records shapes, not dtypes, of parameters)."""
+    axes = axes_from_sizes(dict(plan.mesh))
+    mp = plan.mixed_precision
+    param_dtype = getattr(torch, mp["param_dtype"]) if mp.get("param_dtype") else None
+    reduce_dtype = getattr(torch, mp["reduce_dtype"]) if mp.get("reduce_dtype") else param_dtype
+    tally = _Tally()
+    if axes.has_tp:
+        _tp(plan, axes, tally, reduce_dtype)
+    if axes.has_dp:
+        _fsdp(plan, axes, tally, reshard_after_forward, master_dtype, param_dtype, reduce_dtype)
+    return tally.result()
+
+
+def _tp(plan, axes: MeshAxes, tally: _Tally, reduce_dtype) -> None:
+    records = [c for entry in plan.params.values() for c in entry.collectives] + list(plan.activations)
+    for record in records:
+        if not record.runs:
+            continue
+        if record.legacy_text or not record.numel:
+            raise ValueError(
+                "autoshard: predicted_comm needs each collective's size, which this plan does not record "
+                "(a version-1 plan, or symbolic shapes); plan again with static example inputs"
+            )
+        moved = getattr(torch, record.dtype)  # captured in param_dtype under mixed precision
+        summed = reduce_dtype if reduce_dtype is not None and moved.is_floating_point else moved
+        sends = {
+            ALL_REDUCE: [("all_reduce", summed)],
+            ALL_GATHER: [("all_gather", moved)],
+            REDUCE_SCATTER: [("reduce_scatter", summed)],
+            GATHER_SCATTER: [("all_gather", moved), ("reduce_scatter", summed)],
+            TAKE_SHARD: [("all_gather", moved)],
+            NO_COLLECTIVE: [],
+        }[record.kind]
+        for kind, dtype in sends:
+            tally.add(TP, kind, record.numel * dtype.itemsize, axes.tp)
+
+
+def _local_shape(entry, axes: MeshAxes) -> list[int]:
+    """The stored piece one rank holds, FSDP's dim padded up to a multiple of the shard degree."""
+    shape = list(entry.stored_shape)
+    tp_dim = tp_dim_of(entry) if axes.has_tp else None
+    if tp_dim is not None and tp_dim < len(shape):
+        shape[tp_dim] //= axes.tp
+    choice = dp_choice(entry.placements)
+    if choice not in (None, "R"):
+        dim = int(choice[2:-1])
+        shape[dim] = -(-shape[dim] // axes.dp)
+    return shape
+
+
+def _fsdp(plan, axes: MeshAxes, tally: _Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
+    shard_axis, shards = axes.shard_axis, axes.dp
+    gathered_dtype = param_dtype or master
+    reduced_dtype = reduce_dtype or master
+    spec = plan.quant_spec()
+    for unit in plan.units:
+        gathered = reduced = 0.0
+        for entry in plan.params.values():
+            if entry.unit != unit or dp_choice(entry.placements) in (None, "R"):
+                continue
+            numel = math.prod(_local_shape(entry, axes))
+            if spec is not None and entry.gather is not None and entry.gather.quantized:
+                blocks = math.prod(entry.gather.tile[:-2]) * math.prod(entry.gather.blocks)
+                gathered += numel * spec.dtype.itemsize + blocks * torch.float32.itemsize
+            else:
+                gathered += numel * gathered_dtype.itemsize
+            reduced += numel * reduced_dtype.itemsize
+        if not reduced:
+            continue  # nothing FSDP-managed in this unit
+        gathers = 2 if unit and reshard else 1  # the root keeps its parameters until backward
+        tally.add(shard_axis, "all_gather", shards * gathered, shards, gathers)
+        tally.add(shard_axis, "reduce_scatter", shards * reduced, shards)
+        if axes.is_hsdp:
+            tally.add(DP_REPLICATE, "all_reduce", reduced, axes.replicas)
+    for entry in plan.params.values():
+        if dp_choice(entry.placements) == "R":
+            numel = math.prod(_local_shape(entry, axes))
+            for axis in reversed(axes.dp_axes):
+                tally.add(axis, "all_reduce", numel * master.itemsize, axes.size(axis))
