@@ -115,6 +115,9 @@ class _GraphAsModule(nn.Module):
     so the captured ATen graph carries the user's ``nn_module_stack``.
     """
 
+    # its forward replays the dynamo graph, so hooks on its blocks never run: capture it as it is
+    replays_graph = True
+
     def __init__(self, graph: fx.GraphModule, inputs: GraphInputs, example_inputs):
         super().__init__()
         object.__setattr__(self, "_graph", graph)  # not a submodule: its tensors are ours

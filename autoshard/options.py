@@ -20,7 +20,9 @@ class PlanOptions:
     ``sequence_parallel``: the residual stream is sharded over the sequence between blocks.
     ``dynamic_shapes``: ``torch.export``'s spec for symbolic batch and sequence dims.
     ``mp_policy``: FSDP2's mixed-precision policy, which autoshard's tp sums follow too.
-    ``all_gather_quant``: a :class:`~autoshard.block_quant.BlockQuant` for FSDP's all-gathers."""
+    ``all_gather_quant``: a :class:`~autoshard.block_quant.BlockQuant` for FSDP's all-gathers.
+    ``trace_blocks_once``: trace a stack of identical blocks as two and write the rest
+    (the same graph, much faster on deep models); ``False`` traces every block."""
 
     on_indivisible: str = "replicate"
     loss_parallel: bool = False
@@ -28,6 +30,7 @@ class PlanOptions:
     dynamic_shapes: object = None
     mp_policy: object = None  # torch.distributed.fsdp.MixedPrecisionPolicy
     all_gather_quant: object = None  # autoshard.BlockQuant
+    trace_blocks_once: bool = True
 
     def __post_init__(self) -> None:
         if self.on_indivisible not in ON_INDIVISIBLE:

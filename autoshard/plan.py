@@ -142,6 +142,8 @@ class Plan:
     mixed_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # the block-quantized all-gather: BlockQuant.to_dict() ({} when FSDP gathers as stored)
     all_gather_quant: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # why the blocks were traced one by one although trace_blocks_once asked for one trace
+    trace_note: str = ""
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -188,7 +190,8 @@ class Plan:
             "functions": list(self.functions),
             "breaks": [list(b) for b in self.breaks],
             "mixed_precision": dict(self.mixed_precision),
-        } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {})
+        } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {}) | (
+            {"trace_note": self.trace_note} if self.trace_note else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -218,6 +221,7 @@ class Plan:
             breaks=tuple((str(u), str(w)) for u, w in data.get("breaks", ())),
             mixed_precision={str(k): str(v) for k, v in data.get("mixed_precision", {}).items()},
             all_gather_quant={str(k): str(v) for k, v in data.get("all_gather_quant", {}).items()},
+            trace_note=str(data.get("trace_note", "")),
         )
 
     def __str__(self) -> str:
@@ -271,6 +275,8 @@ class Plan:
             out.append(self.mixed_precision_line())
         if self.all_gather_quant:
             out.append(self.all_gather_quant_line())
+        if self.trace_note:
+            out.append(f"capture: every block traced (not once for all): {self.trace_note}")
         if "tp" in self.mesh:
             out.append(self.breaks_line())
         return "\n".join(out)

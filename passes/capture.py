@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from autoshard.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
 from autoshard.passes.partition import callable_blocks
+from autoshard.passes.reuse_blocks import find_stack, synthesize, with_two_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class CapturedGraph:
     inputs: InputSignature
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # tied FQN -> canonical FQN
     functions: tuple[CheckedFunction, ...] = ()  # custom autograd.Functions checked and inlined
+    trace_note: str = ""  # why a stack of blocks was traced in full rather than once
 
 
 class CaptureError(ValueError):
@@ -107,7 +109,8 @@ class CaptureError(ValueError):
 
 
 def capture(
-    model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None, compute_dtype=None
+    model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None, compute_dtype=None,
+    trace_blocks_once: bool = True,
 ) -> CapturedGraph:
     """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``.
 
@@ -116,6 +119,11 @@ def capture(
     buffers as they are. A model that upcasts internally (an RMSNorm in float32, then back
     to its input's dtype) is then captured with the casts it makes at run time, not with
     the float32 it would see in a float32 trace.
+
+    ``trace_blocks_once``: a stack of identical blocks is traced as its first two and the
+    rest written from the second (:mod:`autoshard.passes.reuse_blocks`); the graph is the
+    one full tracing gives. Blocks that differ, or a forward this cannot follow, are
+    traced in full.
     """
     traced, traced_args, traced_kwargs = model, tuple(args), kwargs or {}
     if compute_dtype is not None:
@@ -128,11 +136,16 @@ def capture(
     elif parameters_on_meta(model):
         traced = _twin_on_meta(model)
         traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (traced_args, traced_kwargs))
+    blocks = find_blocks(model)
+    stack, trace_note = find_stack(model, blocks) if trace_blocks_once and dynamic_shapes is None else (None, "")
+    exported_module = traced
+    if stack is not None:
+        exported_module = with_two_blocks(_twin(traced, lambda b: b), stack)
     traced_calls = []
     try:
         with recording_calls(traced_calls, clone=False):
             exported = torch.export.export(
-                traced, traced_args, traced_kwargs, dynamic_shapes=dynamic_shapes, strict=False
+                exported_module, traced_args, traced_kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
     except NotImplementedError:
         raise
@@ -145,6 +158,13 @@ def capture(
     functions = _check_functions(model, traced, args, kwargs or {}, traced_calls)
     unlifted = exported.module()
     graph = unlifted.graph
+    attributes: nn.Module | dict = unlifted
+    if stack is not None:
+        full_graph, why = synthesize(graph, stack)
+        if full_graph is None:  # not a plain stack after all: trace every block
+            full = capture(model, args, kwargs, dynamic_shapes, compute_dtype, trace_blocks_once=False)
+            return dataclasses.replace(full, trace_note=why)
+        graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
@@ -155,7 +175,7 @@ def capture(
     aliases = _tied_aliases(model)
     _read_tied_parameters_by_one_name(graph, aliases)
     graph.eliminate_dead_code()
-    gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
         setattr(gm, attr, getattr(unlifted, attr))
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -163,7 +183,7 @@ def capture(
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
-    return CapturedGraph(gm, param_shapes, callable_blocks(gm, find_blocks(model)), inputs, aliases, functions)
+    return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note)
 
 
 def parameters_on_meta(model: nn.Module) -> bool:
@@ -191,6 +211,28 @@ def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
 def _twin_on_meta(model: nn.Module) -> nn.Module:
     """``model``'s module tree, shallow-copied, with the same parameters and every buffer on meta."""
     return _twin(model, _to_meta)
+
+
+def _attributes(graph: fx.Graph, unlifted: nn.Module, traced: nn.Module) -> dict:
+    """What the written graph's ``get_attr``/``call_module`` nodes read: the exported module's
+    (constants, the first two blocks) and, for the written blocks, the traced model's."""
+    found = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            for source in (unlifted, traced):
+                try:
+                    found[node.target] = _fetch(source, node.target)
+                    break
+                except AttributeError:
+                    continue
+    return found
+
+
+def _fetch(module: nn.Module, target: str):
+    value = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _parameters_as(dtype: torch.dtype):

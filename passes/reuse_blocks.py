@@ -1,0 +1,294 @@
+"""Trace a stack of identical blocks once: export two, write the others from the second.
+
+``torch.export`` spends nearly all of a large model's planning time tracing
+the same block again and again (a 32-block Llama: ~90%). When the blocks are
+children ``0 .. N-1`` of one ``nn.ModuleList`` and every block from the third
+on has the second block's structure (class, parameter and buffer names,
+shapes, dtypes, and every plain attribute of every submodule), only a twin
+holding the first two blocks is exported. Block ``k`` is then the second
+block's nodes copied with its parameters read under ``…k…`` and its
+inputs taken from block ``k-1`` where the second block takes them from the
+first. Nodes are renamed as export names them (each op's name, then ``_1``,
+``_2``, ... in graph order), so the graph, and every stage after it, is what
+tracing all ``N`` blocks gives; the tests check the emitted code is identical.
+
+Anything this does not recognize (a forward that does per-block work outside
+the blocks, blocks that differ, the two traced blocks' code differing) returns
+``None`` with the reason, and the caller traces in full. One assumption: an
+int attribute holding a block's own position (Hugging Face's ``layer_idx``)
+changes nothing in the graph beyond what blocks 0 and 1 already show; a model
+whose forward treats, say, its last block specially by that index is traced
+in full with ``trace_blocks_once=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+_HOOK_DICTS = re.compile(r"^_(forward|backward|state_dict|load_state_dict)\w*(hooks|hooks_\w+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """``container.0 .. container.{count-1}`` are the blocks; ``0`` and ``1`` are traced."""
+
+    container: str
+    count: int
+
+    def block(self, k: int) -> str:
+        return f"{self.container}.{k}"
+
+
+def find_stack(model: nn.Module, blocks: tuple[str, ...]) -> tuple[Stack | None, str]:
+    """The stack whose blocks past the first two can be written instead of traced, or why not
+    (``""`` when the blocks are not an ``nn.ModuleList`` stack at all)."""
+    if len(blocks) < 3:
+        return None, ""
+    container = blocks[0].rpartition(".")[0]
+    expected = tuple(f"{container}.{k}" if container else str(k) for k in range(len(blocks)))
+    if not container or blocks != expected:
+        return None, ""  # not one stack: nothing to reuse, nothing to report
+    module = model.get_submodule(container)
+    if type(module) is not nn.ModuleList or len(module) != len(blocks):
+        return None, ""
+    second = module[1]
+    for k in range(2, len(module)):
+        why = _difference(second, module[k], k)
+        if why:
+            return None, f"block '{container}.{k}' differs from '{container}.1': {why}"
+    return Stack(container, len(blocks)), ""
+
+
+def _difference(a: nn.Module, b: nn.Module, k: int, path: str = "") -> str:
+    """How block ``k`` (``b``) differs from block 1 (``a``), or ``""``. An int attribute that is
+    1 in block 1 and ``k`` in block ``k`` is the block's own position (Hugging Face's
+    ``layer_idx``, used to index a KV cache), not a difference."""
+    if type(a) is not type(b):
+        return f"{path or 'the block'} is {type(b).__name__}, not {type(a).__name__}"
+    if list(a._modules) != list(b._modules):
+        return f"{path or 'the block'} has children {list(b._modules)}, not {list(a._modules)}"
+    for kind in ("_parameters", "_buffers"):
+        left, right = getattr(a, kind), getattr(b, kind)
+        if list(left) != list(right):
+            return f"{path or 'the block'} has {kind[1:]} {list(right)}, not {list(left)}"
+        for name, x in left.items():
+            y = right[name]
+            if (x is None) != (y is None) or (x is not None and (
+                    x.shape != y.shape or x.dtype != y.dtype or x.requires_grad != y.requires_grad)):
+                return f"'{path + name}' is {_spec(y)}, not {_spec(x)}"
+    for name, value in vars(a).items():
+        if name in ("_parameters", "_buffers", "_modules") or _HOOK_DICTS.match(name):
+            continue
+        if isinstance(value, torch.Tensor) or name not in vars(b):
+            continue
+        other = vars(b)[name]
+        if type(value) is int and type(other) is int and (value, other) == (1, k):
+            continue
+        try:
+            same = bool(value == other) if not callable(value) else value is other
+        except Exception:  # noqa: BLE001  (an attribute that cannot be compared is a difference)
+            same = False
+        if not same:
+            return f"attribute '{path + name}' is {other!r}, not {value!r}"
+    for name, child in a._modules.items():
+        if child is not None:
+            why = _difference(child, b._modules[name], k, f"{path}{name}.")
+            if why:
+                return why
+    return ""
+
+
+def _spec(t) -> str:
+    return "None" if t is None else f"{tuple(t.shape)} {t.dtype}"
+
+
+def with_two_blocks(twin: nn.Module, stack: Stack) -> nn.Module:
+    """``twin`` (a twin made for this: its dicts are its own) holding only blocks 0 and 1."""
+    container = twin.get_submodule(stack.container)
+    container._modules = {k: v for k, v in container._modules.items() if k in ("0", "1")}
+    return twin
+
+
+def _unit(node: fx.Node, stack: Stack) -> int | None:
+    """Which traced block (0 or 1) computes ``node``, or None for the rest (export's guard call
+    included, whatever module stack it carries)."""
+    if node.op in ("placeholder", "output", "call_module"):
+        return None
+    if node.op == "get_attr":
+        paths = [node.target]
+    else:
+        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    for k in (0, 1):
+        block = stack.block(k)
+        if any(p == block or p.startswith(block + ".") for p in paths):
+            return k
+    return None
+
+
+def _runs(nodes: list[fx.Node], units: dict[fx.Node, int | None], k: int) -> list[list[fx.Node]]:
+    runs, current = [], []
+    for node in nodes:
+        if units[node] == k:
+            current.append(node)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _same_op(a: fx.Node, b: fx.Node, stack: Stack) -> bool:
+    if a.op != b.op:
+        return False
+    if a.op == "get_attr":
+        return a.target.replace(stack.block(0), stack.block(1), 1) == b.target
+    return a.target == b.target
+
+
+def synthesize(graph: fx.Graph, stack: Stack) -> tuple[fx.Graph | None, str]:
+    """The graph of all ``stack.count`` blocks from the two-block ``graph``, or ``(None, why)``."""
+    nodes = list(graph.nodes)
+    units = {n: _unit(n, stack) for n in nodes}
+    first = [n for n in nodes if units[n] == 0]
+    second = [n for n in nodes if units[n] == 1]
+    if len(first) != len(second) or not all(_same_op(a, b, stack) for a, b in zip(first, second, strict=True)):
+        return None, "the two traced blocks are not the same code"
+    runs0, runs1 = _runs(nodes, units, 0), _runs(nodes, units, 1)
+    if [len(r) for r in runs0] != [len(r) for r in runs1]:
+        return None, "the two traced blocks interleave differently with the rest of the forward"
+    compute = [r for r in runs1 if r[0].op != "get_attr"]
+    if len(compute) != 1 or any(n.op == "get_attr" for n in compute[0]):
+        return None, "the second block's code is not one contiguous piece"
+    between = _between(nodes, units)
+    if between:
+        return None, f"the forward runs '{between.name}' between the blocks (per-block code outside them)"
+    counterpart = dict(zip(first, second, strict=True))  # block 0's node -> block 1's
+    strides, why = _name_strides(counterpart)
+    if why:
+        return None, why
+    if any(n.op == "get_attr" and n.name != n.target.replace(".", "_") for n in second):
+        return None, "the second block's parameters are not named after their FQNs"
+
+    new = fx.Graph()
+    new._codegen = graph._codegen  # export's pytree calling convention
+    env: dict[fx.Node, fx.Node] = {}  # every original node -> its node in the new graph
+    copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(stack.count)]  # block k: block-1 node -> copy
+    last_run_end = {run[-1]: run for run in runs1}
+
+    def lookup_after_blocks(node: fx.Node) -> fx.Node:
+        """Root code after the stack reads the last block where it read block 1."""
+        if units.get(node) == 1 and copies[stack.count - 1]:
+            return copies[stack.count - 1][node]
+        return env[node]
+
+    names: dict[fx.Node, str] = {}
+    after_stack = False
+    for node in nodes:
+        env[node] = new.node_copy(node, lookup_after_blocks if units[node] is None else env.__getitem__)
+        names[env[node]] = _shifted(node.name, strides, stack.count - 2) if after_stack else node.name
+        if node in last_run_end:
+            run = last_run_end[node]
+            for k in range(2, stack.count):
+                _copy_run(new, run, k, stack, env, copies, counterpart)
+                for original in run:
+                    copy = copies[k][original]
+                    names[copy] = (copy.target.replace(".", "_") if copy.op == "get_attr"
+                                   else _shifted(original.name, strides, k - 1))
+            after_stack = after_stack or run[0].op != "get_attr"
+    new.lint()
+    if len(set(names.values())) != len(names):
+        return None, "the written blocks' node names would collide"
+    return _named(new, names), ""
+
+
+def _split_name(name: str) -> tuple[str, int]:
+    match = re.fullmatch(r"(.*)_(\d+)", name)
+    return (match[1], int(match[2])) if match else (name, 0)
+
+
+def _name_strides(counterpart: dict[fx.Node, fx.Node]) -> tuple[dict[str, int], str]:
+    """Per op name, how far export's numbering advances from one block to the next (block 1's
+    number minus block 0's, the same for every node of that name, nodes export dropped
+    included), or why the two blocks are not numbered alike."""
+    strides: dict[str, int] = {}
+    for a, b in counterpart.items():
+        if a.op == "get_attr":
+            continue
+        (base_a, num_a), (base_b, num_b) = _split_name(a.name), _split_name(b.name)
+        if base_a != base_b or strides.setdefault(base_a, num_b - num_a) != num_b - num_a:
+            return {}, f"nodes '{a.name}' and '{b.name}' are not numbered like the rest of their blocks"
+    return strides, ""
+
+
+def _shifted(name: str, strides: dict[str, int], blocks: int) -> str:
+    """``name`` numbered as if ``blocks`` more blocks had been traced before it."""
+    base, num = _split_name(name)
+    if base not in strides or not strides[base] or blocks <= 0:
+        return name
+    num += blocks * strides[base]
+    return base if num == 0 else f"{base}_{num}"
+
+
+def _between(nodes, units) -> fx.Node | None:
+    """A root call between block 0's and block 1's code: per-iteration work the copies would miss."""
+    compute = [i for i, n in enumerate(nodes) if units[n] is not None and n.op != "get_attr"]
+    last0 = max(i for i in compute if units[nodes[i]] == 0)
+    first1 = min(i for i in compute if units[nodes[i]] == 1)
+    return next((nodes[i] for i in range(last0 + 1, first1) if nodes[i].op == "call_function"), None)
+
+
+def _copy_run(new: fx.Graph, run, k: int, stack: Stack, env, copies, counterpart) -> None:
+    """Append block ``k``'s copy of block 1's ``run``."""
+    previous = copies[k - 1] if k > 2 else {n: env[n] for n in counterpart.values() if n in env}
+    block1_of_block0 = counterpart
+    mine = copies[k]
+
+    def arg(node: fx.Node) -> fx.Node:
+        if node in mine:
+            return mine[node]
+        if node in block1_of_block0:  # block 1 reads block 0 here: block k reads block k-1
+            return previous[block1_of_block0[node]]
+        return env[node]
+
+    for node in run:
+        copied = new.node_copy(node, arg)
+        if node.op == "get_attr":
+            copied.target = node.target.replace(stack.block(1), stack.block(k), 1)
+        copied.meta = _meta_for_block(node.meta, stack.block(1), stack.block(k))
+        mine[node] = copied
+
+
+def _meta_for_block(meta: dict, old: str, new: str) -> dict:
+    meta = dict(meta)
+    stack = meta.get("nn_module_stack")
+    if stack:
+        moved = {}
+        for key, (path, kind) in stack.items():
+            if path == old or path.startswith(old + "."):
+                path = new + path[len(old):]
+                key = key.replace(old, new, 1)
+            moved[key] = (path, kind)
+        meta["nn_module_stack"] = moved
+    return meta
+
+
+def _named(graph: fx.Graph, names: dict[fx.Node, str]) -> fx.Graph:
+    """``graph`` rebuilt with each node named ``names[node]`` (a graph never frees a name, so
+    renaming in place could not give a node a name another node had held)."""
+    fresh = fx.Graph()
+    fresh._codegen = graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        args = fx.map_arg(node.args, env.__getitem__)
+        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+        made = fresh.create_node(node.op, node.target, args, kwargs, name=names.get(node, node.name),
+                                 type_expr=node.type)
+        made.meta = dict(node.meta)
+        env[node] = made
+    return fresh
