@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-quant golden clean
+.PHONY: install test lint demo bench bench-quant bench-meshes golden clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ bench: $(STAMP)
 # The block-quantized all-gather: wire bytes and step time, loss curves, 128x128 alignment on Llama-3 shapes.
 bench-quant: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
+
+# suggest_mesh's ranking of the 4-rank meshes next to their measured step times.
+bench-meshes: $(STAMP)
+	$(PY) benchmarks/bench_meshes.py
 
 # Rewrite the golden plan tables and emitted graphs under tests/golden after an intended change.
 golden: $(STAMP)

@@ -17,8 +17,9 @@ from autoshard.block_quant import BlockQuant
 from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.mesh import data_parallel_rank
 from autoshard.plan import ParamSharding, Plan
+from autoshard.suggest import Links, suggest_mesh
 
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 
 __all__ = ["autoshard", "plan", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
-           "data_parallel_rank", "BlockQuant"]
+           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links"]

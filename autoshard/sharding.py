@@ -136,9 +136,10 @@ class Collective:
     dim: int | None = None
     axis: str = "tp"
     # the tensor the ring formula counts (an all-reduce's, a gather's output, a scatter's input):
-    # its elements (tp-unsharded, the plan's dp-local shapes) and traced dtype; 0/"" when unknown
-    numel: int = 0
-    dtype: str = ""
+    # its elements (tp-unsharded, the plan's dp-local shapes) and traced dtype; 0/"" when unknown.
+    # Sizes, not decisions: plans made for other batch shapes compare equal.
+    numel: int = dataclasses.field(default=0, compare=False)
+    dtype: str = dataclasses.field(default="", compare=False)
     legacy_text: str = ""
 
     @property

@@ -1,0 +1,267 @@
+"""Suggest a mesh: rank every way to split ``world_size`` ranks by a predicted step time.
+
+For each factorization ``dp x tp`` (``{"dp": n}`` and ``{"tp": n}`` included)
+and, when ``links`` says how many ranks share a node, each HSDP shape whose
+shard group fills a node, :func:`suggest_mesh` plans the model on that mesh
+(at the dp-local share of the global batch) and predicts:
+
+* **compute**: the FLOPs of every matmul and attention op of the captured
+  graph (forward, and twice that for backward), divided by tp where the plan
+  runs the op sharded or partial over tp, at ``flops_per_second`` (by default
+  measured here with a short fp32 matmul on the calling process);
+* **communication**: :meth:`Plan.predicted_comm` per axis, under an alpha-beta
+  model per link: ``alpha`` per collective plus wire bytes over bandwidth.
+  ``links`` gives them (:class:`Links`); without it one probe on the current
+  process group measures a small and a large all-reduce and fits both;
+* **memory per rank**: parameters, gradients and ``optimizer_states`` fp32
+  states of the local shards, one FSDP unit gathered (the largest, twice: the
+  next is prefetched), and the forward's activations held for backward (each
+  floating value of the graph, cut by tp where sharded), a rough upper bound.
+
+Candidates above ``memory_per_rank`` are kept in the table, marked, and ranked
+last. Step time is compute plus communication: no overlap is assumed, which
+ranks meshes as a conservative scheduler would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, TP, axes_from_sizes, dp_choice
+from autoshard.options import PlanOptions
+from autoshard.sharding import tp_dim_of
+
+_MATMULS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, torch.ops.aten.linear.default,
+}
+_ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default}
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Bandwidth (GB/s, per rank, one direction) and latency (microseconds per collective) of the
+    links inside a node and between nodes, and how many ranks a node holds. An axis whose groups
+    stay inside one node uses the intra-node link."""
+
+    intra_gbps: float
+    inter_gbps: float | None = None
+    ranks_per_node: int | None = None
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+
+    def link(self, group_span: int) -> tuple[float, float]:
+        """``(seconds per collective, seconds per wire byte)`` for groups spanning ``group_span``
+        consecutive ranks."""
+        inside = self.ranks_per_node is None or group_span <= self.ranks_per_node
+        gbps = self.intra_gbps if inside or self.inter_gbps is None else self.inter_gbps
+        latency = self.intra_latency_us if inside else self.inter_latency_us
+        return latency * 1e-6, 1.0 / (gbps * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCandidate:
+    mesh: dict[str, int]
+    compute_s: float
+    comm_s: dict[str, float]
+    memory_bytes: int
+    fits: bool
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSuggestion:
+    """Candidates ranked best first (those that fit in memory, by predicted step time)."""
+
+    candidates: tuple[MeshCandidate, ...]
+    flops_per_second: float
+    links: Links
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def best(self) -> dict[str, int]:
+        return dict(self.candidates[0].mesh)
+
+    def __str__(self) -> str:
+        lines = [f"{'rank':>4}  {'mesh':<34} {'step ms':>8} {'compute':>8} {'comm':>8}  {'memory/rank':>12}",
+                 "-" * 82]
+        for i, c in enumerate(self.candidates, 1):
+            mesh = " x ".join(f"{a}={n}" for a, n in c.mesh.items())
+            comm = ", ".join(f"{a} {1e3 * s:.1f}" for a, s in c.comm_s.items()) or "-"
+            lines.append(f"{i:>4}  {mesh:<34} {1e3 * c.step_s:>8.1f} {1e3 * c.compute_s:>8.1f} "
+                         f"{1e3 * sum(c.comm_s.values()):>8.1f}  {c.memory_bytes / 2**20:>9.1f} MiB"
+                         + ("" if c.fits else "  (does not fit)") + f"   [{comm}]")
+        lines.append(f"compute at {self.flops_per_second / 1e9:.1f} GFLOP/s; links {self.links}")
+        lines += [f"skipped {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, example_kwargs: dict | None = None,
+                 memory_per_rank: int | None = None, links: Links | None = None,
+                 flops_per_second: float | None = None, mp_policy=None, optimizer_states: int = 2,
+                 verbose: bool = True) -> MeshSuggestion:
+    """Rank the meshes ``world_size`` ranks can form for ``model`` (see the module docstring).
+
+    ``example_inputs``/``example_kwargs`` are the *global* batch (dim 0 is split over
+    the data-parallel ranks). Prints the ranked table unless ``verbose=False``.
+    """
+    from autoshard.api import _plan
+
+    if not isinstance(example_inputs, tuple):
+        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
+    links = links or _probe_links()
+    rate = flops_per_second or _measure_flops()
+    batch = next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor))
+    candidates, skipped = [], []
+    for sizes in _shapes(world_size, links):
+        data_parallel = axes_from_sizes(sizes).data_parallel
+        if batch % data_parallel:
+            skipped.append(f"{sizes}: batch {batch} does not divide by {data_parallel}")
+            continue
+        local = _share(example_inputs, batch // data_parallel)
+        local_kwargs = _share(example_kwargs or {}, batch // data_parallel)
+        options = PlanOptions(mp_policy=mp_policy)
+        try:
+            plan, captured, _, layout_plan = _plan(model, axes_from_sizes(sizes), local, local_kwargs, None, options)
+        except ValueError as err:
+            skipped.append(f"{sizes}: {err}")
+            continue
+        candidates.append(_candidate(sizes, plan, captured, layout_plan, rate, links, memory_per_rank,
+                                     optimizer_states))
+    if not candidates:
+        raise ValueError(f"autoshard: no mesh of {world_size} ranks fits this model and batch: {'; '.join(skipped)}")
+    ranked = tuple(sorted(candidates, key=lambda c: (not c.fits, c.step_s)))
+    suggestion = MeshSuggestion(ranked, rate, links, tuple(skipped))
+    if verbose:
+        print(suggestion)
+    return suggestion
+
+
+def _shapes(world: int, links: Links) -> list[dict[str, int]]:
+    shapes = []
+    for tp in (d for d in range(1, world + 1) if world % d == 0):
+        dp = world // tp
+        shapes.append({DP: dp} if tp == 1 else {TP: tp} if dp == 1 else {DP: dp, TP: tp})
+    node = links.ranks_per_node
+    if node and world > node and world % node == 0:
+        for tp in (d for d in range(1, node + 1) if node % d == 0):
+            shard, replicate = node // tp, world // node
+            if shard > 1:
+                shapes.append({DP_REPLICATE: replicate, DP_SHARD: shard, TP: tp} if tp > 1 else
+                              {DP_REPLICATE: replicate, DP_SHARD: shard})
+    return shapes
+
+
+def _share(values, rows: int):
+    if isinstance(values, dict):
+        return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in values.items()}
+    return tuple(v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in values)
+
+
+def _candidate(sizes, plan, captured, layout_plan, rate, links: Links, memory_limit, states) -> MeshCandidate:
+    axes = axes_from_sizes(sizes)
+    flops = 0.0
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function" and node.target in _MATMULS | _ATTENTION:
+            work = _flops(node)
+            flops += work / axes.tp if layout_plan.layouts.get(node) is not None else work
+    compute = 3 * flops / rate  # forward, and backward's two products per forward one
+    comm = {}
+    spans = _spans(sizes)
+    for axis, kinds in plan.predicted_comm().items():
+        latency, per_byte = links.link(spans[axis])
+        comm[axis] = sum(n * latency + nbytes * per_byte for n, nbytes in kinds.values())
+    memory = _memory(plan, captured, layout_plan, axes, states)
+    return MeshCandidate(dict(sizes), compute, comm, memory, memory_limit is None or memory <= memory_limit)
+
+
+def _spans(sizes: dict[str, int]) -> dict[str, int]:
+    """How many consecutive ranks one group of each axis spans (the last axis is innermost)."""
+    spans, inner = {}, 1
+    for axis in reversed(list(sizes)):
+        inner *= sizes[axis]
+        spans[axis] = inner
+    return spans
+
+
+def _flops(node) -> float:
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return 0.0
+    if node.target in _ATTENTION:
+        q, k = (a.meta["val"] for a in node.args[:2])
+        return 4.0 * q.numel() * k.shape[-2]  # q @ k^T and attn @ v
+    with_bias = node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+    first = node.args[1] if with_bias else node.args[0]
+    inner = first.meta["val"].shape[-1]
+    return 2.0 * out.numel() * int(inner)
+
+
+def _memory(plan, captured, layout_plan, axes, states: int) -> int:
+    local = {}
+    for fqn, entry in plan.params.items():
+        shape = list(entry.stored_shape)
+        dim = tp_dim_of(entry) if axes.has_tp else None
+        if dim is not None and dim < len(shape):
+            shape[dim] //= axes.tp
+        full_over_dp = math.prod(shape)
+        choice = dp_choice(entry.placements)
+        if choice not in (None, "R"):
+            d = int(choice[2:-1])
+            shape[d] = -(-shape[d] // axes.dp)
+        local[fqn] = (math.prod(shape), full_over_dp, entry.unit)
+    sharded = sum(n for n, _, _ in local.values())
+    units: dict[str, int] = {}
+    for _, full, unit in local.values():
+        units[unit] = units.get(unit, 0) + full
+    gathered = 2 * max(units.values(), default=0)
+    activations = 0
+    for node in captured.gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point():
+            size = val.numel() * val.element_size()
+            activations += size // axes.tp if layout_plan.layouts.get(node) is not None else size
+    return 4 * sharded * (2 + states) + 4 * gathered + activations
+
+
+def _measure_flops(size: int = 512, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return repeats * 2.0 * size**3 / (time.perf_counter() - start)
+
+
+def _probe_links(small: int = 1024, large: int = 1 << 20, repeats: int = 5) -> Links:
+    """alpha and bandwidth of the current process group from a small and a large all-reduce."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        raise ValueError(
+            "autoshard: suggest_mesh measures the links with a short probe on the current process group; "
+            "initialize one (all ranks call suggest_mesh), or pass links=autoshard.Links(intra_gbps=...)"
+        )
+    ranks = dist.get_world_size()
+    timings = []
+    for numel in (small, large):
+        tensor = torch.ones(numel)
+        dist.all_reduce(tensor)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(tensor)
+        seconds = torch.tensor((time.perf_counter() - start) / repeats)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        timings.append((2 * (ranks - 1) / ranks * numel * 4, seconds.item()))
+    (b0, t0), (b1, t1) = timings
+    per_byte = max((t1 - t0) / (b1 - b0), 1e-15)
+    alpha = max(t0 - b0 * per_byte, 0.0)
+    return Links(intra_gbps=1.0 / per_byte / 1e9, intra_latency_us=alpha * 1e6)

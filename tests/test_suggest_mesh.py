@@ -1,0 +1,80 @@
+"""``autoshard.suggest_mesh`` in one process: given links and a compute rate, no probe runs.
+
+The ranking against measured step times is the benchmark's job
+(``benchmarks/bench_meshes.py``); here: every factorization is planned and
+priced from its own plan, memory limits mark and demote candidates, HSDP
+shapes appear when nodes are known, and what cannot run is said.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Links
+from examples.models import Llama, LlamaConfig
+
+TOKENS = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+FAST = Links(intra_gbps=100.0, intra_latency_us=1.0)
+
+
+def _llama():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(num_heads=4, num_kv_heads=4))
+
+
+def test_every_factorization_is_priced_from_its_own_plan():
+    suggestion = autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), links=FAST, flops_per_second=1e10,
+                                        verbose=False)
+    meshes = [c.mesh for c in suggestion.candidates]
+    assert sorted(map(str, meshes)) == sorted(map(str, [{"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4}]))
+    steps = [c.step_s for c in suggestion.candidates]
+    assert steps == sorted(steps) and suggestion.best == meshes[0]
+    for candidate in suggestion.candidates:
+        plan = autoshard.plan(_llama(), candidate.mesh, example_inputs=(TOKENS[: 8 // candidate.mesh.get("dp", 1)],))
+        assert set(candidate.comm_s) == set(plan.predicted_comm())
+        assert candidate.compute_s > 0 and candidate.memory_bytes > 0
+    # tp splits the matmuls, dp the batch: compute per rank is about a quarter on every mesh
+    computes = {str(c.mesh): c.compute_s for c in suggestion.candidates}
+    assert max(computes.values()) < 1.5 * min(computes.values())
+    assert "rank  mesh" in str(suggestion)
+
+
+def test_slow_links_favour_less_communication_and_memory_limits_demote():
+    slow = Links(intra_gbps=0.001, intra_latency_us=1000.0)
+    suggestion = autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), links=slow, flops_per_second=1e12,
+                                        verbose=False)
+    comm = {str(c.mesh): sum(c.comm_s.values()) for c in suggestion.candidates}
+    assert str(suggestion.best) == min(comm, key=comm.get)
+    smallest = min(c.memory_bytes for c in suggestion.candidates)
+    limited = autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), links=slow, flops_per_second=1e12,
+                                     memory_per_rank=smallest, verbose=False)
+    fits = [c for c in limited.candidates if c.fits]
+    assert fits and all(c.memory_bytes <= smallest for c in fits)
+    assert limited.candidates[0].fits
+    if len(fits) < len(limited.candidates):
+        assert "(does not fit)" in str(limited) and not limited.candidates[-1].fits
+
+
+def test_hsdp_shapes_when_nodes_are_known():
+    links = Links(intra_gbps=100.0, inter_gbps=10.0, ranks_per_node=4)
+    suggestion = autoshard.suggest_mesh(_llama(), 8, example_inputs=(TOKENS,), links=links, flops_per_second=1e10,
+                                        verbose=False)
+    meshes = [c.mesh for c in suggestion.candidates]
+    assert {"dp_replicate": 2, "dp_shard": 2, "tp": 2} in meshes and {"dp_replicate": 2, "dp_shard": 4} in meshes
+    hsdp = next(c for c in suggestion.candidates if c.mesh == {"dp_replicate": 2, "dp_shard": 4})
+    assert set(hsdp.comm_s) == {"dp_shard", "dp_replicate"}
+
+
+def test_a_batch_that_does_not_split_is_skipped_and_said():
+    suggestion = autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS[:3],), links=FAST, flops_per_second=1e10,
+                                        verbose=False)
+    assert [c.mesh for c in suggestion.candidates] == [{"tp": 4}]
+    assert any("batch 3 does not divide by 4" in s for s in suggestion.skipped)
+    assert any("batch 3 does not divide by 2" in s for s in suggestion.skipped)
+
+
+def test_without_links_or_a_process_group_it_says_what_to_pass():
+    with pytest.raises(ValueError, match="pass links=autoshard.Links"):
+        autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), verbose=False)
