@@ -10,7 +10,8 @@ shard group fills a node, :func:`suggest_mesh` plans the model on that mesh
   runs the op sharded or partial over tp, at ``flops_per_second`` (by default
   measured here with a short fp32 matmul on the calling process);
 * **communication**: :meth:`Plan.predicted_comm` per axis, under an alpha-beta
-  model per link: ``alpha`` per collective plus wire bytes over bandwidth.
+  model per link: ``alpha`` per ring step (``2(p-1)`` for an all-reduce on ``p``
+  ranks, ``p-1`` for the others) plus wire bytes over bandwidth.
   ``links`` gives them (:class:`Links`); without it one probe on the current
   process group measures a small and a large all-reduce and fits both;
 * **memory per rank**: parameters, gradients and ``optimizer_states`` fp32
@@ -46,7 +47,7 @@ _ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default}
 
 @dataclasses.dataclass(frozen=True)
 class Links:
-    """Bandwidth (GB/s, per rank, one direction) and latency (microseconds per collective) of the
+    """Bandwidth (GB/s, per rank, one direction) and latency (microseconds per ring step) of the
     links inside a node and between nodes, and how many ranks a node holds. An axis whose groups
     stay inside one node uses the intra-node link."""
 
@@ -57,7 +58,7 @@ class Links:
     inter_latency_us: float = 10.0
 
     def link(self, group_span: int) -> tuple[float, float]:
-        """``(seconds per collective, seconds per wire byte)`` for groups spanning ``group_span``
+        """``(seconds per ring step, seconds per wire byte)`` for groups spanning ``group_span``
         consecutive ranks."""
         inside = self.ranks_per_node is None or group_span <= self.ranks_per_node
         gbps = self.intra_gbps if inside or self.inter_gbps is None else self.inter_gbps
@@ -179,9 +180,15 @@ def _candidate(sizes, plan, captured, layout_plan, rate, links: Links, memory_li
     spans = _spans(sizes)
     for axis, kinds in plan.predicted_comm().items():
         latency, per_byte = links.link(spans[axis])
-        comm[axis] = sum(n * latency + nbytes * per_byte for n, nbytes in kinds.values())
+        ranks = axes.size(axis)
+        comm[axis] = sum(n * _steps(kind, ranks) * latency + nbytes * per_byte for kind, (n, nbytes) in kinds.items())
     memory = _memory(plan, captured, layout_plan, axes, states)
     return MeshCandidate(dict(sizes), compute, comm, memory, memory_limit is None or memory <= memory_limit)
+
+
+def _steps(kind: str, ranks: int) -> int:
+    """Latency-bound steps of a ring collective on ``ranks`` ranks."""
+    return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
 
 
 def _spans(sizes: dict[str, int]) -> dict[str, int]:
@@ -242,8 +249,9 @@ def _measure_flops(size: int = 512, repeats: int = 5) -> float:
     return repeats * 2.0 * size**3 / (time.perf_counter() - start)
 
 
-def _probe_links(small: int = 1024, large: int = 1 << 20, repeats: int = 5) -> Links:
-    """alpha and bandwidth of the current process group from a small and a large all-reduce."""
+def _probe_links(small: int = 256, large: int = 1 << 20, repeats: int = 10) -> Links:
+    """Latency per ring step and bandwidth of the current process group, from a small and a
+    large all-reduce (each the mean of ``repeats``, the slowest rank's)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         raise ValueError(
             "autoshard: suggest_mesh measures the links with a short probe on the current process group; "
@@ -263,5 +271,5 @@ def _probe_links(small: int = 1024, large: int = 1 << 20, repeats: int = 5) -> L
         timings.append((2 * (ranks - 1) / ranks * numel * 4, seconds.item()))
     (b0, t0), (b1, t1) = timings
     per_byte = max((t1 - t0) / (b1 - b0), 1e-15)
-    alpha = max(t0 - b0 * per_byte, 0.0)
+    alpha = max(t0 - b0 * per_byte, 0.0) / _steps("all_reduce", ranks)
     return Links(intra_gbps=1.0 / per_byte / 1e9, intra_latency_us=alpha * 1e6)
