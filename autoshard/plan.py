@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 from autoshard.block_quant import BlockQuant, TileQuant
 from autoshard.export import to_hf_tp_plan, to_parallelize_plan
-from autoshard.predict import predicted_comm
+from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
 from autoshard.sharding import Collective, Role
 
@@ -279,7 +279,19 @@ class Plan:
             out.append(f"capture: every block traced (not once for all): {self.trace_note}")
         if "tp" in self.mesh:
             out.append(self.breaks_line())
+            out += self.tp_traffic_lines()
         return "\n".join(out)
+
+    def tp_traffic_lines(self) -> list[str]:
+        """Per FSDP unit: the tp collectives of one training step and their wire bytes per rank."""
+        traffic = tp_traffic_by_unit(self)
+        if not traffic:
+            return []
+        width = max(len(u or "<root>") for u in traffic)
+        lines = ["predicted tp traffic per training step (ring wire bytes per rank):",
+                 f"  {'unit':<{width}}  collectives        bytes"]
+        lines += [f"  {unit or '<root>':<{width}}  {n:>11}  {nbytes:>11,}" for unit, (n, nbytes) in traffic.items()]
+        return lines
 
     def quant_spec(self) -> BlockQuant | None:
         return BlockQuant.from_dict(self.all_gather_quant) if self.all_gather_quant else None

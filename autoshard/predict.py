@@ -84,10 +84,12 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
     return tally.result()
 
 
-def _tp(plan, axes: MeshAxes, tally: _Tally, reduce_dtype) -> None:
-    records = [c for entry in plan.params.values() for c in entry.collectives] + list(plan.activations)
-    for record in records:
-        if not record.runs:
+def _tp(plan, axes: MeshAxes, tally: _Tally, reduce_dtype, unit: str | None = None) -> None:
+    """Add the tp collectives of ``plan`` (of one FSDP unit's code when ``unit`` is given)."""
+    records = [(entry.unit, c) for entry in plan.params.values() for c in entry.collectives]
+    records += [(plan.unit_of_activation(i), a) for i, a in enumerate(plan.activations)]
+    for owner, record in records:
+        if not record.runs or (unit is not None and owner != unit):
             continue
         if record.legacy_text or not record.numel:
             raise ValueError(
@@ -106,6 +108,26 @@ def _tp(plan, axes: MeshAxes, tally: _Tally, reduce_dtype) -> None:
         }[record.kind]
         for kind, dtype in sends:
             tally.add(TP, kind, record.numel * dtype.itemsize, axes.tp)
+
+
+def tp_traffic_by_unit(plan) -> dict[str, tuple[int, int]] | None:
+    """``{unit: (tp collectives, wire bytes)}`` per training step, or None when the plan has no
+    tp axis or does not record collective sizes (a version-1 plan, symbolic shapes)."""
+    axes = axes_from_sizes(dict(plan.mesh))
+    if not axes.has_tp:
+        return None
+    mp = plan.mixed_precision
+    reduce_dtype = getattr(torch, mp.get("reduce_dtype") or mp["param_dtype"]) if mp else None
+    traffic = {}
+    for unit in plan.units:
+        tally = _Tally()
+        try:
+            _tp(plan, axes, tally, reduce_dtype, unit)
+        except ValueError:
+            return None
+        kinds = tally.result().get(TP, {})
+        traffic[unit] = (sum(n for n, _ in kinds.values()), sum(b for _, b in kinds.values()))
+    return traffic
 
 
 def _local_shape(entry, axes: MeshAxes) -> list[int]:
