@@ -107,3 +107,15 @@ def test_what_cannot_be_written_from_two_blocks_is_traced_in_full_and_said(build
     assert once.gm.code == capture(model, (inputs,), trace_blocks_once=False).gm.code
     plan = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(inputs,))
     assert f"capture: every block traced (not once for all): {once.trace_note}" in str(plan)
+
+
+def test_a_deep_meta_model_plans_alike_both_ways():
+    """Llama-3 8B shapes on meta, 6 blocks, {"dp": 128, "tp": 8}: the same plan either way."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=128256, dim=4096, num_layers=6, num_heads=32, num_kv_heads=8,
+                                  ffn_hidden=14336, max_seq_len=64))
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    once = autoshard.plan(model, {"dp": 128, "tp": 8}, example_inputs=(tokens,))
+    full = autoshard.plan(model, {"dp": 128, "tp": 8}, example_inputs=(tokens,), trace_blocks_once=False)
+    assert once == full and str(once) == str(full)
+    assert once.predicted_comm() == full.predicted_comm()
