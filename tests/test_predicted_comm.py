@@ -1,7 +1,7 @@
 """``plan.predicted_comm()`` equals what one training step measures, exactly.
 
-One 4-process group. For every model of the test matrix (the example models
-and the Hugging Face families) on 2x2, tp=4 and dp=4, in fp32 and (where a dp
+One 4-process group. For every model of the test matrix (the example models,
+the Hugging Face families and the public-code patterns) on 2x2, tp=4 and dp=4, in fp32 and (where a dp
 axis exists) bf16 mixed precision: the second step's collectives, counted by
 ``CollectiveCounter`` over forward, backward and an SGD step, per axis and
 kind, count and wire bytes, against the plan's prediction made before running.
@@ -19,12 +19,15 @@ from tests.cases import MODELS
 from tests.distributed import distributed_tests
 from tests.hf_cases import CASES
 from tests.parity import dp_slice
+from tests.pattern_models import PATTERNS, VOCAB
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _model_and_batch(name: str):
     torch.manual_seed(0)
+    if name in PATTERNS:
+        return PATTERNS[name](), torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0)), {}
     if name in MODELS:
         build, (example,) = MODELS[name]
         return build(), torch.cat([example, example]), {}  # 4 rows: one per dp rank on dp=4
@@ -48,12 +51,12 @@ def _measured(sharded, mesh, inputs, kwargs) -> dict:
             for axis, stats in counter.stats().items() if stats.num_collectives}
 
 
-def _check_family(ctx, names):
+def _check_family(ctx, names, policies=(None, BF16)):
     meshes = {"2x2": ctx.mesh_2d, "tp4": ctx.mesh_tp, "dp4": ctx.mesh_dp}
     misses = []
     for name in names:
         for mesh_name, mesh in meshes.items():
-            for policy in (None, BF16) if "dp" in mesh.mesh_dim_names else (None,):
+            for policy in policies if "dp" in mesh.mesh_dim_names else (None,):
                 model, ids, kwargs = _model_and_batch(name)
                 local, local_kwargs = dp_slice(ids, mesh), {k: dp_slice(v, mesh) for k, v in kwargs.items()}
                 sharded = autoshard.autoshard(model, mesh, example_inputs=(local,), example_kwargs=local_kwargs,
@@ -78,6 +81,12 @@ def check_hf_moe_fused_and_encoders(ctx):
     _check_family(ctx, ["qwen3_moe", "phi3", "gpt2", "bert"])
 
 
+def check_public_code_patterns(ctx):
+    """fp32 only: several of these models (like much public code) build fp32 masks that no bf16
+    run of theirs survives, sharded or not."""
+    _check_family(ctx, list(PATTERNS), policies=(None,))
+
+
 def check_quantized_all_gather(ctx):
     """A quantized all-gather is predicted as its 1-byte values and fp32 scales."""
     mesh = ctx.mesh_2d
@@ -88,7 +97,7 @@ def check_quantized_all_gather(ctx):
     assert sharded.autoshard_plan.predicted_comm() == _measured(sharded, mesh, local, {})
 
 
-CHECKS = [check_example_models, check_hf_decoders, check_hf_moe_fused_and_encoders,
+CHECKS = [check_example_models, check_hf_decoders, check_hf_moe_fused_and_encoders, check_public_code_patterns,
           check_quantized_all_gather]
 
 outcomes, test_check = distributed_tests(CHECKS)
