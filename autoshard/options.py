@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoshard.block_quant import BlockQuant
+
 ON_INDIVISIBLE = ("replicate", "error")
 
 
@@ -37,8 +39,6 @@ class PlanOptions:
             raise ValueError(
                 f"autoshard: on_indivisible must be 'replicate' or 'error', got {self.on_indivisible!r}"
             )
-        from autoshard.block_quant import BlockQuant
-
         if self.all_gather_quant is not None and not isinstance(self.all_gather_quant, BlockQuant):
             raise ValueError(
                 "autoshard: all_gather_quant must be an autoshard.BlockQuant (e.g. "

@@ -238,8 +238,11 @@ def _shifted(name: str, strides: dict[str, int], blocks: int) -> str:
 def _between(nodes, units) -> fx.Node | None:
     """A root call between block 0's and block 1's code: per-iteration work the copies would miss."""
     compute = [i for i, n in enumerate(nodes) if units[n] is not None and n.op != "get_attr"]
-    last0 = max(i for i in compute if units[nodes[i]] == 0)
-    first1 = min(i for i in compute if units[nodes[i]] == 1)
+    in_first = [i for i in compute if units[nodes[i]] == 0]
+    in_second = [i for i in compute if units[nodes[i]] == 1]
+    if not in_first or not in_second:
+        return None
+    last0, first1 = max(in_first), min(in_second)
     return next((nodes[i] for i in range(last0 + 1, first1) if nodes[i].op == "call_function"), None)
 
 
