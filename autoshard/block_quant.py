@@ -27,7 +27,8 @@ from collections.abc import Mapping
 
 import torch
 
-from autoshard.mesh import TP, MeshAxes, dp_choice
+from autoshard.mesh import MeshAxes, dp_choice
+from autoshard.sharding import tp_local_shape
 
 ON_UNALIGNED = ("unquantized", "error")
 
@@ -179,10 +180,7 @@ def tile_quant(fqn: str, entry, axes: MeshAxes, spec: BlockQuant) -> TileQuant |
     stored = tuple(entry.stored_shape)
     if len(stored) < 2:
         return None
-    tile = list(stored)
-    tp_dim = entry.sharded_dim(TP) if axes.has_tp else None
-    if tp_dim is not None:
-        tile[tp_dim] //= axes.tp
+    tile = tp_local_shape(entry, axes)
     choice = dp_choice(entry.placements)
     if choice is None or axes.dp == 1:
         return TileQuant(tuple(tile), reason="not all-gathered (no FSDP sharding)")

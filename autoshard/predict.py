@@ -41,7 +41,7 @@ from autoshard.sharding import (
     NO_COLLECTIVE,
     REDUCE_SCATTER,
     TAKE_SHARD,
-    tp_dim_of,
+    rank_shape,
 )
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -73,41 +73,15 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
     """See the module docstring. ``reshard_after_forward`` is ``autoshard``'s option of that name;
     ``master_dtype`` the parameters' dtype (the plan records shapes, not dtypes, of parameters)."""
     axes = axes_from_sizes(dict(plan.mesh))
-    mp = plan.mixed_precision
-    param_dtype = getattr(torch, mp["param_dtype"]) if mp.get("param_dtype") else None
-    reduce_dtype = getattr(torch, mp["reduce_dtype"]) if mp.get("reduce_dtype") else param_dtype
+    param_dtype, reduce_dtype = _policy_dtypes(plan)
     tally = _Tally()
     if axes.has_tp:
-        _tp(plan, axes, tally, reduce_dtype)
+        for sends in _tp_sends(plan, reduce_dtype).values():
+            for kind, nbytes in sends:
+                tally.add(TP, kind, nbytes, axes.tp)
     if axes.has_dp:
         _fsdp(plan, axes, tally, reshard_after_forward, master_dtype, param_dtype, reduce_dtype)
     return tally.result()
-
-
-def _tp(plan, axes: MeshAxes, tally: _Tally, reduce_dtype, unit: str | None = None) -> None:
-    """Add the tp collectives of ``plan`` (of one FSDP unit's code when ``unit`` is given)."""
-    records = [(entry.unit, c) for entry in plan.params.values() for c in entry.collectives]
-    records += [(plan.unit_of_activation(i), a) for i, a in enumerate(plan.activations)]
-    for owner, record in records:
-        if not record.runs or (unit is not None and owner != unit):
-            continue
-        if record.legacy_text or not record.numel:
-            raise ValueError(
-                "autoshard: predicted_comm needs each collective's size, which this plan does not record "
-                "(a version-1 plan, or symbolic shapes); plan again with static example inputs"
-            )
-        moved = getattr(torch, record.dtype)  # captured in param_dtype under mixed precision
-        summed = reduce_dtype if reduce_dtype is not None and moved.is_floating_point else moved
-        sends = {
-            ALL_REDUCE: [("all_reduce", summed)],
-            ALL_GATHER: [("all_gather", moved)],
-            REDUCE_SCATTER: [("reduce_scatter", summed)],
-            GATHER_SCATTER: [("all_gather", moved), ("reduce_scatter", summed)],
-            TAKE_SHARD: [("all_gather", moved)],
-            NO_COLLECTIVE: [],
-        }[record.kind]
-        for kind, dtype in sends:
-            tally.add(TP, kind, record.numel * dtype.itemsize, axes.tp)
 
 
 def tp_traffic_by_unit(plan) -> dict[str, tuple[int, int]] | None:
@@ -116,31 +90,53 @@ def tp_traffic_by_unit(plan) -> dict[str, tuple[int, int]] | None:
     axes = axes_from_sizes(dict(plan.mesh))
     if not axes.has_tp:
         return None
-    mp = plan.mixed_precision
-    reduce_dtype = getattr(torch, mp.get("reduce_dtype") or mp["param_dtype"]) if mp else None
+    try:
+        sends_by_unit = _tp_sends(plan, _policy_dtypes(plan)[1])
+    except ValueError:
+        return None
     traffic = {}
     for unit in plan.units:
         tally = _Tally()
-        try:
-            _tp(plan, axes, tally, reduce_dtype, unit)
-        except ValueError:
-            return None
+        for kind, nbytes in sends_by_unit.get(unit, ()):
+            tally.add(TP, kind, nbytes, axes.tp)
         kinds = tally.result().get(TP, {})
         traffic[unit] = (sum(n for n, _ in kinds.values()), sum(b for _, b in kinds.values()))
     return traffic
 
 
-def _local_shape(entry, axes: MeshAxes) -> list[int]:
-    """The stored piece one rank holds, FSDP's dim padded up to a multiple of the shard degree."""
-    shape = list(entry.stored_shape)
-    tp_dim = tp_dim_of(entry) if axes.has_tp else None
-    if tp_dim is not None and tp_dim < len(shape):
-        shape[tp_dim] //= axes.tp
-    choice = dp_choice(entry.placements)
-    if choice not in (None, "R"):
-        dim = int(choice[2:-1])
-        shape[dim] = -(-shape[dim] // axes.dp)
-    return shape
+def _policy_dtypes(plan) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of the plan's mixed-precision policy (None without one)."""
+    mp = plan.mixed_precision
+    param_dtype = getattr(torch, mp["param_dtype"]) if mp.get("param_dtype") else None
+    reduce_dtype = getattr(torch, mp["reduce_dtype"]) if mp.get("reduce_dtype") else param_dtype
+    return param_dtype, reduce_dtype
+
+
+def _tp_sends(plan, reduce_dtype) -> dict[str, list[tuple[str, int]]]:
+    """Per FSDP unit, each tp collective a step runs: ``(kind, bytes of the tensor it moves)``."""
+    records = [(entry.unit, c) for entry in plan.params.values() for c in entry.collectives]
+    records += [(plan.unit_of_activation(i), a) for i, a in enumerate(plan.activations)]
+    sends: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for unit, record in records:
+        if not record.runs:
+            continue
+        if record.legacy_text or not record.numel:
+            raise ValueError(
+                "autoshard: predicted_comm needs each collective's size, which this plan does not record "
+                "(a version-1 plan, or symbolic shapes); plan again with static example inputs"
+            )
+        moved = getattr(torch, record.dtype)  # captured in param_dtype under mixed precision
+        summed = reduce_dtype if reduce_dtype is not None and moved.is_floating_point else moved
+        kinds = {
+            ALL_REDUCE: [("all_reduce", summed)],
+            ALL_GATHER: [("all_gather", moved)],
+            REDUCE_SCATTER: [("reduce_scatter", summed)],
+            GATHER_SCATTER: [("all_gather", moved), ("reduce_scatter", summed)],
+            TAKE_SHARD: [("all_gather", moved)],
+            NO_COLLECTIVE: [],
+        }[record.kind]
+        sends[unit] += [(kind, record.numel * dtype.itemsize) for kind, dtype in kinds]
+    return sends
 
 
 def _fsdp(plan, axes: MeshAxes, tally: _Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
@@ -148,12 +144,14 @@ def _fsdp(plan, axes: MeshAxes, tally: _Tally, reshard: bool, master, param_dtyp
     gathered_dtype = param_dtype or master
     reduced_dtype = reduce_dtype or master
     spec = plan.quant_spec()
+    sharded_by_unit = defaultdict(list)
+    for entry in plan.params.values():
+        if dp_choice(entry.placements) not in (None, "R"):
+            sharded_by_unit[entry.unit].append(entry)
     for unit in plan.units:
         gathered = reduced = 0.0
-        for entry in plan.params.values():
-            if entry.unit != unit or dp_choice(entry.placements) in (None, "R"):
-                continue
-            numel = math.prod(_local_shape(entry, axes))
+        for entry in sharded_by_unit[unit]:
+            numel = math.prod(rank_shape(entry, axes))
             if spec is not None and entry.gather is not None and entry.gather.quantized:
                 blocks = math.prod(entry.gather.tile[:-2]) * math.prod(entry.gather.blocks)
                 gathered += numel * spec.dtype.itemsize + blocks * torch.float32.itemsize
@@ -169,6 +167,6 @@ def _fsdp(plan, axes: MeshAxes, tally: _Tally, reshard: bool, master, param_dtyp
             tally.add(DP_REPLICATE, "all_reduce", reduced, axes.replicas)
     for entry in plan.params.values():
         if dp_choice(entry.placements) == "R":
-            numel = math.prod(_local_shape(entry, axes))
+            numel = math.prod(rank_shape(entry, axes))
             for axis in reversed(axes.dp_axes):
                 tally.add(axis, "all_reduce", numel * master.itemsize, axes.size(axis))

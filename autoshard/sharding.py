@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from autoshard.mesh import DP_REPLICATE, TP, MeshAxes
+from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, dp_choice
 
 
 class Role(str, enum.Enum):
@@ -90,6 +90,26 @@ def tp_dim_of(entry) -> int | None:
         text = entry.placements.get(TP, "R")
         return None if text == "R" else int(text[2:-1])
     return TP_DIM_BY_ROLE[Role(entry.role)]
+
+
+def tp_local_shape(entry, axes: MeshAxes) -> list[int]:
+    """The stored tensor of a plan entry as one tp rank holds it (still whole over dp)."""
+    shape = list(entry.stored_shape)
+    dim = tp_dim_of(entry) if axes.has_tp else None
+    if dim is not None and dim < len(shape):
+        shape[dim] //= axes.tp
+    return shape
+
+
+def rank_shape(entry, axes: MeshAxes) -> list[int]:
+    """The piece of a plan entry one rank stores: its tp-local shape with FSDP's dim rounded up
+    to a multiple of the shard degree and divided (FSDP2 pads the last shard)."""
+    shape = tp_local_shape(entry, axes)
+    choice = dp_choice(entry.placements)
+    if choice not in (None, "R"):
+        dim = int(choice[2:-1])
+        shape[dim] = -(-shape[dim] // axes.dp)
+    return shape
 
 
 def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:

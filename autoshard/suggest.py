@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, TP, axes_from_sizes, dp_choice
+from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, TP, axes_from_sizes
 from autoshard.options import PlanOptions
-from autoshard.sharding import tp_dim_of
+from autoshard.sharding import rank_shape, tp_local_shape
 
 _MATMULS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -214,22 +214,10 @@ def _flops(node) -> float:
 
 
 def _memory(plan, captured, layout_plan, axes, states: int) -> int:
-    local = {}
-    for fqn, entry in plan.params.items():
-        shape = list(entry.stored_shape)
-        dim = tp_dim_of(entry) if axes.has_tp else None
-        if dim is not None and dim < len(shape):
-            shape[dim] //= axes.tp
-        full_over_dp = math.prod(shape)
-        choice = dp_choice(entry.placements)
-        if choice not in (None, "R"):
-            d = int(choice[2:-1])
-            shape[d] = -(-shape[d] // axes.dp)
-        local[fqn] = (math.prod(shape), full_over_dp, entry.unit)
-    sharded = sum(n for n, _, _ in local.values())
+    sharded = sum(math.prod(rank_shape(entry, axes)) for entry in plan.params.values())
     units: dict[str, int] = {}
-    for _, full, unit in local.values():
-        units[unit] = units.get(unit, 0) + full
+    for entry in plan.params.values():
+        units[entry.unit] = units.get(entry.unit, 0) + math.prod(tp_local_shape(entry, axes))
     gathered = 2 * max(units.values(), default=0)
     activations = 0
     for node in captured.gm.graph.nodes:
