@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 from autoshard.block_quant import BlockQuant, TileQuant
 from autoshard.export import to_hf_tp_plan, to_parallelize_plan
+from autoshard.mesh import axes_from_sizes
 from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
 from autoshard.sharding import Collective, Role
@@ -259,7 +260,7 @@ class Plan:
         if any(p.sections for p in self.params.values()):
             out.append("[a|b|c] fused output sections, permuted so each tp rank holds its share of each")
         out += list(self.functions)
-        shard_axis = next((a for a in ("dp_shard", "dp") if a in self.mesh), None)
+        shard_axis = axes_from_sizes(dict(self.mesh)).shard_axis
         if shard_axis:
             out.append(
                 f"{shard_axis}: each FSDP unit all-gathers its S(0) parameters before forward (blocks again "

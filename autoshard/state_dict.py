@@ -110,10 +110,13 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int, model: nn.Mod
     layout = StoredLayout.of(plan, tp)
     metadata = copy.deepcopy(getattr(model.state_dict(), "_metadata", None)) if model is not None else None
 
+    quantized = bool(plan.all_gather_quant)  # only then do shards carry the gather wrapper
+
     def to_original_layout(module, state_dict, prefix, local_metadata):
-        for key, value in state_dict.items():
-            if not isinstance(value, nn.Parameter):  # keep_vars=True asks for the parameters themselves
-                state_dict[key] = master_values(value)
+        if quantized:
+            for key, value in state_dict.items():
+                if not isinstance(value, nn.Parameter):  # keep_vars=True asks for the parameters themselves
+                    state_dict[key] = master_values(value)
         for fqn in layout.changed:
             key = prefix + fqn
             if key in state_dict:

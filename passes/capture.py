@@ -126,9 +126,10 @@ def capture(
     traced in full.
     """
     traced, traced_args, traced_kwargs = model, tuple(args), kwargs or {}
+    blocks = find_blocks(model)
     if compute_dtype is not None:
         traced = _twin(model, _to_meta, _parameters_as(compute_dtype))
-        _cast_unit_inputs(traced, find_blocks(model), compute_dtype)
+        _cast_unit_inputs(traced, blocks, compute_dtype)
         traced_args, traced_kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: _to_meta(t).to(compute_dtype) if t.is_floating_point() else _to_meta(t),
             (traced_args, traced_kwargs),
@@ -136,7 +137,6 @@ def capture(
     elif parameters_on_meta(model):
         traced = _twin_on_meta(model)
         traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (traced_args, traced_kwargs))
-    blocks = find_blocks(model)
     stack, trace_note = find_stack(model, blocks) if trace_blocks_once and dynamic_shapes is None else (None, "")
     exported_module = traced
     if stack is not None:

@@ -65,6 +65,7 @@ def materialize(
     originals = dict(model.named_parameters())
     for fqn, entry in plan.params.items():
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
+    _wrap_quantized_gathers(root, plan)
     _tie(root, aliases)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
     replicated_dp = {fqn for fqn, e in plan.params.items() if dp_choice(e.placements) == "R"}
@@ -76,8 +77,6 @@ def materialize(
         if cast_to is not None:
             _cast_reads(gm, prefix, replicated_dp, cast_to)
     _create_tensors_on(root, device)
-    _wrap_quantized_gathers(root, plan)
-    _tie(root, aliases)
     if axes.has_dp:
         _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy)
     if deferred:

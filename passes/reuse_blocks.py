@@ -248,15 +248,14 @@ def _between(nodes, units) -> fx.Node | None:
 
 def _copy_run(new: fx.Graph, run, k: int, stack: Stack, env, copies, counterpart) -> None:
     """Append block ``k``'s copy of block 1's ``run``."""
-    previous = copies[k - 1] if k > 2 else {n: env[n] for n in counterpart.values() if n in env}
-    block1_of_block0 = counterpart
+    previous = copies[k - 1] if k > 2 else env  # block k-1's node for each block-1 node
     mine = copies[k]
 
     def arg(node: fx.Node) -> fx.Node:
         if node in mine:
             return mine[node]
-        if node in block1_of_block0:  # block 1 reads block 0 here: block k reads block k-1
-            return previous[block1_of_block0[node]]
+        if node in counterpart:  # block 1 reads block 0 here: block k reads block k-1
+            return previous[counterpart[node]]
         return env[node]
 
     for node in run:
