@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import shutil
 import sys
+import tempfile
 import traceback
 
 import pytest
@@ -60,6 +62,20 @@ def _context(rank: int, world_size: int) -> Context:
         mesh_hsdp_dp=init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard")),
         group_2d=dist.new_group([0, 1, 2, 3]),
     )
+
+
+def shared_directory(ctx: Context) -> str:
+    """One fresh directory every rank sees (rank 0 creates it)."""
+    path = [tempfile.mkdtemp(prefix="autoshard-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def remove_shared(ctx: Context, path: str) -> None:
+    """Remove ``path`` once every rank is done with it."""
+    dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_all(rank: int, world_size: int, checks) -> dict[str, str | None]:

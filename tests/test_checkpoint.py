@@ -11,8 +11,6 @@ import datetime
 import io
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ import autoshard
 from autoshard import checkpoint
 from autoshard.launch import RankFailed, spawn
 from examples.models import Llama, LlamaConfig
-from tests.distributed import distributed_tests
+from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.hf_cases import CASES, VOCAB
 from tests.parity import dp_slice, full, lm_loss, mean_over_dp, rel_error
 
@@ -83,19 +81,6 @@ def _train(sharded, optimizer, mesh, steps, vocab: int = 256) -> list[float]:
     return losses
 
 
-def _shared_directory(ctx) -> str:
-    """One fresh directory every rank sees (rank 0 creates it)."""
-    path = [tempfile.mkdtemp(prefix="autoshard-ckpt-") if ctx.rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
-def _remove_shared(ctx, path: str) -> None:
-    dist.barrier()
-    if ctx.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _relative_loss_error(got: float, want: float) -> float:
     return abs(got - want) / abs(want)
 
@@ -103,7 +88,7 @@ def _relative_loss_error(got: float, want: float) -> float:
 def _check_dcp_across_meshes(ctx, build, meshes, vocab):
     """Save ``sharded.state_dict()`` with DCP on 2x2; load it on other meshes and into
     the plain model: the next loss matches the 2x2 one and every tensor is bit-equal."""
-    directory = _shared_directory(ctx)
+    directory = shared_directory(ctx)
     sharded = _shard(build(0), ctx.mesh_2d, vocab)
     _train(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), ctx.mesh_2d, [0], vocab)
     saved = sharded.state_dict()
@@ -135,7 +120,7 @@ def _check_dcp_across_meshes(ctx, build, meshes, vocab):
         assert torch.equal(value, expected[key]), ("plain", key)
     got = _mean_loss(plain, None, 1, vocab)
     assert _relative_loss_error(got, want) <= LOSS_TOL, ("plain", got, want)
-    _remove_shared(ctx, directory)
+    remove_shared(ctx, directory)
 
 
 def check_dcp_llama_2x2_to_1x4_4x1_and_plain(ctx):
@@ -187,7 +172,7 @@ def check_safetensors_round_trip_is_byte_identical(ctx):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    directory = _shared_directory(ctx)
+    directory = shared_directory(ctx)
     if ctx.rank == 0:
         _phi3(0).save_pretrained(os.path.join(directory, "original"))
     dist.barrier()
@@ -201,7 +186,7 @@ def check_safetensors_round_trip_is_byte_identical(ctx):
     save_file({key: gathered[key] for key in keys}, written, metadata=metadata)
     with open(original_file, "rb") as a, open(written, "rb") as b:
         assert a.read() == b.read()
-    _remove_shared(ctx, directory)
+    remove_shared(ctx, directory)
 
 
 def _adamw(sharded):
@@ -212,7 +197,7 @@ def check_optimizer_state_moves_between_meshes(ctx):
     """AdamW 2 steps on 2x2, model + optimizer saved in the original layout; on 1x4 (through
     load_latest) and 4x1 (DCP load + set_state_dict) one more step gives the loss and
     parameters of continuing on 2x2."""
-    directory = _shared_directory(ctx)
+    directory = shared_directory(ctx)
     sharded = _shard(_llama(0), ctx.mesh_2d)
     optimizer = _adamw(sharded)
     _train(sharded, optimizer, ctx.mesh_2d, range(2))
@@ -248,7 +233,7 @@ def check_optimizer_state_moves_between_meshes(ctx):
         assert _relative_loss_error(got_loss, want_loss) <= STEP_TOL, (name, got_loss, want_loss)
         for key, value in other.state_dict().items():
             assert rel_error(full(value), want_params[key]) <= STEP_TOL, (name, key)
-    _remove_shared(ctx, directory)
+    remove_shared(ctx, directory)
 
 
 CHECKS = [

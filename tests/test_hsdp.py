@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ import autoshard
 from autoshard import checkpoint
 from autoshard.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
-from tests.distributed import distributed_tests
+from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.parity import assert_parity, dp_slice, full, lm_loss, mean_over_dp, mse_loss, rel_error, train_both
 
 HSDP_AXES = ("dp_replicate", "dp_shard", "tp")
@@ -138,17 +136,11 @@ def _full_params(module) -> dict[str, torch.Tensor]:
     return {k: full(v) for k, v in module.state_dict().items()}
 
 
-def _shared_directory(ctx) -> str:
-    path = [tempfile.mkdtemp(prefix="autoshard-hsdp-") if ctx.rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
 def check_checkpoint_moves_between_2x2x2_and_2x2(ctx):
     """Model and AdamW state saved on 2x2x2 load on 2x2 (ranks 0-3); one more step there
     gives the loss and weights of continuing on 2x2x2. Saved again on 2x2, they load back
     on 2x2x2 and the step after matches the 2x2 run's."""
-    directory = _shared_directory(ctx)
+    directory = shared_directory(ctx)
     hsdp = _shard(ctx.mesh_hsdp)
     hsdp_opt = _adamw(hsdp)
     _train(hsdp, hsdp_opt, ctx.mesh_hsdp, range(2))
@@ -180,9 +172,7 @@ def check_checkpoint_moves_between_2x2x2_and_2x2(ctx):
     assert checkpoint.load_latest(directory, again, again_opt) == 3
     got_back = _train(again, again_opt, ctx.mesh_hsdp, [3])
     assert abs(got_back - want_back) <= 1e-5 * abs(want_back), (got_back, want_back)
-    dist.barrier()
-    if ctx.rank == 0:
-        shutil.rmtree(directory, ignore_errors=True)
+    remove_shared(ctx, directory)
     assert os.path.basename(back_path) == "step_00000003"
 
 
