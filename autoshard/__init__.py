@@ -11,15 +11,16 @@ block in forward and two in backward.
 """
 
 from autoshard import collectives  # noqa: F401  (registers the torch.ops.autoshard ops)
-from autoshard.api import autoshard, plan
+from autoshard.api import autoshard, check, plan
 from autoshard.backend import backend, register_backend_name
 from autoshard.block_quant import BlockQuant
 from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.mesh import data_parallel_rank
 from autoshard.plan import ParamSharding, Plan
+from autoshard.proof import Proof, ProofError
 from autoshard.suggest import Links, suggest_mesh
 
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 
-__all__ = ["autoshard", "plan", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
+__all__ = ["autoshard", "plan", "check", "Proof", "ProofError", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
            "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links"]

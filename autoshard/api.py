@@ -19,19 +19,78 @@ from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.carry import check_activations_carry
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
-from autoshard.passes.capture import capture
+from autoshard.passes.capture import CapturedGraph, capture, parameters_on_meta
 from autoshard.passes.checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.passes.checkpointing import apply_activation_checkpointing
-from autoshard.passes.discover import find_sites
+from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.layouts import insert_redistributes
 from autoshard.passes.materialize import materialize
-from autoshard.passes.partition import partition
+from autoshard.passes.partition import Partitioned, partition
 from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, propagate
+from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, LayoutPlan, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan, mixed_precision_of
+from autoshard.proof import Proof, Subject, copy_graph_module, prove, vocabularies
 from autoshard.retarget import retarget
+
+
+# The largest model (parameter elements) ``autoshard(check="auto")`` proves. The proof runs every
+# tp rank's forward and backward on the example shapes in this process, which costs about one
+# unsharded training step plus the simulation's per-op overhead: a few seconds up to this size.
+AUTO_CHECK_MAX_ELEMENTS = 16_000_000
+
+
+def check(
+    model: nn.Module,
+    mesh: DeviceMesh | Mapping[str, int],
+    *,
+    example_inputs: tuple,
+    example_kwargs: dict | None = None,
+    plan: Plan | Mapping | None = None,
+    seed: int = 0,
+    rtol: float | None = None,
+    on_indivisible: str = "replicate",
+    loss_parallel: bool = False,
+    dynamic_shapes=None,
+    sequence_parallel: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    all_gather_quant: BlockQuant | None = None,
+    trace_blocks_once: bool = True,
+) -> Proof:
+    """Prove the plan for ``model`` on ``mesh`` in this process, without a process group.
+
+    Every tp rank of the emitted code runs here, forward and backward, on fresh inputs of
+    the example's shapes (token ids over the whole vocabulary) and one random full set of
+    weights cut as the plan cuts them; collectives are simulated across the ranks' values.
+    Every output and every parameter gradient is compared with the unsharded captured graph
+    on the same weights and inputs. FSDP over the dp axes is torch's own and not simulated.
+
+    Args:
+        model: the single-device model (it is only read; its weights are not used).
+        mesh: a ``DeviceMesh`` or a dict of axis sizes (``{"dp": 2, "tp": 4}``).
+        example_inputs: one rank's batch; only shapes, dtypes and masks are taken from it.
+        plan: a saved plan to prove instead of planning.
+        seed: seeds the weights, inputs and output gradients.
+        rtol: the relative error allowed (default by compute dtype: 1e-4 fp32, 3e-2 bf16).
+        The other options are :func:`autoshard`'s; ``mp_policy`` proves the code as it runs in
+        ``param_dtype``.
+
+    Returns:
+        a :class:`~autoshard.proof.Proof`: ``ok``, the error of every output and gradient, the
+        first diverging node when it failed; ``raise_if_failed()`` raises with all of it.
+
+    Example::
+
+        proof = autoshard.check(model, {"dp": 2, "tp": 4}, example_inputs=(tokens,))
+        proof.raise_if_failed()
+    """
+    axes = _axes(mesh)
+    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
+                          all_gather_quant, trace_blocks_once)
+    planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
+    emitted = _emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
+    return prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
 
 
 def plan(
@@ -56,7 +115,7 @@ def plan(
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, options)[0]
+    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, options).plan
 
 
 def autoshard(
@@ -76,6 +135,7 @@ def autoshard(
     activation_checkpointing: str | None = None,
     all_gather_quant: BlockQuant | None = None,
     trace_blocks_once: bool = True,
+    check: bool | str = "auto",
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -126,6 +186,11 @@ def autoshard(
     (its forward tp collectives included), ``"selective"`` keeps the outputs of
     matmuls, attention and tp collectives and recomputes the rest (no extra tp
     collective), ``None`` keeps every activation.
+    ``check``: prove the emitted tp code before any tensor is placed (see :func:`check`);
+    a plan that fails raises :class:`~autoshard.proof.ProofError` naming the first
+    diverging node and its source line. ``"auto"`` proves when it costs little: a mesh
+    with tp, a model holding values (not on meta) with at most
+    :data:`AUTO_CHECK_MAX_ELEMENTS` parameter elements. ``True`` always, ``False`` never.
     """
     axes = _axes(mesh)
     if axes.mesh is None:
@@ -141,20 +206,15 @@ def autoshard(
         )
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    final_plan, captured, sites, layout_plan = _plan(model, axes, example_inputs, example_kwargs, plan, options)
+    proving = _proves(check, model, axes)
+    planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=proving)
+    final_plan, captured = planned.plan, planned.captured
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
-    gm = captured.gm
     tp_group = axes.group_name("tp") if axes.has_tp else None
-    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
-    if tp_group is not None:
-        insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
-    scatter = frozenset(
-        s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
-            s.weight_fqn] == ROWWISE
-    )
-    partial = frozenset(s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == PARTIAL)
-    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial, reduce_dtype)
-    parts = partition(gm, captured.block_fqns)
+    emitted = _emit(planned, axes, tp_group, options, keep_planned=proving)
+    if proving:
+        prove(emitted.subject, model, example_inputs, example_kwargs).raise_if_failed()
+    parts = emitted.parts
     sharded = materialize(
         parts,
         model,
@@ -190,7 +250,30 @@ def _axes(mesh) -> MeshAxes:
     return read_mesh(mesh)
 
 
-def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions):
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What planning hands to emission: the plan, the captured graph it was made on (nodes
+    and all), the sites and propagation's layouts; ``reference`` is a copy of the graph as
+    captured, before propagation rewrote any of it (kept only for a proof)."""
+
+    plan: Plan
+    captured: CapturedGraph
+    sites: Sites
+    layout_plan: LayoutPlan
+    reference: fx.GraphModule | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+    """The sharded code before any tensor is placed: ``parts`` (root and block graphs), and
+    with ``keep_planned`` the :class:`~autoshard.proof.Subject` a proof runs."""
+
+    parts: Partitioned
+    subject: Subject | None = None
+
+
+def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
+          keep_reference: bool = False) -> Planned:
     options = options.for_tp(axes.has_tp)
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
@@ -201,6 +284,7 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         compute_dtype = None  # a dynamo graph replayed node by node: its blocks' input casts never run
     captured = capture(model, example_inputs, example_kwargs, options.dynamic_shapes, compute_dtype,
                        options.trace_blocks_once)
+    reference = copy_graph_module(captured.gm) if keep_reference else None
     sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
     dp_placements = None
@@ -224,7 +308,53 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         _check_plan_consistent(given, final)
         if given is not saved:
             check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
-    return final, captured, sites, layout_plan
+    return Planned(final, captured, sites, layout_plan, reference)
+
+
+def _emit(planned: Planned, axes: MeshAxes, tp_group: str | None, options: PlanOptions,
+          keep_planned: bool = False) -> Emitted:
+    """The tp collectives, the rewritten linears and the per-block graphs of a plan.
+
+    ``tp_group`` names the tp process group in the emitted ops; a proof runs the code
+    without resolving it, so any name serves there."""
+    gm, sites, layout_plan = planned.captured.gm, planned.sites, planned.layout_plan
+    planned_graph = copy_graph_module(gm) if keep_planned else None
+    reduce_dtype = options.mp_policy.reduce_dtype if options.mp_policy is not None else None
+    if tp_group is not None:
+        insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
+    scatter = frozenset(
+        s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
+            s.weight_fqn] == ROWWISE
+    )
+    partial = frozenset(s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == PARTIAL)
+    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial, reduce_dtype)
+    parts = partition(gm, planned.captured.block_fqns)
+    if not keep_planned:
+        return Emitted(parts)
+    subject = Subject(
+        reference=planned.reference,
+        planned=planned_graph,
+        emitted=gm,
+        root=parts.root,
+        plan=planned.plan,
+        tp=axes.tp,
+        layouts=layout_plan.layouts,
+        skip=frozenset(n.name for s in sites.all for n in {s.node, getattr(s, "output", s.node)}),
+        vocabularies=vocabularies(sites),
+    )
+    return Emitted(parts, subject)
+
+
+def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:
+    """Whether ``autoshard(check=...)`` runs the proof: always for True, never for False;
+    for ``"auto"`` when it costs little (see :data:`AUTO_CHECK_MAX_ELEMENTS`)."""
+    if check not in (True, False, "auto"):
+        raise ValueError(f"autoshard: check must be True, False or 'auto', got {check!r}")
+    if check != "auto":
+        return bool(check) and axes.has_tp
+    if not axes.has_tp or parameters_on_meta(model):
+        return False
+    return sum(p.numel() for p in model.parameters()) <= AUTO_CHECK_MAX_ELEMENTS
 
 
 def _as_plan(given) -> Plan | None:

@@ -132,7 +132,8 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
         local_kwargs = _share(example_kwargs or {}, batch // data_parallel)
         options = PlanOptions(mp_policy=mp_policy)
         try:
-            plan, captured, _, layout_plan = _plan(model, axes_from_sizes(sizes), local, local_kwargs, None, options)
+            planned = _plan(model, axes_from_sizes(sizes), local, local_kwargs, None, options)
+            plan, captured, layout_plan = planned.plan, planned.captured, planned.layout_plan
         except ValueError as err:
             skipped.append(f"{sizes}: {err}")
             continue

@@ -1,0 +1,421 @@
+"""Proof: the emitted tp code checked against the unsharded model, in one process.
+
+A plan is a claim about a model nobody here has seen. Before it is handed to a
+user it is proven on that model: every tp rank of the emitted code runs in this
+process (:mod:`autoshard.passes.simulate`), forward and backward, and every
+output and every parameter gradient is compared with the unsharded captured
+graph run on the same weights and inputs.
+
+* Weights are one random full set (drawn per parameter around the model's own
+  scale, so zero-initialized layers do not hide a wrong path), cut as the plan
+  cuts them: transposed, fused sections permuted, the tp dim chunked.
+* Inputs are fresh, not the example input: token ids are drawn over each
+  embedding's whole vocabulary, including every tp rank's vocabulary slice and
+  the ``padding_idx`` row; floating inputs are drawn with the example's mean
+  and spread (a floating mask, two distinct values or fewer, is kept).
+* Each output gets a random cotangent; every rank back-propagates its copy.
+* On a mismatch the first node whose per-rank values disagree with its chunk of
+  the reference is named with its source line: forward values in graph order,
+  then gradients from the output back.
+
+What it covers: the tp ranks (and sequence parallelism), simulated. What it
+does not: FSDP itself (dp sharding, its all-gathers and reduce-scatters are
+torch's own) and real collectives on a wire; the multi-process tests cover
+those.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autoshard.errors import describe
+from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
+from autoshard.passes.simulate import PerRank, RankSimulator
+from autoshard.plan import Plan, section_order
+
+_ATEN = torch.ops.aten
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+_VIEW_LIKE = {_ATEN.view.default, _ATEN.reshape.default, _ATEN.flatten.using_ints, _ATEN.clone.default,
+              _ATEN.contiguous.default, _ATEN._to_copy.default, _ATEN.to.dtype, _ATEN.unsqueeze.default,
+              _ATEN.squeeze.dim, _ATEN.expand.default, _ATEN.slice.Tensor, _ATEN.select.int}
+
+
+class ProofError(ValueError):
+    """The emitted code does not compute what the model computes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """What one check measured. Errors are relative (``|a - b| / |b|``, max over tp ranks)."""
+
+    tp: int
+    tolerance: float
+    outputs: tuple[tuple[str, float], ...]
+    gradients: tuple[tuple[str, float], ...]
+    first_divergence: str | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(e <= self.tolerance for _, e in (*self.outputs, *self.gradients))
+
+    @property
+    def max_output_error(self) -> float:
+        return max((e for _, e in self.outputs), default=0.0)
+
+    @property
+    def max_gradient_error(self) -> float:
+        return max((e for _, e in self.gradients), default=0.0)
+
+    def failures(self) -> list[tuple[str, float]]:
+        return [(w, e) for w, e in (*self.outputs, *self.gradients) if e > self.tolerance]
+
+    def __str__(self) -> str:
+        verdict = "proven" if self.ok else "FAILED"
+        head = (f"autoshard proof on tp={self.tp}: {verdict} ({len(self.outputs)} outputs max error "
+                f"{self.max_output_error:.1e}, {len(self.gradients)} gradients max error "
+                f"{self.max_gradient_error:.1e}, tolerance {self.tolerance:.0e}, {self.seconds:.2f} s)")
+        if self.ok:
+            return head
+        worst = sorted(self.failures(), key=lambda f: -f[1])[:5]
+        lines = [head, *(f"  {what}: {err:.2e}" for what, err in worst)]
+        if self.first_divergence:
+            lines.append(f"  first divergence: {self.first_divergence}")
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            raise ProofError(f"autoshard: the sharded code does not compute what the model does.\n{self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What a proof runs: the captured graph, the emitted code and how they relate.
+
+    ``reference`` is the graph as captured (before any pass rewrote it);
+    ``planned`` the graph propagation planned on (its node names are the emitted
+    graph's), ``emitted`` the flat graph with collectives, ``root`` its
+    partitioned form (the code that runs). ``layouts`` and ``skip`` come from
+    propagation: each planned value's layout, and the nodes whose value changes
+    meaning in the rewrite (linear sites), compared only through their users.
+    """
+
+    reference: fx.GraphModule
+    planned: fx.GraphModule
+    emitted: fx.GraphModule
+    root: fx.GraphModule
+    plan: Plan
+    tp: int
+    layouts: dict
+    skip: frozenset[str]
+    vocabularies: dict[str, tuple[int, int | None]]  # placeholder name -> (rows, padding_idx)
+
+
+def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+          *, seed: int = 0, rtol: float | None = None) -> Proof:
+    """Run ``subject`` on fresh inputs and random weights; compare with the reference."""
+    start = time.perf_counter()
+    _refuse_meta(subject.reference)
+    with torch.random.fork_rng(devices=[]):
+        gen = torch.Generator().manual_seed(seed)
+        inputs = fresh_inputs(subject, example_inputs, example_kwargs or {}, gen)
+        weights = random_weights(subject.reference, subject.plan, model, gen)
+        ref = _run_reference(subject.reference, inputs, weights, gen)
+        sim = _run_emitted(subject.root, subject, inputs, weights, ref.cotangents)
+    dtype = _compute_dtype(weights)
+    tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)
+    outputs = tuple((f"output {i}", _output_error(s, r)) for i, (s, r) in enumerate(zip(sim.outputs, ref.outputs,
+                                                                                          strict=True))
+                    if isinstance(r, torch.Tensor))
+    gradients = tuple((f"gradient of '{fqn}'", _grad_error(sim.grads[fqn], ref.grads.get(fqn), subject, fqn))
+                      for fqn in sorted(sim.grads))
+    first = None
+    if any(e > tolerance for _, e in (*outputs, *gradients)):
+        first = locate(subject, inputs, weights, ref.cotangents, tolerance)
+    return Proof(subject.tp, tolerance, outputs, gradients, first, time.perf_counter() - start)
+
+
+# --- inputs and weights ----------------------------------------------------------------------
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (same node names, shared attributes)."""
+    graph = fx.Graph()
+    output, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(output).meta = copy.copy(old_output.meta)
+    graph._codegen = gm.graph._codegen  # the calling convention, shared (it is never written)
+    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(copied, attr, getattr(gm, attr))
+    return copied
+
+
+def vocabularies(sites) -> dict[str, tuple[int, int | None]]:
+    """Graph inputs that are an embedding's ids (directly or through views and casts): placeholder
+    name -> (rows of the smallest such table, its padding index or None)."""
+    found: dict[str, tuple[int, int | None]] = {}
+    for site in sites.embeddings:
+        ids = site.node.args[1]
+        while isinstance(ids, fx.Node) and ids.op == "call_function" and ids.target in _VIEW_LIKE:
+            ids = ids.args[0]
+        if not isinstance(ids, fx.Node) or ids.op != "placeholder":
+            continue
+        padding = site.node.args[2] if len(site.node.args) > 2 else site.node.kwargs.get("padding_idx", -1)
+        rows = site.num_embeddings
+        if ids.name not in found or rows < found[ids.name][0]:
+            found[ids.name] = (rows, padding if isinstance(padding, int) and padding >= 0 else None)
+    return found
+
+
+
+def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generator) -> list:
+    """The flat graph inputs: new values of the example's shapes (see the module docstring)."""
+    flat = list(subject.reference.graph._codegen.process_inputs(*args, **kwargs))
+    names = [n.name for n in subject.reference.graph.nodes if n.op == "placeholder"]
+    fresh = []
+    for name, value in zip(names, flat, strict=True):
+        if not isinstance(value, torch.Tensor):
+            fresh.append(value)
+        elif name in subject.vocabularies:
+            rows, padding = subject.vocabularies[name]
+            fresh.append(_token_ids(value, rows, padding, subject.tp, gen))
+        elif value.is_floating_point() and value.unique().numel() > 2:
+            std = value.float().std().item() if value.numel() > 1 else 1.0
+            new = torch.randn(value.shape, generator=gen) * (std or 1.0) + value.float().mean().item()
+            fresh.append(new.to(value.dtype))
+        else:
+            fresh.append(value.clone())
+    return fresh
+
+
+def _token_ids(example: torch.Tensor, rows: int, padding: int | None, tp: int, gen) -> torch.Tensor:
+    """Ids over ``[0, rows)`` with every tp rank's vocabulary slice and the padding row present."""
+    ids = torch.randint(0, rows, example.shape, generator=gen, dtype=example.dtype)
+    flat = ids.view(-1)
+    must = [r * (rows // tp) + int(torch.randint(0, max(rows // tp, 1), (1,), generator=gen)) for r in range(tp)]
+    must += [rows - 1, 0] + ([padding % rows] if padding is not None else [])
+    for i, value in enumerate(must[: flat.numel()]):
+        flat[(i * 7919) % flat.numel()] = value
+    return ids
+
+
+def random_weights(reference: fx.GraphModule, plan: Plan, model, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One random full set, in the dtype each parameter is read in: around the model's own mean
+    and spread, or (a model on meta, or a constant tensor) a spread of ``1/sqrt(fan_in)``."""
+    read = {n.target: n.meta.get("val") for n in reference.graph.nodes if n.op == "get_attr"}
+    weights = {}
+    for fqn in plan.params:
+        original = model.get_parameter(fqn)
+        val = read.get(fqn)
+        dtype = val.dtype if isinstance(val, torch.Tensor) else original.dtype
+        if not original.is_floating_point():
+            weights[fqn] = original.detach().clone()
+            continue
+        mean, std = 0.0, 0.0
+        if not original.is_meta and original.numel() > 1:
+            mean, std = original.detach().float().mean().item(), original.detach().float().std().item()
+        if std == 0.0:
+            std = (original.shape[-1] ** -0.5) if original.dim() >= 2 else 0.1
+        full = torch.randn(tuple(original.shape), generator=gen) * std + mean
+        weights[fqn] = full.to(dtype)
+    return weights
+
+
+def stored_shards(entry, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """Each tp rank's local tensor of one parameter: transposed, sections permuted, chunked."""
+    stored = full.t() if entry.transposed else full
+    if entry.sections and tp > 1:
+        stored = stored.index_select(entry.sharded_dim("tp"), section_order(entry.sections, tp))
+    dim = entry.sharded_dim("tp") if tp > 1 else None
+    if dim is None:
+        return [stored.contiguous() for _ in range(tp)]
+    return [c.contiguous() for c in torch.chunk(stored, tp, dim=dim)]
+
+
+def _compute_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    floating = [w.dtype for w in weights.values() if w.is_floating_point()]
+    return min(floating, key=lambda d: torch.finfo(d).bits) if floating else torch.float32
+
+
+def _refuse_meta(gm: fx.GraphModule) -> None:
+    meta = [name for name, b in gm.named_buffers() if b.is_meta]
+    if meta:
+        raise NotImplementedError(
+            f"autoshard: the proof runs the model's buffers, and {meta[0]!r} is on the meta device; "
+            f"check a model built on a real device (a small config of it is enough)"
+        )
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Run:
+    outputs: list
+    grads: dict[str, object]
+    cotangents: list
+    values: dict[str, PerRank]
+
+
+def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values]
+
+
+def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, gen, retain: bool = False,
+                   cotangents=None) -> _Run:
+    params = {fqn: PerRank(_leaves([w])) for fqn, w in weights.items()}
+    sim = RankSimulator(gm, 1, params.get)
+    outputs = [o.values[0] if isinstance(o, PerRank) else o for o in _flat_outputs(sim.run(*_per_rank(inputs, 1)))]
+    if cotangents is None:
+        cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype)
+                      if isinstance(o, torch.Tensor) and o.is_floating_point() else None for o in outputs]
+    _retain(sim.values, retain)
+    loss = sum((o.float() * c.float()).sum() for o, c in zip(outputs, cotangents, strict=True)
+               if c is not None and o.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    grads = {fqn: p.values[0].grad for fqn, p in params.items()}
+    return _Run([o.detach() if isinstance(o, torch.Tensor) else o for o in outputs], grads, cotangents, sim.values)
+
+
+def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: dict, cotangents,
+                 retain: bool = False) -> _Run:
+    tp = subject.tp
+    params = {fqn: PerRank(_leaves(stored_shards(entry, weights[fqn], tp))) for fqn, entry in subject.plan.params.items()}
+    sim = RankSimulator(root, tp, params.get)
+    outputs = _flat_outputs(sim.run(*_per_rank(inputs, tp)))
+    _retain(sim.values, retain)
+    loss = 0
+    for out, cot in zip(outputs, cotangents, strict=True):
+        if cot is None or not isinstance(out, PerRank):
+            continue
+        cuts = torch.chunk(cot, tp, dim=out.sharded_dim) if out.sharded_dim is not None else [cot] * tp
+        loss = loss + sum((v.float() * c.float()).sum() for v, c in zip(out.values, cuts, strict=True)
+                          if v.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    grads = {fqn: [v.grad for v in p.values] for fqn, p in params.items()}
+    return _Run(outputs, grads, cotangents, sim.values)
+
+
+def _per_rank(inputs: list, tp: int) -> list[PerRank]:
+    return [PerRank([v] * tp) for v in inputs]
+
+
+def _flat_outputs(out) -> list:
+    return pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, PerRank))
+
+
+def _retain(values: dict[str, PerRank], retain: bool) -> None:
+    if not retain:
+        return
+    for per_rank in values.values():
+        for v in per_rank.values:
+            if isinstance(v, torch.Tensor) and v.requires_grad and not v.is_leaf:
+                v.retain_grad()
+
+
+# --- comparisons ------------------------------------------------------------------------------
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if actual.shape != expected.shape:
+        return float("inf")
+    if not (actual.is_floating_point() or expected.is_floating_point()):
+        return 0.0 if torch.equal(actual, expected) else float("inf")
+    a, e = actual.detach().double(), expected.detach().double()
+    both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    a, e = torch.where(both_inf, 0.0, a), torch.where(both_inf, 0.0, e)
+    scale = e.norm().item()
+    diff = (a - e).norm().item()
+    if diff != diff:  # nan
+        return float("inf")
+    return diff / scale if scale > 0 else diff
+
+
+def _output_error(sim: PerRank, ref: torch.Tensor) -> float:
+    if sim.sharded_dim is not None:
+        return rel_error(torch.cat(sim.values, dim=sim.sharded_dim), ref)
+    return max(rel_error(v, ref) for v in sim.values)
+
+
+def _grad_error(per_rank: list, ref: torch.Tensor | None, subject: Subject, fqn: str) -> float:
+    entry = subject.plan.params[fqn]
+    if ref is None:
+        return max((g.abs().max().item() if g is not None else 0.0) for g in per_rank)
+    expected = stored_shards(entry, ref, subject.tp)
+    return max(rel_error(g if g is not None else torch.zeros_like(e), e) for g, e in zip(per_rank, expected,
+                                                                                          strict=True))
+
+
+def expected_on_ranks(layout, full: torch.Tensor, tp: int, gradient: bool = False):
+    """What each rank holds of ``full`` under ``layout``; ``None`` for a partial value's forward,
+    which only its sum over ranks determines. A partial value's gradient is whole on every rank."""
+    if layout is None or (gradient and layout in (PARTIAL, PARTIAL_AVG)):
+        return [full] * tp
+    if layout in (PARTIAL, PARTIAL_AVG):
+        return None
+    if isinstance(layout, Strided):
+        split = full.unflatten(layout.dim, [layout.split_factor, -1])
+        return [c.flatten(layout.dim, layout.dim + 1) for c in torch.chunk(split, tp, dim=layout.dim + 1)]
+    if isinstance(layout, int):
+        return list(torch.chunk(full, tp, dim=layout))
+    return None
+
+
+def _value_error(layout, sim: PerRank, ref: torch.Tensor, tp: int, gradient: bool) -> float:
+    values = [(v.grad if gradient else v) for v in sim.values]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        if gradient and ref is not None and any(v is None for v in values):
+            values = [v if v is not None else None for v in values]
+        return 0.0 if ref is None or all(v is None for v in values) else _missing(values, ref)
+    if not gradient and layout in (PARTIAL, PARTIAL_AVG):
+        total = sum(v.double() for v in values)
+        return rel_error(total / tp if layout == PARTIAL_AVG else total, ref)
+    expected = expected_on_ranks(layout, ref, tp, gradient)
+    if expected is None:
+        return 0.0
+    return max(rel_error(v, e) for v, e in zip(values, expected, strict=True))
+
+
+def _missing(values, ref) -> float:
+    return 0.0 if ref.abs().max().item() == 0 else float("inf")
+
+
+def locate(subject: Subject, inputs: list, weights: dict, cotangents, tolerance: float) -> str | None:
+    """The first planned node whose per-rank values disagree with the reference, with its source
+    line: forward values in graph order first, then gradients from the outputs back."""
+    planned = _run_reference(subject.planned, inputs, weights, None, retain=True, cotangents=cotangents)
+    emitted = _run_emitted(subject.root, subject, inputs, weights, cotangents, retain=True)
+    by_name = {key.rsplit(".", 1)[-1]: v for key, v in emitted.values.items()}
+    order = [n for n in subject.emitted.graph.nodes if n.op == "call_function" and n in subject.layouts
+             and n.name not in subject.skip and n.name in by_name and n.name in planned.values]
+    for gradient in (False, True):
+        for node in (reversed(order) if gradient else order):
+            ref = planned.values[node.name].values[0]
+            if not isinstance(ref, torch.Tensor) or (gradient and not ref.requires_grad):
+                continue
+            ref = ref.grad if gradient else ref.detach()
+            if ref is None:
+                continue
+            err = _value_error(subject.layouts[node], by_name[node.name], ref, subject.tp, gradient)
+            if err > tolerance:
+                what = "gradient" if gradient else "value"
+                return (f"{describe(node)}: its {what} on the tp ranks differs from its layout "
+                        f"{_layout_text(subject.layouts[node])} of the reference by {err:.2e}")
+    return None
+
+
+def _layout_text(layout) -> str:
+    if layout is None:
+        return "R"
+    if isinstance(layout, int):
+        return f"S({layout})"
+    return str(layout)

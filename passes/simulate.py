@@ -1,0 +1,241 @@
+"""Simulate: run the emitted tp code of every tp rank in one process.
+
+The emitted graphs compute on local tensors and talk to other tp ranks only
+through autoshard's collective ops (:mod:`autoshard.collectives`). So all tp
+ranks can run side by side in one process: every graph value becomes a
+:class:`PerRank` (one value per tp rank), every ordinary op runs once per rank
+on that rank's arguments, and each collective combines the per-rank values as
+the real one does over the wire (an all-reduce sums, an all-gather
+concatenates, a cut keeps the rank's chunk).
+
+Backward is simulated the same way. Each collective is one
+``torch.autograd.Function`` over all ranks' tensors whose backward is the op's
+own backward collective (``enter_tp`` sums the ranks' gradients, ``take_shard``
+gathers them, ...), not the mathematical adjoint of the simulation. Autograd
+over the whole simulated world then hands each rank exactly the gradient that
+rank computes in a real job, where every rank back-propagates its own copy of
+the loss. Nothing here needs a process group, a private torch API or a GPU.
+
+Random ops (dropout) run as identity, here and in the reference: tp ranks
+would draw different masks from the reference anyway, and a check must compare
+like with like.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from autoshard import collectives
+
+aten = torch.ops.aten
+
+
+class PerRank:
+    """One graph value on every tp rank (index = tp rank)."""
+
+    __slots__ = ("values", "sharded_dim")
+
+    def __init__(self, values, sharded_dim: int | None = None):
+        self.values = list(values)
+        self.sharded_dim = sharded_dim  # a graph output left sharded (loss parallel): its dim
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.values!r})"
+
+
+def on_rank(arg, rank: int):
+    """``arg`` (any nesting of args) as rank ``rank`` sees it."""
+    return map_aggregate(arg, lambda a: a.values[rank] if isinstance(a, PerRank) else a)
+
+
+def replicated(value, tp: int) -> PerRank:
+    return PerRank([value] * tp)
+
+
+# --- collectives across ranks ---------------------------------------------------------------
+
+
+class _AcrossRanks(torch.autograd.Function):
+    """``forward(xs) -> ys`` and ``backward(grads of ys) -> grads of xs`` over all ranks at once."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, *xs):
+        ctx.backward_fn = backward
+        return tuple(forward(list(xs)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.backward_fn(list(grads)))
+
+
+def _sum(xs: list[torch.Tensor], reduce_dtype=None) -> torch.Tensor:
+    """What an all-reduce leaves on every rank: the sum, taken in ``reduce_dtype`` when given."""
+    dtype = xs[0].dtype
+    wire = [x if reduce_dtype is None else x.to(reduce_dtype) for x in xs]
+    total = wire[0].clone()
+    for x in wire[1:]:
+        total = total + x
+    return total.to(dtype)
+
+
+def _cat(xs, dim):
+    return torch.cat(xs, dim=dim)
+
+
+def _chunks(x, tp, dim):
+    return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(x, tp, dim=dim)]
+
+
+def _copies(x, tp):
+    return [x.clone() for _ in range(tp)]
+
+
+def _across(forward: Callable, backward: Callable, xs: list[torch.Tensor]) -> PerRank:
+    return PerRank(_AcrossRanks.apply(forward, backward, *xs))
+
+
+def _enter_tp(xs, group_name, reduce_dtype=None):
+    tp = len(xs)
+    return _across(lambda v: [x.clone() for x in v], lambda g: _copies(_sum(g, reduce_dtype), tp), xs)
+
+
+def _reduce_partial(xs, group_name, reduce_dtype=None):
+    tp = len(xs)
+    return _across(lambda v: _copies(_sum(v, reduce_dtype), tp), lambda g: [x.clone() for x in g], xs)
+
+
+def _gather_shards(xs, dim, group_name):
+    tp = len(xs)
+    return _across(
+        lambda v: _copies(_cat(v, dim), tp), lambda g: [_chunks(x, tp, dim)[r] for r, x in enumerate(g)], xs
+    )
+
+
+def _take_shard(xs, dim, group_name):
+    tp = len(xs)
+    return _across(
+        lambda v: [_chunks(x, tp, dim)[r] for r, x in enumerate(v)], lambda g: _copies(_cat(g, dim), tp), xs
+    )
+
+
+def _reduce_scatter_partial(xs, dim, group_name, reduce_dtype=None):
+    tp = len(xs)
+    return _across(lambda v: _chunks(_sum(v, reduce_dtype), tp, dim), lambda g: _copies(_cat(g, dim), tp), xs)
+
+
+def _gather_for_colwise(xs, dim, group_name, reduce_dtype=None):
+    tp = len(xs)
+    return _across(lambda v: _copies(_cat(v, dim), tp), lambda g: _chunks(_sum(g, reduce_dtype), tp, dim), xs)
+
+
+def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name) -> PerRank:
+    out = []
+    for rank, x in enumerate(ids.values):
+        local = x - rank * rows_per_rank
+        in_shard = (local >= 0) & (local < rows_per_rank)
+        out.append((torch.where(in_shard, local, 0), in_shard.unsqueeze(-1).to(torch.get_default_dtype())))
+    return PerRank(out)
+
+
+def _as_sharded_dtensor(xs: PerRank, dim, group_name) -> PerRank:
+    return PerRank(xs.values, sharded_dim=dim)
+
+
+_TENSOR_COLLECTIVES = {
+    collectives.ENTER_TP: _enter_tp,
+    collectives.REDUCE_PARTIAL: _reduce_partial,
+    collectives.GATHER_SHARDS: _gather_shards,
+    collectives.TAKE_SHARD: _take_shard,
+    collectives.REDUCE_SCATTER_PARTIAL: _reduce_scatter_partial,
+    collectives.GATHER_FOR_COLWISE: _gather_for_colwise,
+}
+
+# Random ops run as identity (see the module docstring).
+_DROPOUTS = {aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
+             aten.alpha_dropout.default, aten.feature_alpha_dropout.default}
+
+
+def _without_randomness(target, args, kwargs):
+    """``(ran, value)``: dropout as the identity (``native_dropout`` gives ``(x, all-true mask)``)."""
+    if target not in _DROPOUTS:
+        return False, None
+    x = args[0]
+    if target is aten.native_dropout.default:
+        return True, (x.clone(), torch.ones_like(x, dtype=torch.bool))
+    return True, x.clone()
+
+
+# --- the interpreter -------------------------------------------------------------------------
+
+
+class RankSimulator(fx.Interpreter):
+    """Runs ``gm`` for ``tp`` ranks at once; every value is a :class:`PerRank`.
+
+    ``param(fqn)`` returns the per-rank local tensors of a parameter (or None for
+    what is no parameter: buffers and constants are read from ``gm`` and are alike
+    on every rank). A ``call_module`` of a GraphModule (a block) runs nested, with
+    ``prefix`` extended by its name. ``values`` collects every node's value by
+    ``prefix + node.name`` for comparisons after the run.
+    """
+
+    def __init__(self, gm: fx.GraphModule, tp: int, param: Callable[[str], PerRank | None],
+                 prefix: str = "", values: dict[str, PerRank] | None = None):
+        super().__init__(gm, garbage_collect_values=False)
+        self.tp = tp
+        self.param = param
+        self.prefix = prefix
+        self.values = values if values is not None else {}
+
+    def run_node(self, n: fx.Node):
+        result = super().run_node(n)
+        if isinstance(result, PerRank):
+            self.values[self.prefix + n.name] = result
+        return result
+
+    def placeholder(self, target, args, kwargs):
+        value = super().placeholder(target, args, kwargs)
+        return value if isinstance(value, PerRank) else replicated(value, self.tp)
+
+    def get_attr(self, target, args, kwargs):
+        found = self.param(self.prefix + target)
+        if found is not None:
+            return found
+        return replicated(self.fetch_attr(target), self.tp)
+
+    def call_function(self, target, args, kwargs):
+        if target in _TENSOR_COLLECTIVES:
+            (x, *rest), kw = args, kwargs
+            return _TENSOR_COLLECTIVES[target](x.values, *on_rank(rest, 0), **on_rank(kw, 0))
+        if target is collectives.VOCAB_SHARD_IDS:
+            return _vocab_shard_ids(args[0], *on_rank(args[1:], 0))
+        if target is collectives.as_sharded_dtensor:
+            return _as_sharded_dtensor(args[0], *on_rank(args[1:], 0))
+        if target is operator.getitem and isinstance(args[0], PerRank) and args[0].sharded_dim is not None:
+            raise NotImplementedError("autoshard: indexing into a loss-parallel output")
+        return self._per_rank(lambda a, k: self._call(target, a, k), args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        return self._per_rank(lambda a, k: getattr(a[0], target)(*a[1:], **k), args, kwargs)
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        if isinstance(module, fx.GraphModule):
+            nested = RankSimulator(module, self.tp, self.param, f"{self.prefix}{target}.", self.values)
+            return nested.run(*args, **kwargs)
+        return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
+
+    def _per_rank(self, fn, args, kwargs) -> PerRank:
+        return PerRank([fn(on_rank(args, r), on_rank(kwargs, r)) for r in range(self.tp)])
+
+    @staticmethod
+    def _call(target, args, kwargs):
+        ran, value = _without_randomness(target, args, kwargs)
+        return value if ran else target(*args, **kwargs)
