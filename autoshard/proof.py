@@ -32,6 +32,7 @@ import time
 
 import torch
 import torch.fx as fx
+import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
 from autoshard.errors import describe
@@ -133,7 +134,8 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
     outputs = tuple((f"output {i}", _output_error(s, r)) for i, (s, r) in enumerate(zip(sim.outputs, ref.outputs,
                                                                                           strict=True))
                     if isinstance(r, torch.Tensor))
-    gradients = tuple((f"gradient of '{fqn}'", _grad_error(sim.grads[fqn], ref.grads.get(fqn), subject, fqn))
+    floor = 1e-2 * _typical_rms(ref.grads.values())
+    gradients = tuple((f"gradient of '{fqn}'", _grad_error(sim.grads[fqn], ref.grads.get(fqn), subject, fqn, floor))
                       for fqn in sorted(sim.grads))
     first = None
     if any(e > tolerance for _, e in (*outputs, *gradients)):
@@ -177,7 +179,7 @@ def vocabularies(sites) -> dict[str, tuple[int, int | None]]:
 
 def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generator) -> list:
     """The flat graph inputs: new values of the example's shapes (see the module docstring)."""
-    flat = list(subject.reference.graph._codegen.process_inputs(*args, **kwargs))
+    flat = list(fx_pytree.tree_flatten_spec((args, kwargs), subject.reference._in_spec))
     names = [n.name for n in subject.reference.graph.nodes if n.op == "placeholder"]
     fresh = []
     for name, value in zip(names, flat, strict=True):
@@ -325,7 +327,11 @@ def _retain(values: dict[str, PerRank], retain: bool) -> None:
 # --- comparisons ------------------------------------------------------------------------------
 
 
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None,
+              floor_rms: float = 1e-5) -> float:
+    """``|actual - expected| / scale`` (Frobenius norms); ``scale`` defaults to ``|expected|`` and
+    never drops below ``floor_rms`` per element: a gradient that is zero in exact arithmetic
+    (a key bias under softmax) is rounding noise on both sides, not a signal."""
     if actual.shape != expected.shape:
         return float("inf")
     if not (actual.is_floating_point() or expected.is_floating_point()):
@@ -333,11 +339,11 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double(), expected.detach().double()
     both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     a, e = torch.where(both_inf, 0.0, a), torch.where(both_inf, 0.0, e)
-    scale = e.norm().item()
     diff = (a - e).norm().item()
     if diff != diff:  # nan
         return float("inf")
-    return diff / scale if scale > 0 else diff
+    scale = e.norm().item() if scale is None else scale
+    return diff / max(scale, floor_rms * max(e.numel(), 1) ** 0.5)
 
 
 def _output_error(sim: PerRank, ref: torch.Tensor) -> float:
@@ -346,13 +352,22 @@ def _output_error(sim: PerRank, ref: torch.Tensor) -> float:
     return max(rel_error(v, ref) for v in sim.values)
 
 
-def _grad_error(per_rank: list, ref: torch.Tensor | None, subject: Subject, fqn: str) -> float:
+def _typical_rms(grads) -> float:
+    """The median root-mean-square of the nonzero reference gradients: the scale below which a
+    gradient is rounding noise of this model's backward."""
+    rms = sorted(g.double().pow(2).mean().sqrt().item() for g in grads if g is not None and g.numel())
+    rms = [r for r in rms if r > 0]
+    return rms[len(rms) // 2] if rms else 1.0
+
+
+def _grad_error(per_rank: list, ref: torch.Tensor | None, subject: Subject, fqn: str, floor: float) -> float:
     entry = subject.plan.params[fqn]
     if ref is None:
         return max((g.abs().max().item() if g is not None else 0.0) for g in per_rank)
     expected = stored_shards(entry, ref, subject.tp)
-    return max(rel_error(g if g is not None else torch.zeros_like(e), e) for g, e in zip(per_rank, expected,
-                                                                                          strict=True))
+    scale = ref.detach().double().norm().item()  # of the whole gradient: a rank's chunk may be ~0 alone
+    return max(rel_error(g if g is not None else torch.zeros_like(e), e, scale, floor)
+               for g, e in zip(per_rank, expected, strict=True))
 
 
 def expected_on_ranks(layout, full: torch.Tensor, tp: int, gradient: bool = False):
