@@ -319,6 +319,7 @@ def _emit(planned: Planned, axes: MeshAxes, tp_group: str | None, options: PlanO
     without resolving it, so any name serves there."""
     gm, sites, layout_plan = planned.captured.gm, planned.sites, planned.layout_plan
     planned_graph = copy_graph_module(gm) if keep_planned else None
+    vocab = vocabularies(sites) if keep_planned else {}  # before the rewrite reads ids locally
     reduce_dtype = options.mp_policy.reduce_dtype if options.mp_policy is not None else None
     if tp_group is not None:
         insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
@@ -340,7 +341,7 @@ def _emit(planned: Planned, axes: MeshAxes, tp_group: str | None, options: PlanO
         tp=axes.tp,
         layouts=layout_plan.layouts,
         skip=frozenset(n.name for s in sites.all for n in {s.node, getattr(s, "output", s.node)}),
-        vocabularies=vocabularies(sites),
+        vocabularies=vocab,
     )
     return Emitted(parts, subject)
 

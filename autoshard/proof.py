@@ -139,7 +139,8 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
                       for fqn in sorted(sim.grads))
     first = None
     if any(e > tolerance for _, e in (*outputs, *gradients)):
-        first = locate(subject, inputs, weights, ref.cotangents, tolerance)
+        first = locate(subject, inputs, weights, ref.cotangents, tolerance) or _reads_of_worst(
+            subject, [(f, e) for f, e in zip(sorted(sim.grads), (e for _, e in gradients), strict=True)], tolerance)
     return Proof(subject.tp, tolerance, outputs, gradients, first, time.perf_counter() - start)
 
 
@@ -198,13 +199,15 @@ def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generat
 
 
 def _token_ids(example: torch.Tensor, rows: int, padding: int | None, tp: int, gen) -> torch.Tensor:
-    """Ids over ``[0, rows)`` with every tp rank's vocabulary slice and the padding row present."""
+    """Ids over ``[0, rows)``: random, with the first and last row of every tp rank's vocabulary
+    slice (a slice's row 0 is where a local lookup's edge cases live) and the padding row."""
     ids = torch.randint(0, rows, example.shape, generator=gen, dtype=example.dtype)
     flat = ids.view(-1)
-    must = [r * (rows // tp) + int(torch.randint(0, max(rows // tp, 1), (1,), generator=gen)) for r in range(tp)]
-    must += [rows - 1, 0] + ([padding % rows] if padding is not None else [])
-    for i, value in enumerate(must[: flat.numel()]):
-        flat[(i * 7919) % flat.numel()] = value
+    per_rank = max(rows // tp, 1)
+    must = [row for r in range(tp) for row in (r * per_rank, r * per_rank + per_rank - 1)]
+    must += [padding % rows] if padding is not None else []
+    positions = torch.randperm(flat.numel(), generator=gen)[: len(must)]
+    flat[positions] = torch.tensor(must[: len(positions)], dtype=flat.dtype)
     return ids
 
 
@@ -426,6 +429,17 @@ def locate(subject: Subject, inputs: list, weights: dict, cotangents, tolerance:
                 return (f"{describe(node)}: its {what} on the tp ranks differs from its layout "
                         f"{_layout_text(subject.layouts[node])} of the reference by {err:.2e}")
     return None
+
+
+def _reads_of_worst(subject: Subject, errors: list[tuple[str, float]], tolerance: float) -> str | None:
+    """Every activation agrees, so the worst parameter gradient went wrong where it is read."""
+    failing = sorted((e, f) for f, e in errors if e > tolerance)
+    if not failing:
+        return None
+    fqn = failing[-1][1]
+    reads = [u for n in subject.emitted.graph.nodes if n.op == "get_attr" and n.target == fqn for u in n.users]
+    where = "; ".join(describe(u) for u in reads) or "nowhere in the emitted graph"
+    return f"every activation agrees, but the gradient of '{fqn}' does not; it is read by {where}"
 
 
 def _layout_text(layout) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import collectives
+from autoshard.errors import describe
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL
 
@@ -92,9 +93,20 @@ def _rewrite(
 def _rewrite_vocab_parallel_lookup(
     graph: fx.Graph, site: EmbeddingSite, tp_group: str, rows: int, reduce_dtype=None
 ) -> None:
-    """``embedding(W, ids)`` on this rank's vocabulary rows: masked, then all-reduced."""
+    """``embedding(W, ids)`` on this rank's vocabulary rows: masked, then all-reduced.
+
+    A ``padding_idx`` names a global row, and the lookup now reads local rows (every
+    rank's row 0 is some other token): the local lookup takes none, and the padding
+    tokens' rows are detached instead, so their gradient stays zero exactly as the
+    model's own embedding keeps it, on every rank, whatever the ids."""
     node = site.node
     ids = node.args[1]
+    padding_idx = _padding_idx(node)
+    if len(node.args) > 3 and node.args[3]:
+        raise NotImplementedError(
+            f"autoshard: {describe(node)} scales gradients by token frequency (scale_grad_by_freq=True), "
+            f"which a vocabulary cut over tp cannot count locally; untie the embedding or turn it off"
+        )
     with graph.inserting_before(node):
         shard_ids = graph.call_function(collectives.VOCAB_SHARD_IDS, (ids, rows, tp_group))
         _inherit(shard_ids, node, f"{node.name}_shard_ids")
@@ -102,15 +114,34 @@ def _rewrite_vocab_parallel_lookup(
         _inherit(local_ids, node, f"{node.name}_local_ids")
         in_shard = graph.call_function(operator.getitem, (shard_ids, 1))
         _inherit(in_shard, node, f"{node.name}_in_shard")
-    node.update_arg(1, local_ids)
-    with graph.inserting_after(node):
-        masked = graph.call_function(aten.mul.Tensor, (node, in_shard))
+    node.args = (node.args[0], local_ids, *node.args[2:])
+    if padding_idx is not None:
+        node.args = (node.args[0], local_ids, -1, *node.args[3:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
+    last = node
+    with graph.inserting_before(node.next):  # in creation order, right after the lookup
+        if padding_idx is not None:
+            is_pad = graph.call_function(aten.eq.Scalar, (ids, padding_idx))
+            _inherit(is_pad, node, f"{node.name}_is_padding")
+            is_pad_rows = graph.call_function(aten.unsqueeze.default, (is_pad, -1))
+            _inherit(is_pad_rows, node, f"{node.name}_padding_rows")
+            detached = graph.call_function(aten.detach.default, (node,))
+            _inherit(detached, node, f"{node.name}_detached")
+            last = graph.call_function(aten.where.self, (is_pad_rows, detached, node))
+            _inherit(last, node, f"{node.name}_no_padding_grad")
+        masked = graph.call_function(aten.mul.Tensor, (last, in_shard))
         _inherit(masked, node, f"{node.name}_masked")
-    with graph.inserting_after(masked):
         sums = (reduce_dtype,) if reduce_dtype is not None else ()
         reduced = graph.call_function(collectives.REDUCE_PARTIAL, (masked, tp_group, *sums))
         _inherit(reduced, node, f"{node.name}_reduced")
-    node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not masked)
+    inside = {masked, last} | ({last.args[1]} if last is not node else set())
+    node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user not in inside)
+
+
+def _padding_idx(node: fx.Node) -> int | None:
+    """The global padding row of an ``aten.embedding`` node, or None."""
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    return value if isinstance(value, int) and value >= 0 else None
 
 
 def _current_input(site: LinearSite) -> fx.Node:
