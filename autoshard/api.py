@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from autoshard.agreement import check_ranks_agree
 from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.carry import check_activations_carry
+from autoshard.errors import in_stage
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
 from autoshard.passes.capture import CapturedGraph, capture, parameters_on_meta
@@ -285,7 +286,8 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
     captured = capture(model, example_inputs, example_kwargs, options.dynamic_shapes, compute_dtype,
                        options.trace_blocks_once)
     reference = copy_graph_module(captured.gm) if keep_reference else None
-    sites = find_sites(captured.gm, captured.param_shapes)
+    with in_stage("discover", captured.gm.graph):
+        sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
     dp_placements = None
     if given is not None:
@@ -296,8 +298,10 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         experts = {s.weight_fqn for s in sites.experts}
         roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == "replicate"}
         dp_placements = {fqn: dp_choice(p.placements) for fqn, p in given.params.items() if dp_choice(p.placements)}
-    layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
-    final = build_plan(captured, sites, layout_plan, axes, dp_placements)
+    with in_stage("propagate", captured.gm.graph):
+        layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
+    with in_stage("plan", captured.gm.graph):
+        final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if options.mp_policy is not None:
         final = dataclasses.replace(final, mixed_precision=mixed_precision_of(options.mp_policy))
     if options.all_gather_quant is not None:
@@ -322,14 +326,17 @@ def _emit(planned: Planned, axes: MeshAxes, tp_group: str | None, options: PlanO
     vocab = vocabularies(sites) if keep_planned else {}  # before the rewrite reads ids locally
     reduce_dtype = options.mp_policy.reduce_dtype if options.mp_policy is not None else None
     if tp_group is not None:
-        insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
+        with in_stage("layouts", gm.graph):
+            insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
     scatter = frozenset(
         s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
             s.weight_fqn] == ROWWISE
     )
     partial = frozenset(s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == PARTIAL)
-    rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial, reduce_dtype)
-    parts = partition(gm, planned.captured.block_fqns)
+    with in_stage("transpose", gm.graph):
+        rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial, reduce_dtype)
+    with in_stage("partition", gm.graph):
+        parts = partition(gm, planned.captured.block_fqns)
     if not keep_planned:
         return Emitted(parts)
     subject = Subject(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import traceback
 
 import torch.fx as fx
@@ -48,3 +50,35 @@ def describe(node: fx.Node) -> str:
         return "the model's output"
     target = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.target
     return f"node '{node.name}' ({target}) at {source_line(node)}"
+
+
+class InternalError(RuntimeError):
+    """An error inside an autoshard stage that the user's input did not cause by itself:
+    a bug to report, named with the stage, the node and its source line."""
+
+
+@contextlib.contextmanager
+def in_stage(stage: str, graph: fx.Graph | None = None):
+    """Re-raise an unexpected error (from FX, torch or autoshard itself) inside ``stage`` as
+    an :class:`InternalError` naming the stage and, when the message names a node of ``graph``,
+    that node and its source line. Errors meant for the user (``ValueError``,
+    ``NotImplementedError``) pass through unchanged."""
+    try:
+        yield
+    except (ValueError, NotImplementedError, InternalError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        where = _named_node(str(err), graph)
+        raise InternalError(
+            f"autoshard: internal error in stage '{stage}'{f' at {describe(where)}' if where else ''}: "
+            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}. "
+            f"This is a bug in autoshard: please report it with the model's code"
+        ) from err
+
+
+def _named_node(message: str, graph: fx.Graph | None) -> fx.Node | None:
+    """The first node of ``graph`` whose name the message quotes (FX quotes names as 'name')."""
+    if graph is None:
+        return None
+    quoted = set(re.findall(r"'([A-Za-z_][A-Za-z0-9_]*)'", message))
+    return next((n for n in graph.nodes if n.name in quoted), None)

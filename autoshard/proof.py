@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.errors import describe
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
-from autoshard.passes.simulate import PerRank, RankSimulator
+from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator
 from autoshard.plan import Plan, section_order
 
 _ATEN = torch.ops.aten
@@ -128,7 +128,12 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         inputs = fresh_inputs(subject, example_inputs, example_kwargs or {}, gen)
         weights = random_weights(subject.reference, subject.plan, model, gen)
         ref = _run_reference(subject.reference, inputs, weights, gen)
-        sim = _run_emitted(subject.root, subject, inputs, weights, ref.cotangents)
+        try:
+            sim = _run_emitted(subject.root, subject, inputs, weights, ref.cotangents)
+        except EmittedCodeError as err:
+            tolerance = rtol if rtol is not None else _TOLERANCE.get(_compute_dtype(weights), 1e-4)
+            return Proof(subject.tp, tolerance, (("emitted code", float("inf")),), (), str(err).splitlines()[0],
+                         time.perf_counter() - start)
     dtype = _compute_dtype(weights)
     tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)
     outputs = tuple((f"output {i}", _output_error(s, r)) for i, (s, r) in enumerate(zip(sim.outputs, ref.outputs,

@@ -83,7 +83,8 @@ def _insert_step(
     """
     at_top = value.op in ("placeholder", "get_attr")
     origin = first_reader if at_top else value
-    with graph.inserting_before(first_reader) if at_top else graph.inserting_after(value):
+    # before the node after ``value``: a chain of several nodes lands in creation order
+    with graph.inserting_before(first_reader if at_top else value.next):
         if isinstance(step.dim, Strided):
             node = _strided_step(graph, value, step, group_name)
         else:

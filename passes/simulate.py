@@ -31,8 +31,14 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from autoshard import collectives
+from autoshard.errors import describe
 
 aten = torch.ops.aten
+
+
+class EmittedCodeError(RuntimeError):
+    """An op of the emitted code raised on some tp rank (a view whose local strides no longer
+    allow it, a shape argument left global): names the node and its source line."""
 
 
 class PerRank:
@@ -195,7 +201,13 @@ class RankSimulator(fx.Interpreter):
         self.values = values if values is not None else {}
 
     def run_node(self, n: fx.Node):
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except EmittedCodeError:
+            raise
+        except Exception as err:
+            raise EmittedCodeError(f"{describe(n)} fails in the emitted code: {type(err).__name__}: "
+                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
         if isinstance(result, PerRank):
             self.values[self.prefix + n.name] = result
         return result

@@ -377,6 +377,96 @@ class ExpertsMoE(Decoder):
         super().__init__(cfg, lambda c: Block(c, QKVAttention, lambda c2: MoEFeedForward(c2, experts)))
 
 
+# --- Meta's reference Llama: complex rotary, repeat_kv by expand, contiguous().view ------------
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    bs, slen, n_kv_heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, slen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    )
+
+
+class ReferenceAttention(QKVAttention):
+    def forward(self, x, freqs_cis, mask):
+        bsz, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim)
+        xk = xk.view(bsz, seqlen, self.n_kv, self.head_dim)
+        xv = xv.view(bsz, seqlen, self.n_kv, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+        keys = repeat_kv(xk, self.n_heads // self.n_kv)
+        values = repeat_kv(xv, self.n_heads // self.n_kv)
+        xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.head_dim)
+        scores = F.softmax((scores + mask).float(), dim=-1).type_as(xq)
+        output = torch.matmul(scores, values)
+        output = output.transpose(1, 2).contiguous().view(bsz, seqlen, -1)
+        return self.wo(output)
+
+
+class ReferenceLlama(Decoder):
+    """Meta's llama/model.py: rotary as complex numbers (``view_as_complex``), GQA by
+    ``expand`` + ``reshape``, heads merged by ``transpose(1, 2).contiguous().view``, the causal
+    mask built in the forward; 2 kv heads, so kv heads < tp from tp=4 on."""
+
+    def __init__(self, cfg: Config = Config(kv_heads=2)):
+        super().__init__(cfg, lambda c: Block(c, ReferenceAttention))
+        self.register_buffer("freqs_cis", precompute_freqs_cis(cfg.head_dim, cfg.max_seq * 2), persistent=False)
+
+    def extra(self, tokens):
+        seqlen = tokens.shape[1]
+        mask = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device)
+        return self.freqs_cis[:seqlen], torch.triu(mask, diagonal=1)
+
+
+# --- tensors created without a device: rotary computed in the forward ------------------------
+
+
+class ArangeRopeAttention(QKVAttention):
+    def attend(self, q, k, v):
+        s, d = q.shape[1], self.head_dim
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        angles = torch.outer(torch.arange(s).float(), inv_freq)
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None, :].to(q.dtype)
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None, :].to(q.dtype)
+
+        def rotate_half(x):
+            return torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+class ArangeRope(Decoder):
+    """Rotary tables built in the forward with ``torch.arange(...)`` and no ``device=`` (CPU
+    tensors whatever the model is on), as much research code does."""
+
+    def __init__(self, cfg: Config = Config(kv_heads=2)):
+        super().__init__(cfg, lambda c: Block(c, ArangeRopeAttention))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -388,4 +478,6 @@ PATTERNS = {
     "custom_function": CustomFunctionMLP,
     "moe_indexed": ExpertsMoE,
     "moe_loop": lambda: ExpertsMoE(loop=True),
+    "reference_llama": ReferenceLlama,
+    "arange_rope": ArangeRope,
 }

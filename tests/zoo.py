@@ -219,7 +219,7 @@ def _has(config, name: str) -> bool:
 
 
 def _fields(config) -> set[str]:
-    return {f.name for f in dataclasses.fields(config)} | set(vars(config))
+    return {f.name for f in dataclasses.fields(config)}
 
 
 def _field_name(config, name: str) -> str:
