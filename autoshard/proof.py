@@ -122,14 +122,15 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
           *, seed: int = 0, rtol: float | None = None) -> Proof:
     """Run ``subject`` on fresh inputs and random weights; compare with the reference."""
     start = time.perf_counter()
-    _refuse_meta(subject.reference)
+    _refuse_meta(model)
     with torch.random.fork_rng(devices=[]):
         gen = torch.Generator().manual_seed(seed)
         inputs = fresh_inputs(subject, example_inputs, example_kwargs or {}, gen)
         weights = random_weights(subject.reference, subject.plan, model, gen)
-        ref = _run_reference(subject.reference, inputs, weights, gen)
+        buffers = dict(model.named_buffers())  # the model's own: a twin captured on meta has none
+        ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
         try:
-            sim = _run_emitted(subject.root, subject, inputs, weights, ref.cotangents)
+            sim = _run_emitted(subject.root, subject, inputs, weights, buffers, ref.cotangents)
         except EmittedCodeError as err:
             tolerance = rtol if rtol is not None else _TOLERANCE.get(_compute_dtype(weights), 1e-4)
             return Proof(subject.tp, tolerance, (("emitted code", float("inf")),), (), str(err).splitlines()[0],
@@ -144,7 +145,7 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
                       for fqn in sorted(sim.grads))
     first = None
     if any(e > tolerance for _, e in (*outputs, *gradients)):
-        first = locate(subject, inputs, weights, ref.cotangents, tolerance) or _reads_of_worst(
+        first = locate(subject, inputs, weights, buffers, ref.cotangents, tolerance) or _reads_of_worst(
             subject, [(f, e) for f, e in zip(sorted(sim.grads), (e for _, e in gradients), strict=True)], tolerance)
     return Proof(subject.tp, tolerance, outputs, gradients, first, time.perf_counter() - start)
 
@@ -254,8 +255,8 @@ def _compute_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
     return min(floating, key=lambda d: torch.finfo(d).bits) if floating else torch.float32
 
 
-def _refuse_meta(gm: fx.GraphModule) -> None:
-    meta = [name for name, b in gm.named_buffers() if b.is_meta]
+def _refuse_meta(model: torch.nn.Module) -> None:
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
     if meta:
         raise NotImplementedError(
             f"autoshard: the proof runs the model's buffers, and {meta[0]!r} is on the meta device; "
@@ -278,10 +279,10 @@ def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values]
 
 
-def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, gen, retain: bool = False,
+def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dict, gen, retain: bool = False,
                    cotangents=None) -> _Run:
     params = {fqn: PerRank(_leaves([w])) for fqn, w in weights.items()}
-    sim = RankSimulator(gm, 1, params.get)
+    sim = RankSimulator(gm, 1, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, 1))
     outputs = [o.values[0] if isinstance(o, PerRank) else o for o in _flat_outputs(sim.run(*_per_rank(inputs, 1)))]
     if cotangents is None:
         cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype)
@@ -295,11 +296,11 @@ def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, gen, retain:
     return _Run([o.detach() if isinstance(o, torch.Tensor) else o for o in outputs], grads, cotangents, sim.values)
 
 
-def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: dict, cotangents,
+def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: dict, buffers: dict, cotangents,
                  retain: bool = False) -> _Run:
     tp = subject.tp
     params = {fqn: PerRank(_leaves(stored_shards(entry, weights[fqn], tp))) for fqn, entry in subject.plan.params.items()}
-    sim = RankSimulator(root, tp, params.get)
+    sim = RankSimulator(root, tp, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, tp))
     outputs = _flat_outputs(sim.run(*_per_rank(inputs, tp)))
     _retain(sim.values, retain)
     loss = 0
@@ -313,6 +314,10 @@ def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: 
         loss.backward()
     grads = {fqn: [v.grad for v in p.values] for fqn, p in params.items()}
     return _Run(outputs, grads, cotangents, sim.values)
+
+
+def _replicated(buffers: dict, fqn: str, tp: int) -> PerRank | None:
+    return PerRank([buffers[fqn]] * tp) if fqn in buffers else None
 
 
 def _per_rank(inputs: list, tp: int) -> list[PerRank]:
@@ -412,11 +417,11 @@ def _missing(values, ref) -> float:
     return 0.0 if ref.abs().max().item() == 0 else float("inf")
 
 
-def locate(subject: Subject, inputs: list, weights: dict, cotangents, tolerance: float) -> str | None:
+def locate(subject: Subject, inputs: list, weights: dict, buffers: dict, cotangents, tolerance: float) -> str | None:
     """The first planned node whose per-rank values disagree with the reference, with its source
     line: forward values in graph order first, then gradients from the outputs back."""
-    planned = _run_reference(subject.planned, inputs, weights, None, retain=True, cotangents=cotangents)
-    emitted = _run_emitted(subject.root, subject, inputs, weights, cotangents, retain=True)
+    planned = _run_reference(subject.planned, inputs, weights, buffers, None, retain=True, cotangents=cotangents)
+    emitted = _run_emitted(subject.root, subject, inputs, weights, buffers, cotangents, retain=True)
     by_name = {key.rsplit(".", 1)[-1]: v for key, v in emitted.values.items()}
     order = [n for n in subject.emitted.graph.nodes if n.op == "call_function" and n in subject.layouts
              and n.name not in subject.skip and n.name in by_name and n.name in planned.values]

@@ -21,6 +21,7 @@ create tensors on ``meta``; materialize rewrites those devices to the mesh's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -143,7 +144,10 @@ def capture(
         exported_module = with_two_blocks(_twin(traced, lambda b: b), stack)
     traced_calls = []
     try:
-        with recording_calls(traced_calls, clone=False):
+        # a twin on meta also creates the tensors its forward makes without `device=` on meta
+        # (a rotary `torch.arange(n)`), or they would meet meta tensors on the CPU
+        on_meta = torch.device("meta") if traced is not model else contextlib.nullcontext()
+        with recording_calls(traced_calls, clone=False), on_meta:
             exported = torch.export.export(
                 exported_module, traced_args, traced_kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )

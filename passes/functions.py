@@ -98,8 +98,10 @@ def _shape_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _random_like(t: torch.Tensor, gen) -> torch.Tensor:
+    """Random values of ``t``'s shape; floating ones in at least float32: the check compares a
+    backward with autograd's gradient, and bf16 rounding alone would exceed its tolerance."""
     if t.dtype.is_floating_point:
-        return torch.randn(t.shape, generator=gen).to(t.dtype)
+        return torch.randn(t.shape, generator=gen).to(torch.promote_types(t.dtype, torch.float32))
     return torch.zeros(t.shape, dtype=t.dtype)
 
 

@@ -23,6 +23,7 @@ like with like.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 
@@ -179,6 +180,28 @@ def _without_randomness(target, args, kwargs):
     return True, x.clone()
 
 
+def _off_meta(arg):
+    """A graph captured on a meta twin (mixed precision) creates tensors on meta; simulated, on the
+    CPU. A nested graph (the body of a higher-order op) runs as a copy with its devices moved."""
+    if isinstance(arg, torch.device) and arg.type == "meta":
+        return torch.device("cpu")
+    if isinstance(arg, fx.GraphModule):
+        return _body_off_meta(arg)
+    return arg
+
+
+_BODIES: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
+
+
+def _body_off_meta(body: fx.GraphModule) -> fx.GraphModule:
+    if id(body) not in _BODIES or _BODIES[id(body)][0] is not body:
+        graph = copy.deepcopy(body.graph)
+        for node in graph.nodes:
+            node.args, node.kwargs = map_aggregate((node.args, node.kwargs), _off_meta)
+        _BODIES[id(body)] = (body, fx.GraphModule(body, graph))
+    return _BODIES[id(body)][1]
+
+
 # --- the interpreter -------------------------------------------------------------------------
 
 
@@ -245,7 +268,8 @@ class RankSimulator(fx.Interpreter):
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 
     def _per_rank(self, fn, args, kwargs) -> PerRank:
-        return PerRank([fn(on_rank(args, r), on_rank(kwargs, r)) for r in range(self.tp)])
+        return PerRank([fn(*map_aggregate((on_rank(args, r), on_rank(kwargs, r)), _off_meta))
+                        for r in range(self.tp)])
 
     @staticmethod
     def _call(target, args, kwargs):
