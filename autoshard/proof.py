@@ -187,21 +187,28 @@ def vocabularies(sites) -> dict[str, tuple[int, int | None]]:
 def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generator) -> list:
     """The flat graph inputs: new values of the example's shapes (see the module docstring)."""
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), subject.reference._in_spec))
-    names = [n.name for n in subject.reference.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in subject.reference.graph.nodes if n.op == "placeholder"]
     fresh = []
-    for name, value in zip(names, flat, strict=True):
-        if not isinstance(value, torch.Tensor):
-            fresh.append(value)
-        elif name in subject.vocabularies:
-            rows, padding = subject.vocabularies[name]
-            fresh.append(_token_ids(value, rows, padding, subject.tp, gen))
-        elif value.is_floating_point() and value.unique().numel() > 2:
-            std = value.float().std().item() if value.numel() > 1 else 1.0
-            new = torch.randn(value.shape, generator=gen) * (std or 1.0) + value.float().mean().item()
-            fresh.append(new.to(value.dtype))
-        else:
-            fresh.append(value.clone())
+    for node, value in zip(placeholders, flat, strict=True):
+        traced = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor) and value.dtype != traced.dtype:
+            value = value.to(traced.dtype)  # under mixed precision the root's inputs are cast, as FSDP2 casts them
+        fresh.append(_fresh(node.name, value, subject, gen))
     return fresh
+
+
+def _fresh(name: str, value, subject: Subject, gen: torch.Generator):
+    """One new input value like ``value`` (see :func:`fresh_inputs`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if name in subject.vocabularies:
+        rows, padding = subject.vocabularies[name]
+        return _token_ids(value, rows, padding, subject.tp, gen)
+    if value.is_floating_point() and value.unique().numel() > 2:
+        std = value.float().std().item() if value.numel() > 1 else 1.0
+        new = torch.randn(value.shape, generator=gen) * (std or 1.0) + value.float().mean().item()
+        return new.to(value.dtype)
+    return value.clone()
 
 
 def _token_ids(example: torch.Tensor, rows: int, padding: int | None, tp: int, gen) -> torch.Tensor:

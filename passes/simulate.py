@@ -170,8 +170,23 @@ _DROPOUTS = {aten.dropout.default, aten.native_dropout.default, aten.feature_dro
              aten.alpha_dropout.default, aten.feature_alpha_dropout.default}
 
 
+# Attention with its own dropout probability: argument position of ``dropout_p``.
+_ATTENTION_DROPOUT = {aten.scaled_dot_product_attention.default: 4,
+                      aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+                      aten._scaled_dot_product_efficient_attention.default: 4,
+                      aten._scaled_dot_product_flash_attention.default: 3}
+
+
 def _without_randomness(target, args, kwargs):
-    """``(ran, value)``: dropout as the identity (``native_dropout`` gives ``(x, all-true mask)``)."""
+    """``(ran, value)``: dropout as the identity (``native_dropout`` gives ``(x, all-true mask)``),
+    attention with its dropout probability set to 0."""
+    if target in _ATTENTION_DROPOUT:
+        at = _ATTENTION_DROPOUT[target]
+        if len(args) > at:
+            args = (*args[:at], 0.0, *args[at + 1:])
+        if "dropout_p" in kwargs:
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        return True, target(*args, **kwargs)
     if target not in _DROPOUTS:
         return False, None
     x = args[0]
