@@ -19,7 +19,8 @@ op                  forward                     backward
 input-gradients are partial sums, added locally by autograd and all-reduced
 once here. ``reduce_partial`` closes a rowwise linear. ``gather_shards`` ends a
 sharded region whose consumer needs the full tensor (embedding output, LM head
-logits). ``take_shard`` starts a sharded region from a replicated value.
+logits). ``take_shard`` starts a sharded region from a replicated value; ``take_shards`` does it for
+several values one op reads (k and v), whose gradients then share one all-gather.
 
 With sequence parallelism the residual stream is sharded over the sequence:
 ``reduce_scatter_partial`` (reduce-scatter forward, all-gather backward)
@@ -173,6 +174,50 @@ def _take_shard_backward(ctx, grad):
     return _all_gather(grad, ctx.dim, ctx.group_name), None, None
 
 
+# --- take_shards: take_shard of several tensors, one all-gather backward ---------------
+
+
+@torch.library.custom_op(f"{_LIB}::take_shards", mutates_args=())
+def take_shards(xs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:
+    """``take_shard`` of every tensor of ``xs`` (the k and v one attention reads): their
+    gradients arrive together and travel in one all-gather."""
+    return [_chunk(x, dim, group_name) for x in xs]
+
+
+@take_shards.register_fake
+def _(xs, dim, group_name):
+    return [x.new_empty(_chunk_shape(x, dim, group_name)) for x in xs]
+
+
+def _take_shards_backward(ctx, grads):
+    grads = [g if g is not None else torch.zeros(s, dtype=d) for g, s, d in zip(grads, ctx.shapes, ctx.dtypes,
+                                                                                  strict=True)]
+    return _all_gather_many(grads, ctx.dim, ctx.group_name), None, None
+
+
+def _keep_shards(ctx, inputs, output):
+    ctx.dim, ctx.group_name = inputs[1], inputs[2]
+    ctx.shapes = [tuple(o.shape) for o in output]
+    ctx.dtypes = [o.dtype for o in output]
+
+
+def _all_gather_many(xs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:
+    """Each of ``xs`` all-gathered along ``dim``, in one collective: flattened, concatenated (in
+    the first one's dtype when they share it), gathered once, split back per rank."""
+    if len({x.dtype for x in xs}) > 1:
+        return [_all_gather(x, dim, group_name) for x in xs]
+    size = _group_size(group_name)
+    flat = torch.cat([x.contiguous().view(-1) for x in xs])
+    stacked = torch.ops._c10d_functional.all_gather_into_tensor(flat, size, group_name)
+    per_rank = torch.ops._c10d_functional.wait_tensor(stacked).view(size, -1)
+    out, start = [], 0
+    for x in xs:
+        pieces = per_rank[:, start : start + x.numel()].reshape(size, *x.shape)
+        out.append(torch.cat(pieces.unbind(0), dim=dim))
+        start += x.numel()
+    return out
+
+
 # --- sequence parallel: reduce_scatter_partial and gather_for_colwise -------------
 
 
@@ -264,6 +309,7 @@ enter_tp.register_autograd(_enter_tp_backward, setup_context=_keep_group)
 reduce_partial.register_autograd(_reduce_partial_backward, setup_context=_keep_group)
 gather_shards.register_autograd(_gather_shards_backward, setup_context=_keep_dim_and_group)
 take_shard.register_autograd(_take_shard_backward, setup_context=_keep_dim_and_group)
+take_shards.register_autograd(_take_shards_backward, setup_context=_keep_shards)
 reduce_scatter_partial.register_autograd(_reduce_scatter_partial_backward, setup_context=_keep_dim_and_group)
 gather_for_colwise.register_autograd(_gather_for_colwise_backward, setup_context=_keep_dim_and_group)
 
@@ -271,9 +317,10 @@ ENTER_TP = torch.ops.autoshard.enter_tp.default
 REDUCE_PARTIAL = torch.ops.autoshard.reduce_partial.default
 GATHER_SHARDS = torch.ops.autoshard.gather_shards.default
 TAKE_SHARD = torch.ops.autoshard.take_shard.default
+TAKE_SHARDS = torch.ops.autoshard.take_shards.default
 VOCAB_SHARD_IDS = torch.ops.autoshard.vocab_shard_ids.default
 REDUCE_SCATTER_PARTIAL = torch.ops.autoshard.reduce_scatter_partial.default
 GATHER_FOR_COLWISE = torch.ops.autoshard.gather_for_colwise.default
 
 FORWARD_COLLECTIVES = (REDUCE_PARTIAL, GATHER_SHARDS)
-BACKWARD_COLLECTIVES = (ENTER_TP, TAKE_SHARD)
+BACKWARD_COLLECTIVES = (ENTER_TP, TAKE_SHARD, TAKE_SHARDS)

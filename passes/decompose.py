@@ -65,3 +65,44 @@ def decompose_norm(graph: fx.Graph, node: fx.Node) -> None:
     # the norm node itself becomes the last step, so whatever refers to it (a linear site's input) stays valid
     target, a, b = steps[-1]
     node.target, node.args, node.kwargs = target, (out if a is None else a, b), {}
+
+
+SDPA = aten.scaled_dot_product_attention.default
+
+
+def expand_gqa_for_tp(graph: fx.Graph, tp: int) -> list[fx.Node]:
+    """Give grouped-query attention as many k/v heads as q heads where only q's divide by tp.
+
+    ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` with ``h`` q heads and
+    ``kv`` k/v heads reads kv head ``i // (h / kv)`` for q head ``i``. When ``kv`` does not
+    divide by tp (2 kv heads on tp=4) k and v cannot be cut on heads, but each rank's q
+    heads still need only their own kv heads: ``repeat_interleave(k, h / kv, dim=heads)``
+    makes that one head per q head, which tp cuts like q (a cut, no communication forward).
+    The result is the same attention. Returns the rewritten attention nodes.
+    """
+    rewritten = []
+    for node in list(graph.nodes):
+        if node.target is not SDPA or not node.kwargs.get("enable_gqa", False):
+            continue
+        q, k, v = node.args[:3]
+        shapes = [getattr(t.meta.get("val"), "shape", None) for t in (q, k, v)]
+        if any(s is None or len(s) < 3 for s in shapes):
+            continue
+        heads, kv_heads = shapes[0][-3], shapes[1][-3]
+        if not all(isinstance(n, int) for n in (heads, kv_heads)) or heads == kv_heads:
+            continue
+        if heads % tp or not kv_heads % tp or heads % kv_heads:
+            continue
+        with graph.inserting_before(node):
+            expanded = []
+            for t in (k, v):
+                rep = graph.call_function(aten.repeat_interleave.self_int, (t, heads // kv_heads, -3))
+                rep.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
+                val = t.meta["val"]
+                rep.meta["val"] = val.repeat_interleave(heads // kv_heads, dim=-3)
+                rep._rename(f"{t.name}_per_q_head")
+                expanded.append(rep)
+        node.args = (q, *expanded, *node.args[3:])
+        node.kwargs = {key: val for key, val in node.kwargs.items() if key != "enable_gqa"}
+        rewritten.append(node)
+    return rewritten

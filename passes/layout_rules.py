@@ -442,8 +442,11 @@ def _attention(node, layouts, tp):
     broadcast over heads or be sharded the same way."""
     q, k, v = node.args[:3]
     heads = _ndim(q) - 3
-    if heads < 0 or any(layouts.get(t) != heads for t in (q, k, v)):
+    if heads < 0 or layouts.get(q) != heads:
         return None
+    for t in (k, v):  # k/v computed whole (fewer heads than tp) are cut like q: as many heads
+        if layouts.get(t) != heads and (layouts.get(t) is not None or _shape(t)[-3] != _shape(q)[-3]):
+            return None
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         m_lay = layouts.get(mask)
@@ -456,7 +459,7 @@ def _attention(node, layouts, tp):
     out = tuple(heads if isinstance(t, torch.Tensor) and t.dim() > heads else None for t in val) if isinstance(
         val, (tuple, list)
     ) else heads
-    return Decision(out, dict(layouts))
+    return Decision(out, {**layouts, k: heads, v: heads})
 
 
 def _batched_matmul(node, layouts, tp):

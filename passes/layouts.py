@@ -10,6 +10,7 @@ shape arguments.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 
 import torch
@@ -60,6 +61,16 @@ def insert_redistributes(
         for i in range(len(steps)):
             readers[(value, steps[: i + 1])].append(consumer)
     made: dict[tuple, fx.Node] = {}
+    for (consumer, dim), values in plan.take_shard_buckets().items():
+        with graph.inserting_before(consumer):
+            cuts = graph.call_function(collectives.TAKE_SHARDS, ([*values], dim, group_name))
+            cuts._rename(f"{consumer.name}_shards")
+            _inherit_meta(cuts, consumer)
+            for i, value in enumerate(values):
+                cut = graph.call_function(operator.getitem, (cuts, i))
+                cut._rename(f"{value.name}_shard")
+                _inherit_meta(cut, consumer)
+                made[(value, plan.edges[(value, consumer)])] = cut
     for (value, consumer), steps in plan.edges.items():
         current = value
         for i, step in enumerate(steps):
@@ -99,9 +110,13 @@ def _insert_step(
     node._rename(f"{value.name}_{_NAME[step.kind]}")
     made = node
     while made is not value:  # the step is a chain on its first argument; all of it runs in origin's unit
-        made.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
+        _inherit_meta(made, origin)
         made = made.args[0]
     return node
+
+
+def _inherit_meta(new: fx.Node, origin: fx.Node) -> None:
+    new.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
 
 
 def _strided_step(graph: fx.Graph, value: fx.Node, step, group_name: str) -> fx.Node:

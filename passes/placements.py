@@ -227,9 +227,14 @@ def _collectives_by_weight(
     activations: list[Collective] = []
     activation_nodes: list[fx.Node] = []
 
-    def record(fqn: str | None, collective: Collective, node: fx.Node, value: fx.Node) -> None:
-        """Next to its weight when one explains it, else among the activation collectives."""
+    buckets = lp.take_shard_buckets()
+
+    def record(fqn: str | None, collective: Collective, node: fx.Node, value: fx.Node, also=()) -> None:
+        """Next to its weight when one explains it, else among the activation collectives;
+        ``also``: further values the same collective moves (a bucket), added to its size."""
         collective = _sized(collective, value)
+        for other in also:
+            collective = dataclasses.replace(collective, numel=collective.numel + _sized(collective, other).numel)
         if fqn is None:
             activations.append(collective)
             activation_nodes.append(node)
@@ -276,8 +281,12 @@ def _collectives_by_weight(
                 else:
                     _add_shared(by_weight, _sized(Collective(ALL_REDUCE, "fwd", "output", shared_by=weights), value))
             elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
-                take = Collective(TAKE_SHARD_KIND, "bwd", f"'{value.name}'", describe(consumer), dim=step.dim)
-                record(None, take, node, value)
+                bucket = buckets.get((consumer, step.dim), (value,))
+                if value is not bucket[0]:
+                    continue  # one all-gather for the bucket, recorded with its first value
+                subject = ", ".join(f"'{v.name}'" for v in bucket)
+                take = Collective(TAKE_SHARD_KIND, "bwd", subject, describe(consumer), dim=step.dim)
+                record(None, take, node, value, also=bucket[1:])
     return {k: tuple(v) for k, v in by_weight.items()}, activations, activation_nodes
 
 

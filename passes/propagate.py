@@ -69,7 +69,7 @@ import torch.fx as fx
 from autoshard.errors import describe
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.passes import dtensor_rules, layout_rules
-from autoshard.passes.decompose import NORMS, decompose_norm
+from autoshard.passes.decompose import NORMS, decompose_norm, expand_gqa_for_tp
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
 from autoshard.sharding import Role
@@ -138,6 +138,21 @@ class LayoutPlan:
     # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
     sharded_params: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def take_shard_buckets(self) -> dict[tuple[fx.Node, int], tuple[fx.Node, ...]]:
+        """Replicated values one consumer reads cut on the same dim (k and v of attention whose
+        kv heads were repeated per q head): ``(consumer, dim) -> values``, two or more, each
+        carrying a gradient and read that way by this consumer only. Their cuts are one op,
+        and their gradients one all-gather."""
+        readers: dict[tuple, set] = {}
+        for (value, consumer), steps in self.edges.items():
+            readers.setdefault((value, steps), set()).add(consumer)
+        groups: dict[tuple[fx.Node, int], list[fx.Node]] = {}
+        for (value, consumer), steps in self.edges.items():
+            if (len(steps) == 1 and steps[0].kind == TAKE_SHARD and isinstance(steps[0].dim, int)
+                    and value in self.carries_grad and readers[(value, steps)] == {consumer}):
+                groups.setdefault((consumer, steps[0].dim), []).append(value)
+        return {key: tuple(values) for key, values in groups.items() if len(values) > 1}
+
 
 def propagate(
     gm: fx.GraphModule,
@@ -159,6 +174,8 @@ def propagate(
     """
     _check_roles_cover_sites(roles, sites)
     _sum_partials_first(gm, sites)
+    if tp > 1:
+        expand_gqa_for_tp(gm.graph, tp)
     carries_grad = _carries_grad(gm)
     revised = _Revisions()
     narrowing = {

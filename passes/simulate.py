@@ -133,6 +133,21 @@ def _take_shard(xs, dim, group_name):
     )
 
 
+def _take_shards(values: list[PerRank], dim, group_name) -> PerRank:
+    """Several ``take_shard``s in one op: per rank a list, one value's chunk per entry."""
+    tp, count = len(values[0]), len(values)
+    flat = [x for v in values for x in v.values]  # value-major: flat[i * tp + r]
+
+    def forward(xs):
+        return [_chunks(xs[i * tp + r], tp, dim)[r] for i in range(count) for r in range(tp)]
+
+    def backward(grads):
+        return [g for i in range(count) for g in _copies(_cat(grads[i * tp:(i + 1) * tp], dim), tp)]
+
+    out = _AcrossRanks.apply(forward, backward, *flat)
+    return PerRank([[out[i * tp + r] for i in range(count)] for r in range(tp)])
+
+
 def _reduce_scatter_partial(xs, dim, group_name, reduce_dtype=None):
     tp = len(xs)
     return _across(lambda v: _chunks(_sum(v, reduce_dtype), tp, dim), lambda g: _copies(_cat(g, dim), tp), xs)
@@ -264,6 +279,8 @@ class RankSimulator(fx.Interpreter):
         if target in _TENSOR_COLLECTIVES:
             (x, *rest), kw = args, kwargs
             return _TENSOR_COLLECTIVES[target](x.values, *on_rank(rest, 0), **on_rank(kw, 0))
+        if target is collectives.TAKE_SHARDS:
+            return _take_shards(list(args[0]), *on_rank(args[1:], 0))
         if target is collectives.VOCAB_SHARD_IDS:
             return _vocab_shard_ids(args[0], *on_rank(args[1:], 0))
         if target is collectives.as_sharded_dtensor:

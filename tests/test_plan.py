@@ -379,8 +379,8 @@ def test_retargeting_keeps_inlined_functions_and_breaks():
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     plan = autoshard.plan(PATTERNS["custom_function"](), {"tp": 2}, example_inputs=(tokens,))
     assert plan.functions and plan.for_mesh({"dp": 2, "tp": 2}).functions == plan.functions
-    broken = autoshard.plan(Llama(LlamaConfig()), {"tp": 4}, example_inputs=(TOKENS,))
-    assert broken.breaks and broken.for_mesh({"dp": 2, "tp": 4}).breaks == broken.breaks
+    broken = autoshard.plan(Llama(LlamaConfig()), {"tp": 8}, example_inputs=(TOKENS,))  # 4 heads on tp=8
+    assert broken.breaks and broken.for_mesh({"dp": 2, "tp": 8}).breaks == broken.breaks
     assert broken.for_mesh({"dp": 4}).breaks == ()  # no tp, nothing breaks
 
 
