@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-quant bench-meshes golden clean
+.PHONY: install test lint demo bench bench-quant bench-meshes zoo golden clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ bench-quant: $(STAMP)
 # suggest_mesh's ranking of the 4-rank meshes next to their measured step times.
 bench-meshes: $(STAMP)
 	$(PY) benchmarks/bench_meshes.py
+
+# Every transformers family autoshard captures, planned and proven in one process on five meshes
+# (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4.
+zoo: $(STAMP)
+	$(PY) benchmarks/zoo.py --options
 
 # Rewrite the golden plan tables and emitted graphs under tests/golden after an intended change.
 golden: $(STAMP)

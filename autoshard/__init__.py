@@ -22,5 +22,6 @@ from autoshard.suggest import Links, suggest_mesh
 
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 
-__all__ = ["autoshard", "plan", "check", "Proof", "ProofError", "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
+__all__ = ["autoshard", "plan", "check", "Proof", "ProofError",
+           "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
            "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links"]

@@ -35,7 +35,6 @@ from autoshard.plan import Plan, mixed_precision_of
 from autoshard.proof import Proof, Subject, copy_graph_module, prove, vocabularies
 from autoshard.retarget import retarget
 
-
 # The largest model (parameter elements) ``autoshard(check="auto")`` proves. The proof runs every
 # tp rank's forward and backward on the example shapes in this process, which costs about one
 # unsharded training step plus the simulation's per-op overhead: a few seconds up to this size.
@@ -86,12 +85,36 @@ def check(
         proof = autoshard.check(model, {"dp": 2, "tp": 4}, example_inputs=(tokens,))
         proof.raise_if_failed()
     """
-    axes = _axes(mesh)
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
+    return prove_on(model, _axes(mesh), example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
+
+
+def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
+             options: PlanOptions, *, plan=None, captured: CapturedGraph | None = None, seed: int = 0,
+             rtol: float | None = None) -> Proof:
+    """:func:`check` on ``axes`` with ``options``; ``captured`` (this model captured with these
+    inputs and options, see :func:`capture_for`) skips capturing again: the zoo proves one
+    capture on several meshes."""
+    planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
+                    captured=captured)
     emitted = _emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
-    return prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
+    proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
+    return dataclasses.replace(proof, plan=planned.plan)
+
+
+def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+                options: PlanOptions, axes: MeshAxes) -> CapturedGraph:
+    """The capture :func:`_plan` makes for ``axes`` (mixed precision captures in ``param_dtype``
+    only with a dp axis), to plan on several meshes from one trace."""
+    return capture(model, example_inputs, example_kwargs, options.dynamic_shapes,
+                   _compute_dtype(model, axes, options), options.trace_blocks_once)
+
+
+def _compute_dtype(model: nn.Module, axes: MeshAxes, options: PlanOptions):
+    if getattr(model, "replays_graph", False):
+        return None  # a dynamo graph replayed node by node: its blocks' input casts never run
+    return options.mp_policy.param_dtype if options.mp_policy is not None and axes.has_dp else None
 
 
 def plan(
@@ -274,17 +297,17 @@ class Emitted:
 
 
 def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
-          keep_reference: bool = False) -> Planned:
+          keep_reference: bool = False, captured: CapturedGraph | None = None) -> Planned:
+    """``captured``: a capture of this model (:func:`capture_for`); planning works on a copy."""
     options = options.for_tp(axes.has_tp)
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
     saved = _as_plan(given)
     given = _check_plan_mesh(saved, axes) if saved is not None else None
-    compute_dtype = options.mp_policy.param_dtype if options.mp_policy is not None and axes.has_dp else None
-    if getattr(model, "replays_graph", False):
-        compute_dtype = None  # a dynamo graph replayed node by node: its blocks' input casts never run
-    captured = capture(model, example_inputs, example_kwargs, options.dynamic_shapes, compute_dtype,
-                       options.trace_blocks_once)
+    if captured is None:
+        captured = capture_for(model, example_inputs, example_kwargs, options, axes)
+    else:
+        captured = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     reference = copy_graph_module(captured.gm) if keep_reference else None
     with in_stage("discover", captured.gm.graph):
         sites = find_sites(captured.gm, captured.param_shapes)

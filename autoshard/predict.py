@@ -54,7 +54,10 @@ def _ring(kind: str, nbytes: float, ranks: int) -> float:
     return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
 
 
-class _Tally:
+class Tally:
+    """Collectives of one training step per mesh axis and kind: counts and ring wire bytes per rank
+    (the plan's prediction adds to one; the one-process proof adds what the emitted code runs)."""
+
     def __init__(self):
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -74,7 +77,7 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
     ``master_dtype`` the parameters' dtype (the plan records shapes, not dtypes, of parameters)."""
     axes = axes_from_sizes(dict(plan.mesh))
     param_dtype, reduce_dtype = _policy_dtypes(plan)
-    tally = _Tally()
+    tally = Tally()
     if axes.has_tp:
         for sends in _tp_sends(plan, reduce_dtype).values():
             for kind, nbytes in sends:
@@ -96,7 +99,7 @@ def tp_traffic_by_unit(plan) -> dict[str, tuple[int, int]] | None:
         return None
     traffic = {}
     for unit in plan.units:
-        tally = _Tally()
+        tally = Tally()
         for kind, nbytes in sends_by_unit.get(unit, ()):
             tally.add(TP, kind, nbytes, axes.tp)
         kinds = tally.result().get(TP, {})
@@ -139,7 +142,7 @@ def _tp_sends(plan, reduce_dtype) -> dict[str, list[tuple[str, int]]]:
     return sends
 
 
-def _fsdp(plan, axes: MeshAxes, tally: _Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
+def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
     shard_axis, shards = axes.shard_axis, axes.dp
     gathered_dtype = param_dtype or master
     reduced_dtype = reduce_dtype or master

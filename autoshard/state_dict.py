@@ -111,6 +111,7 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int, model: nn.Mod
     metadata = copy.deepcopy(getattr(model.state_dict(), "_metadata", None)) if model is not None else None
 
     quantized = bool(plan.all_gather_quant)  # only then do shards carry the gather wrapper
+    save_hooks, load_hooks = _model_hooks(model)
 
     def to_original_layout(module, state_dict, prefix, local_metadata):
         if quantized:
@@ -123,8 +124,16 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int, model: nn.Mod
                 state_dict[key] = layout.to_original(fqn, state_dict[key])
         if metadata is not None and hasattr(state_dict, "_metadata"):
             _use_original_metadata(state_dict._metadata, metadata, prefix)
+        for name, owner, hook in save_hooks:  # the model's own, as its state_dict() runs them
+            result = hook(owner, state_dict, prefix + name, state_dict._metadata.get((prefix + name)[:-1], {})
+                          if hasattr(state_dict, "_metadata") else {})
+            if result is not None and result is not state_dict:
+                state_dict.clear()
+                state_dict.update(result)
 
     def to_stored_layout(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for name, hook in load_hooks:  # the model's own first: they bring its keys to its parameters'
+            hook(state_dict, prefix + name, local_metadata, strict, missing, unexpected, errors)
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names too
         for fqn, param in params.items():
             key = prefix + fqn
@@ -138,6 +147,24 @@ def install_state_dict_hooks(root: nn.Module, plan: Plan, tp: int, model: nn.Mod
 
     root.register_state_dict_post_hook(to_original_layout)
     root.register_load_state_dict_pre_hook(to_stored_layout)
+
+
+def _model_hooks(model: nn.Module | None) -> tuple[list, list]:
+    """The model's own state-dict hooks, in the order its ``state_dict()`` and
+    ``load_state_dict()`` run them, with each module's prefix: post-save hooks children
+    first (``(prefix, module, hook)``), load pre-hooks parents first (``(prefix, hook)``).
+
+    A model that stores one tensor and saves others (a fused ``wqkv`` saved as ``wq``,
+    ``wk``, ``wv``) does so in these hooks; the sharded module, whose modules are graphs,
+    runs them on its state dicts so they have the model's keys in both directions."""
+    if model is None:
+        return [], []
+    modules = list(model.named_modules(remove_duplicate=False))
+    save = [(f"{name}." if name else "", module, hook) for name, module in reversed(modules)
+            for hook in module._state_dict_hooks.values()]
+    load = [(f"{name}." if name else "", hook) for name, module in modules
+            for hook in module._load_state_dict_pre_hooks.values()]
+    return save, load
 
 
 def _use_original_metadata(destination: dict, original: Mapping, prefix: str) -> None:

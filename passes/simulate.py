@@ -33,6 +33,8 @@ from torch.fx.node import map_aggregate
 
 from autoshard import collectives
 from autoshard.errors import describe
+from autoshard.mesh import TP
+from autoshard.predict import Tally
 
 aten = torch.ops.aten
 
@@ -109,31 +111,44 @@ def _across(forward: Callable, backward: Callable, xs: list[torch.Tensor]) -> Pe
     return PerRank(_AcrossRanks.apply(forward, backward, *xs))
 
 
-def _enter_tp(xs, group_name, reduce_dtype=None):
+def _wire(tensors: list[torch.Tensor], reduce_dtype=None) -> int:
+    """Bytes of what one rank puts on the wire (summed values travel in ``reduce_dtype``)."""
+    return sum(t.numel() * (reduce_dtype or t.dtype).itemsize for t in tensors)
+
+
+def _summed(tally: Tally, xs, reduce_dtype=None, scattered: bool = False):
+    tally.add(TP, "reduce_scatter" if scattered else "all_reduce", _wire(xs[:1], reduce_dtype), len(xs))
+    return _sum(xs, reduce_dtype)
+
+
+def _gathered(tally: Tally, xs, dim):
+    tally.add(TP, "all_gather", _wire(xs), len(xs))
+    return _cat(xs, dim)
+
+
+def _enter_tp(tally, xs, group_name, reduce_dtype=None):
     tp = len(xs)
-    return _across(lambda v: [x.clone() for x in v], lambda g: _copies(_sum(g, reduce_dtype), tp), xs)
+    return _across(lambda v: [x.clone() for x in v], lambda g: _copies(_summed(tally, g, reduce_dtype), tp), xs)
 
 
-def _reduce_partial(xs, group_name, reduce_dtype=None):
+def _reduce_partial(tally, xs, group_name, reduce_dtype=None):
     tp = len(xs)
-    return _across(lambda v: _copies(_sum(v, reduce_dtype), tp), lambda g: [x.clone() for x in g], xs)
+    return _across(lambda v: _copies(_summed(tally, v, reduce_dtype), tp), lambda g: [x.clone() for x in g], xs)
 
 
-def _gather_shards(xs, dim, group_name):
+def _gather_shards(tally, xs, dim, group_name):
     tp = len(xs)
-    return _across(
-        lambda v: _copies(_cat(v, dim), tp), lambda g: [_chunks(x, tp, dim)[r] for r, x in enumerate(g)], xs
-    )
+    return _across(lambda v: _copies(_gathered(tally, v, dim), tp),
+                   lambda g: [_chunks(x, tp, dim)[r] for r, x in enumerate(g)], xs)
 
 
-def _take_shard(xs, dim, group_name):
+def _take_shard(tally, xs, dim, group_name):
     tp = len(xs)
-    return _across(
-        lambda v: [_chunks(x, tp, dim)[r] for r, x in enumerate(v)], lambda g: _copies(_cat(g, dim), tp), xs
-    )
+    return _across(lambda v: [_chunks(x, tp, dim)[r] for r, x in enumerate(v)],
+                   lambda g: _copies(_gathered(tally, g, dim), tp), xs)
 
 
-def _take_shards(values: list[PerRank], dim, group_name) -> PerRank:
+def _take_shards(tally: Tally, values: list[PerRank], dim, group_name) -> PerRank:
     """Several ``take_shard``s in one op: per rank a list, one value's chunk per entry."""
     tp, count = len(values[0]), len(values)
     flat = [x for v in values for x in v.values]  # value-major: flat[i * tp + r]
@@ -142,20 +157,23 @@ def _take_shards(values: list[PerRank], dim, group_name) -> PerRank:
         return [_chunks(xs[i * tp + r], tp, dim)[r] for i in range(count) for r in range(tp)]
 
     def backward(grads):
+        tally.add(TP, "all_gather", _wire(grads), tp)  # one all-gather for every value
         return [g for i in range(count) for g in _copies(_cat(grads[i * tp:(i + 1) * tp], dim), tp)]
 
     out = _AcrossRanks.apply(forward, backward, *flat)
     return PerRank([[out[i * tp + r] for i in range(count)] for r in range(tp)])
 
 
-def _reduce_scatter_partial(xs, dim, group_name, reduce_dtype=None):
+def _reduce_scatter_partial(tally, xs, dim, group_name, reduce_dtype=None):
     tp = len(xs)
-    return _across(lambda v: _chunks(_sum(v, reduce_dtype), tp, dim), lambda g: _copies(_cat(g, dim), tp), xs)
+    return _across(lambda v: _chunks(_summed(tally, v, reduce_dtype, scattered=True), tp, dim),
+                   lambda g: _copies(_gathered(tally, g, dim), tp), xs)
 
 
-def _gather_for_colwise(xs, dim, group_name, reduce_dtype=None):
+def _gather_for_colwise(tally, xs, dim, group_name, reduce_dtype=None):
     tp = len(xs)
-    return _across(lambda v: _copies(_cat(v, dim), tp), lambda g: _chunks(_sum(g, reduce_dtype), tp, dim), xs)
+    return _across(lambda v: _copies(_gathered(tally, v, dim), tp),
+                   lambda g: _chunks(_summed(tally, g, reduce_dtype, scattered=True), tp, dim), xs)
 
 
 def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name) -> PerRank:
@@ -246,9 +264,10 @@ class RankSimulator(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, tp: int, param: Callable[[str], PerRank | None],
-                 prefix: str = "", values: dict[str, PerRank] | None = None):
+                 prefix: str = "", values: dict[str, PerRank] | None = None, tally: Tally | None = None):
         super().__init__(gm, garbage_collect_values=False)
         self.tp = tp
+        self.tally = tally if tally is not None else Tally()  # the tp collectives run, forward and backward
         self.param = param
         self.prefix = prefix
         self.values = values if values is not None else {}
@@ -278,9 +297,9 @@ class RankSimulator(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target in _TENSOR_COLLECTIVES:
             (x, *rest), kw = args, kwargs
-            return _TENSOR_COLLECTIVES[target](x.values, *on_rank(rest, 0), **on_rank(kw, 0))
+            return _TENSOR_COLLECTIVES[target](self.tally, x.values, *on_rank(rest, 0), **on_rank(kw, 0))
         if target is collectives.TAKE_SHARDS:
-            return _take_shards(list(args[0]), *on_rank(args[1:], 0))
+            return _take_shards(self.tally, list(args[0]), *on_rank(args[1:], 0))
         if target is collectives.VOCAB_SHARD_IDS:
             return _vocab_shard_ids(args[0], *on_rank(args[1:], 0))
         if target is collectives.as_sharded_dtensor:
@@ -295,7 +314,7 @@ class RankSimulator(fx.Interpreter):
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
         if isinstance(module, fx.GraphModule):
-            nested = RankSimulator(module, self.tp, self.param, f"{self.prefix}{target}.", self.values)
+            nested = RankSimulator(module, self.tp, self.param, f"{self.prefix}{target}.", self.values, self.tally)
             return nested.run(*args, **kwargs)
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 

@@ -467,6 +467,46 @@ class ArangeRope(Decoder):
         super().__init__(cfg, lambda c: Block(c, ArangeRopeAttention))
 
 
+# --- a fused wqkv that saves and loads as wq/wk/wv through its own state-dict hooks ----------
+
+
+class FusedQKVAttention(QKVAttention):
+    """One ``wqkv`` projection; state dicts carry ``wq``/``wk``/``wv`` (torchtitan's Llama-3
+    keeps checkpoints compatible this way): a post-save hook splits, a load pre-hook fuses."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        del self.wq, self.wk, self.wv
+        self.sections = [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+        self.wqkv = nn.Linear(cfg.dim, sum(self.sections), bias=False)
+        self._register_state_dict_hook(FusedQKVAttention._split_qkv)
+        self._register_load_state_dict_pre_hook(self._fuse_qkv)
+
+    @staticmethod
+    def _split_qkv(module, state_dict, prefix, local_metadata):
+        fused = state_dict.pop(prefix + "wqkv.weight")
+        for name, part in zip(("wq", "wk", "wv"), fused.split(module.sections, dim=0), strict=True):
+            state_dict[prefix + f"{name}.weight"] = part
+
+    def _fuse_qkv(self, state_dict, prefix, *args):
+        names = [prefix + f"{n}.weight" for n in ("wq", "wk", "wv")]
+        if all(n in state_dict for n in names):
+            state_dict[prefix + "wqkv.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
+
+    def forward(self, x, *extra):
+        b, s, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.sections, dim=-1)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv, self.head_dim)
+        v = v.view(b, s, self.n_kv, self.head_dim)
+        return self.wo(self.attend(q, k, v).reshape(b, s, -1))
+
+
+class FusedQKV(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, FusedQKVAttention))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -480,4 +520,5 @@ PATTERNS = {
     "moe_loop": lambda: ExpertsMoE(loop=True),
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
+    "fused_qkv_hooks": FusedQKV,
 }

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import autoshard
 from autoshard import api, collectives
 from autoshard.errors import InternalError, in_stage
-from autoshard.options import PlanOptions
+from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.proof import prove
 from tests.cases import MODELS
 from tests.pattern_models import PATTERNS, VOCAB
@@ -51,7 +51,7 @@ def test_patterns_are_proven(name, tp):
 # --- plans broken on purpose: the proof names the node -------------------------------------
 
 
-def _emitted(model, inputs, tp=2, options=PlanOptions()):
+def _emitted(model, inputs, tp=2, options=DEFAULT_OPTIONS):
     axes = api._axes({"tp": tp})
     planned = api._plan(model, axes, inputs, None, None, options, keep_reference=True)
     return api._emit(planned, axes, "tp", options, keep_planned=True)

@@ -157,6 +157,26 @@ def check_load_full_state_dict(ctx):
     torch.testing.assert_close(again(local), other(local), rtol=1e-5, atol=1e-5)
 
 
+def check_model_state_dict_hooks_are_kept(ctx):
+    """A model that saves its fused wqkv as wq/wk/wv through its own hooks: the sharded module's
+    state dict has those keys and values, and loads the model's state dict back."""
+    from tests.pattern_models import FusedQKV
+
+    torch.manual_seed(0)
+    model = FusedQKV()
+    tokens = dp_slice(torch.randint(0, 128, (4, 16)), ctx.mesh_2d)
+    sharded = autoshard.autoshard(model, ctx.mesh_2d, example_inputs=(tokens,))
+    original = model.state_dict()
+    state = sharded.state_dict()
+    assert "layers.0.attention.wq.weight" in original and set(state) == set(original)
+    for key, value in state.items():
+        assert torch.equal(full(value), original[key]), key
+    torch.manual_seed(1)
+    other = FusedQKV()
+    sharded.load_state_dict(other.state_dict())
+    torch.testing.assert_close(sharded(tokens), other(tokens), rtol=1e-5, atol=1e-5)
+
+
 def check_load_state_dict_rejects_wrong_shapes(ctx):
     model, sharded, _ = _shard_llama(ctx.mesh_2d)
     bad = model.state_dict()
@@ -330,6 +350,7 @@ CHECKS = [
     check_tp_only_and_dp_only_collectives,
     check_state_dict_in_original_layout,
     check_load_full_state_dict,
+    check_model_state_dict_hooks_are_kept,
     check_load_state_dict_rejects_wrong_shapes,
     check_ranks_that_initialized_differently_agree,
     check_edited_plan_is_applied,

@@ -1,0 +1,217 @@
+"""The zoo: every transformers family autoshard can capture, planned and proven on five meshes.
+
+For each family of ``tests/zoo.py`` (transformers' own model classes, shrunk generically: width
+64, 2 layers, 4 heads, 2 kv heads where the config has them, vocabulary 256) the model is captured
+once and, on each mesh, planned and proven in one process (``autoshard.check``: every tp rank of
+the emitted code against the unsharded graph, forward and backward, on fresh inputs). One row per
+family and mesh:
+
+* ``proven``, or ``refused`` with the error a user gets (it names the op or parameter), or
+  ``PROOF FAILED`` (a plan the proof caught: ``autoshard()`` refuses it with the node), or
+  ``INTERNAL`` (an error inside a pass);
+* tp collectives per block per training step (the distinct values over the blocks; a dense
+  attention + MLP block's analytic minimum is 4: 2 forward all-reduces, 2 backward), and the
+  number of blocks whose tp sharding breaks (``plan.breaks``).
+
+Families ``torch.export`` cannot capture are counted apart with export's reason. Summary lines
+give the percentages. ``--options`` adds bf16 mixed precision and sequence parallelism on a
+subset. Run from the repository root: ``python benchmarks/zoo.py`` (``make zoo``); results go to
+``benchmarks/results/zoo.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import multiprocessing
+import os
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MESHES = {
+    "2x2": {"dp": 2, "tp": 2},
+    "tp4": {"tp": 4},
+    "tp8": {"tp": 8},
+    "2x4": {"dp": 2, "tp": 4},
+    "hsdp": {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
+}
+OPTION_MESHES = ("2x2", "2x4")
+DENSE_BLOCK_MINIMUM = 4
+
+
+def _options(name: str):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autoshard.options import PlanOptions
+
+    if name == "bf16":
+        return PlanOptions(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if name == "sequence_parallel":
+        return PlanOptions(sequence_parallel=True)
+    return PlanOptions()
+
+
+def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> dict:
+    """One family: captured once per option set, then planned and proven on each mesh."""
+    import torch
+
+    from autoshard import api
+    from autoshard.errors import InternalError
+    from autoshard.passes.capture import CaptureError
+    from autoshard.proof import ProofError
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    rows = []
+    start = time.perf_counter()
+    try:
+        model = case.build()
+        args, kwargs = case.inputs()
+    except Exception as err:  # the survey built it once; a second build failing is the zoo's problem
+        return {"family": case.family, "kind": case.kind, "build_error": _first_line(err)}
+    for option in option_names:
+        options = _options(option)
+        names = meshes if option == "fp32" else OPTION_MESHES
+        captures = {}
+        for mesh_name in names:
+            axes = api._axes(MESHES[mesh_name])
+            row = {"mesh": mesh_name, "option": option}
+            try:
+                key = axes.has_dp and options.mp_policy is not None
+                if key not in captures:
+                    captures[key] = api.capture_for(model, args, kwargs, options.for_tp(axes.has_tp), axes)
+                proof = api.prove_on(model, axes, args, kwargs, options, captured=captures[key])
+                plan = proof.plan
+                blocks = [u for u in plan.units if u]
+                row |= {
+                    "status": "proven" if proof.ok else "PROOF FAILED",
+                    "per_block": sorted({plan.num_tp_collectives(b) for b in blocks}),
+                    "blocks": len(blocks),
+                    "broken": len({u for u, _ in plan.breaks}),
+                    "first_break": plan.breaks[0][1] if plan.breaks else "",
+                    "max_error": max(proof.max_output_error, proof.max_gradient_error),
+                    "detail": "" if proof.ok else str(proof).splitlines()[-1].strip(),
+                }
+            except CaptureError as err:
+                return {"family": case.family, "kind": case.kind, "export_error": _first_line(err)}
+            except (InternalError, ProofError) as err:
+                row |= {"status": "INTERNAL", "detail": _first_line(err)}
+            except (ValueError, NotImplementedError) as err:
+                row |= {"status": "refused", "detail": _first_line(err)}
+            except Exception as err:  # noqa: BLE001  (the zoo reports what a user would see)
+                row |= {"status": "INTERNAL", "detail": f"{type(err).__name__}: {_first_line(err)}"}
+            rows.append(row)
+    return {"family": case.family, "kind": case.kind, "class": case.class_name, "rows": rows,
+            "seconds": time.perf_counter() - start}
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+
+
+def _work(item):
+    case, meshes, options = item
+    return run_family(case, meshes, options)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default="", help="comma-separated kinds (decoder, encoder, ...); all by default")
+    parser.add_argument("--families", default="", help="comma-separated families; all by default")
+    parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated mesh names: " + ", ".join(MESHES))
+    parser.add_argument("--options", action="store_true",
+                        help=f"also bf16 and sequence parallelism on {', '.join(OPTION_MESHES)}")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "zoo.json"))
+    args = parser.parse_args()
+
+    import transformers
+
+    from tests.zoo import skipped, zoo_cases
+
+    cases = zoo_cases(args.kinds.split(",") if args.kinds else None)
+    if args.families:
+        wanted = set(args.families.split(","))
+        cases = [c for c in cases if c.family in wanted]
+    meshes = tuple(args.meshes.split(","))
+    option_names = ("fp32", "bf16", "sequence_parallel") if args.options else ("fp32",)
+    started = time.perf_counter()
+    items = [(c, meshes, option_names) for c in cases]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.jobs, maxtasksperchild=8) as pool:
+        results = []
+        for result in pool.imap_unordered(_work, items):
+            results.append(result)
+            _print_family(result)
+    results.sort(key=lambda r: (r["kind"], r["family"]))
+    summary = _summary(results, meshes, option_names, skipped())
+    print()
+    print("\n".join(summary))
+    print(f"({len(cases)} families in {time.perf_counter() - started:.0f} s, transformers {transformers.__version__}, "
+          f"{datetime.date.today().isoformat()})")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
+                   "summary": summary, "families": results}, f, indent=1)
+
+
+def _print_family(result: dict) -> None:
+    head = f"{result['kind']:<16}{result['family']:<28}"
+    if "export_error" in result or "build_error" in result:
+        print(f"{head}not captured: {result.get('export_error') or result.get('build_error')}", flush=True)
+        return
+    for row in result["rows"]:
+        per_block = "/".join(map(str, row.get("per_block", []))) or "-"
+        broken = f"{row['broken']}/{row['blocks']}" if "broken" in row else "-"
+        detail = row.get("detail") or row.get("first_break", "")
+        print(f"{head}{row['mesh']:<6}{row['option']:<18}{row['status']:<14}{per_block:>8}{broken:>7}  {detail[:110]}",
+              flush=True)
+
+
+def _summary(results: list[dict], meshes, option_names, skips) -> list[str]:
+    captured = [r for r in results if "rows" in r]
+    not_captured = [r for r in results if "rows" not in r]
+    rows = [row for r in captured for row in r["rows"] if row["option"] == "fp32"]
+    status = collections.Counter(row["status"] for row in rows)
+    everywhere = [r for r in captured if all(row["status"] == "proven" for row in r["rows"]
+                                             if row["option"] == "fp32")]
+    unbroken = [row for row in rows if row.get("broken") == 0]
+    at_minimum = [row for row in rows if row.get("per_block") and max(row["per_block"]) <= DENSE_BLOCK_MINIMUM]
+    lines = [
+        f"zoo: {len(results)} families built, {len(captured)} captured by torch.export, "
+        f"{len(not_captured)} not ({len(skips)} more not built by the generic configs)",
+        f"proven on all {len(meshes)} meshes: {len(everywhere)} of {len(captured)} families "
+        f"({_pct(len(everywhere), len(captured))})",
+        f"family x mesh: {len(rows)} runs, proven {status['proven']} ({_pct(status['proven'], len(rows))}), "
+        f"refused {status['refused']}, proof failed {status['PROOF FAILED']}, internal {status['INTERNAL']}",
+        f"no tp break in any block: {len(unbroken)} of {len(rows)} runs ({_pct(len(unbroken), len(rows))}); "
+        f"<= {DENSE_BLOCK_MINIMUM} tp collectives per block: {len(at_minimum)} ({_pct(len(at_minimum), len(rows))})",
+    ]
+    for option in option_names[1:]:
+        opt_rows = [row for r in captured for row in r["rows"] if row["option"] == option]
+        proven = sum(row["status"] == "proven" for row in opt_rows)
+        lines.append(f"{option}: {proven} of {len(opt_rows)} runs proven ({_pct(proven, len(opt_rows))})")
+    by_kind = collections.defaultdict(lambda: [0, 0])
+    for r in captured:
+        by_kind[r["kind"]][1] += 1
+        by_kind[r["kind"]][0] += r in everywhere
+    lines.append("by kind (proven everywhere / captured): "
+                 + ", ".join(f"{k} {p}/{n}" for k, (p, n) in sorted(by_kind.items())))
+    return lines
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+if __name__ == "__main__":
+    main()
