@@ -262,15 +262,16 @@ def _gather_for_colwise_backward(ctx, grad):
 @torch.library.custom_op(f"{_LIB}::vocab_shard_ids", mutates_args=())
 def vocab_shard_ids(ids: torch.Tensor, rows_per_rank: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(local_ids, in_shard)``: ids relative to this rank's vocabulary rows (0 where
-    the row lives elsewhere) and a ``[..., 1]`` float mask of the ids it holds."""
+    the row lives elsewhere) and a ``[..., 1]`` bool mask of the ids it holds (bool, so
+    the masked lookup keeps its own dtype: bf16 under mixed precision)."""
     local = ids - _group_rank(group_name) * rows_per_rank
     in_shard = (local >= 0) & (local < rows_per_rank)
-    return torch.where(in_shard, local, 0), in_shard.unsqueeze(-1).to(torch.get_default_dtype())
+    return torch.where(in_shard, local, 0), in_shard.unsqueeze(-1)
 
 
 @vocab_shard_ids.register_fake
 def _(ids, rows_per_rank, group_name):
-    return torch.empty_like(ids), ids.new_empty((*ids.shape, 1), dtype=torch.get_default_dtype())
+    return torch.empty_like(ids), ids.new_empty((*ids.shape, 1), dtype=torch.bool)
 
 
 # --- as_sharded_dtensor: a graph output left sharded (loss parallel) -------------

@@ -398,9 +398,12 @@ def _grad_error(per_rank: list, ref: torch.Tensor | None, subject: Subject, fqn:
 
 def expected_on_ranks(layout, full: torch.Tensor, tp: int, gradient: bool = False):
     """What each rank holds of ``full`` under ``layout``; ``None`` for a partial value's forward,
-    which only its sum over ranks determines. A partial value's gradient is whole on every rank."""
-    if layout is None or (gradient and layout in (PARTIAL, PARTIAL_AVG)):
+    which only its sum over ranks determines. A partial sum's gradient is whole on every rank; a
+    partial mean's (the total is the ranks' mean) a ``1/tp`` share."""
+    if layout is None or (gradient and layout == PARTIAL):
         return [full] * tp
+    if gradient and layout == PARTIAL_AVG:
+        return [full / tp] * tp
     if layout in (PARTIAL, PARTIAL_AVG):
         return None
     if isinstance(layout, Strided):

@@ -195,9 +195,9 @@ def find_embedding_sites(gm: fx.GraphModule, param_shapes) -> tuple[EmbeddingSit
 
 
 def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> Sites:
-    """All sites. A parameter may feed one site, or be the tied weight of one
-    embedding and one bias-free ``[out, in]`` linear; any other sharing of a
-    sharded weight has no single layout valid for all its uses and is an error."""
+    """All sites. A parameter may feed one site, or be an embedding table shared by lookups and
+    at most one bias-free ``[out, in]`` linear (tied to the LM head when there is one); any other
+    sharing of a sharded weight has no single layout valid for all its uses and is an error."""
     linears, embeddings = find_linear_sites(gm, param_shapes), find_embedding_sites(gm, param_shapes)
     owners: dict[str, list[Site]] = defaultdict(list)
     for site in (*linears, *embeddings):
@@ -208,24 +208,27 @@ def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> 
         if len(users) == 1:
             continue
         if _is_tied_pair(fqn, users):
-            tied.add(fqn)
+            if any(isinstance(u, LinearSite) for u in users):
+                tied.add(fqn)  # vocabulary-parallel; lookups alone share the embedding dim's cut
             continue
         where = "; ".join(describe(s.node) for s in users)
         raise NotImplementedError(
             f"autoshard: parameter '{fqn}' (shape {list(param_shapes[fqn])}) is used by "
-            f"{len(users)} linear/embedding ops ({where}); only an embedding tied to one linear "
-            f"(an LM head) can share a weight"
+            f"{len(users)} linear/embedding ops ({where}); only an embedding table shared by lookups "
+            f"and at most one linear (an LM head) can share a weight"
         )
     _check_params_used_only_by_their_site(gm, owners)
     return Sites(linears, embeddings, frozenset(tied), find_expert_sites(gm, param_shapes))
 
 
 def _is_tied_pair(fqn: str, users: list) -> bool:
-    if len(users) != 2:
+    """An embedding table shared by lookups (an encoder-decoder's encoder and decoder) and at most
+    one bias-free ``[out, in]`` linear (the LM head): one layout serves all its uses."""
+    lookups = [u for u in users if isinstance(u, EmbeddingSite)]
+    linears = [u for u in users if isinstance(u, LinearSite)]
+    if not lookups or len(linears) > 1 or len(lookups) + len(linears) != len(users):
         return False
-    kinds = {type(u) for u in users}
-    linear = next((u for u in users if isinstance(u, LinearSite)), None)
-    return kinds == {LinearSite, EmbeddingSite} and linear.orientation == OUT_IN and linear.weight_fqn == fqn
+    return all(linear.orientation == OUT_IN and linear.weight_fqn == fqn for linear in linears)
 
 
 def _check_params_used_only_by_their_site(gm: fx.GraphModule, owners) -> None:

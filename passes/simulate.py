@@ -181,7 +181,7 @@ def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name) -> PerRank:
     for rank, x in enumerate(ids.values):
         local = x - rank * rows_per_rank
         in_shard = (local >= 0) & (local < rows_per_rank)
-        out.append((torch.where(in_shard, local, 0), in_shard.unsqueeze(-1).to(torch.get_default_dtype())))
+        out.append((torch.where(in_shard, local, 0), in_shard.unsqueeze(-1)))
     return PerRank(out)
 
 
