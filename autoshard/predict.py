@@ -133,7 +133,7 @@ def _tp_sends(plan, reduce_dtype) -> dict[str, list[tuple[str, int]]]:
         kinds = {
             ALL_REDUCE: [("all_reduce", summed)],
             ALL_GATHER: [("all_gather", moved)],
-            REDUCE_SCATTER: [("reduce_scatter", summed)],
+            REDUCE_SCATTER: [("reduce_scatter", summed), ("all_gather", moved)],  # its backward gathers
             GATHER_SCATTER: [("all_gather", moved), ("reduce_scatter", summed)],
             TAKE_SHARD: [("all_gather", moved)],
             NO_COLLECTIVE: [],

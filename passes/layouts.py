@@ -61,15 +61,15 @@ def insert_redistributes(
         for i in range(len(steps)):
             readers[(value, steps[: i + 1])].append(consumer)
     made: dict[tuple, fx.Node] = {}
-    for (consumer, dim), values in plan.take_shard_buckets().items():
-        with graph.inserting_before(consumer):
-            cuts = graph.call_function(collectives.TAKE_SHARDS, ([*values], dim, group_name))
-            cuts._rename(f"{consumer.name}_shards")
-            _inherit_meta(cuts, consumer)
-            for i, value in enumerate(values):
+    for bucket in plan.take_shard_buckets():
+        with graph.inserting_before(bucket.first):
+            cuts = graph.call_function(collectives.TAKE_SHARDS, ([*bucket.values], bucket.dim, group_name))
+            cuts._rename(f"{bucket.first.name}_shards")
+            _inherit_meta(cuts, bucket.first)
+            for i, (value, consumer) in enumerate(zip(bucket.values, bucket.consumers, strict=True)):
                 cut = graph.call_function(operator.getitem, (cuts, i))
                 cut._rename(f"{value.name}_shard")
-                _inherit_meta(cut, consumer)
+                _inherit_meta(cut, bucket.first)
                 made[(value, plan.edges[(value, consumer)])] = cut
     for (value, consumer), steps in plan.edges.items():
         current = value

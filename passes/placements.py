@@ -200,6 +200,9 @@ def _collectives_by_weight(
             by_weight.setdefault(site.weight_fqn, []).append(
                 _sized(Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True), site.output)
             )
+            if site.bias_node is not None and site.output is site.node:  # added to this rank's rows only
+                by_weight.setdefault(site.bias_node.target, []).append(_sized(
+                    Collective(ALL_REDUCE, "bwd", "grad", cause="its rows of the sequence only"), site.bias_node))
         elif role == ROWWISE:
             collective = _sized(Collective(ALL_REDUCE, "fwd", "output"), site.output)
             by_weight.setdefault(site.weight_fqn, []).append(collective)
@@ -227,7 +230,7 @@ def _collectives_by_weight(
     activations: list[Collective] = []
     activation_nodes: list[fx.Node] = []
 
-    buckets = lp.take_shard_buckets()
+    buckets = {v: b.values for b in lp.take_shard_buckets() for v in b.values}  # value -> its bucket
 
     def record(fqn: str | None, collective: Collective, node: fx.Node, value: fx.Node, also=()) -> None:
         """Next to its weight when one explains it, else among the activation collectives;
@@ -281,7 +284,7 @@ def _collectives_by_weight(
                 else:
                     _add_shared(by_weight, _sized(Collective(ALL_REDUCE, "fwd", "output", shared_by=weights), value))
             elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
-                bucket = buckets.get((consumer, step.dim), (value,))
+                bucket = buckets.get(value, (value,))
                 if value is not bucket[0]:
                     continue  # one all-gather for the bucket, recorded with its first value
                 subject = ", ".join(f"'{v.name}'" for v in bucket)

@@ -112,6 +112,22 @@ class Redistribute:
 
 
 @dataclasses.dataclass(frozen=True)
+class TakeShardBucket:
+    """``values`` cut on ``dim`` for ``consumers`` (one each) by one op placed before ``first``."""
+
+    values: tuple[fx.Node, ...]
+    consumers: tuple[fx.Node, ...]
+    dim: int
+    first: fx.Node
+
+
+def _module_of(node: fx.Node) -> str:
+    """The innermost module whose code made ``node`` (its ``nn_module_stack``), or ``""``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+@dataclasses.dataclass(frozen=True)
 class LayoutPlan:
     """Roles of the sites and the tp layouts of every value (internal, holds nodes).
 
@@ -138,20 +154,30 @@ class LayoutPlan:
     # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
     sharded_params: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def take_shard_buckets(self) -> dict[tuple[fx.Node, int], tuple[fx.Node, ...]]:
-        """Replicated values one consumer reads cut on the same dim (k and v of attention whose
-        kv heads were repeated per q head): ``(consumer, dim) -> values``, two or more, each
-        carrying a gradient and read that way by this consumer only. Their cuts are one op,
-        and their gradients one all-gather."""
+    def take_shard_buckets(self) -> tuple[TakeShardBucket, ...]:
+        """Replicated values cut on the same dim for consumers in one module (k and v of one
+        attention, whose kv heads were repeated per q head), each carrying a gradient and read that
+        way by one consumer only, and all computed before the first of those consumers: their cuts
+        are one op, and their gradients one all-gather."""
         readers: dict[tuple, set] = {}
         for (value, consumer), steps in self.edges.items():
             readers.setdefault((value, steps), set()).add(consumer)
-        groups: dict[tuple[fx.Node, int], list[fx.Node]] = {}
+        position = {}
+        groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
         for (value, consumer), steps in self.edges.items():
             if (len(steps) == 1 and steps[0].kind == TAKE_SHARD and isinstance(steps[0].dim, int)
                     and value in self.carries_grad and readers[(value, steps)] == {consumer}):
-                groups.setdefault((consumer, steps[0].dim), []).append(value)
-        return {key: tuple(values) for key, values in groups.items() if len(values) > 1}
+                if not position:
+                    position = {n: i for i, n in enumerate(consumer.graph.nodes)}
+                shape = tuple(getattr(value.meta.get("val"), "shape", ()))
+                groups.setdefault((_module_of(consumer), steps[0].dim, shape), []).append((value, consumer))
+        buckets = []
+        for (_, dim, _), pairs in groups.items():
+            first = min((c for _, c in pairs), key=position.__getitem__)
+            pairs = [(v, c) for v, c in pairs if position[v] < position[first]]
+            if len(pairs) > 1:
+                buckets.append(TakeShardBucket(tuple(v for v, _ in pairs), tuple(c for _, c in pairs), dim, first))
+        return tuple(buckets)
 
 
 def propagate(

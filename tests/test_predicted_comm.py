@@ -1,10 +1,14 @@
 """``plan.predicted_comm()`` equals what one training step measures, exactly.
 
-One 4-process group. For every model of the test matrix (the example models,
-the Hugging Face families and the public-code patterns) on 2x2, tp=4 and dp=4, in fp32 and (where a dp
-axis exists) bf16 mixed precision: the second step's collectives, counted by
-``CollectiveCounter`` over forward, backward and an SGD step, per axis and
-kind, count and wire bytes, against the plan's prediction made before running.
+One 4-process group. For the example models and four Hugging Face families (GQA, q/k norms,
+experts, an encoder) on 2x2, tp=4 and dp=4, in fp32 and (where a dp axis exists) bf16 mixed
+precision: the second step's collectives, counted by ``CollectiveCounter`` over forward,
+backward and an SGD step, per axis and kind, count and wire bytes, against the plan's
+prediction made before running. The tp part of every other model of the matrix (all Hugging
+Face families, every public-code pattern, the zoo sample) is checked in one process: the
+proof tallies the collectives the emitted code runs (``tests/test_patterns.py``,
+``tests/test_hf_models.py``, ``tests/test_zoo_sample.py``); FSDP's part does not depend on
+the model's code, only on its parameters.
 """
 
 from __future__ import annotations
@@ -74,17 +78,11 @@ def check_example_models(ctx):
 
 
 def check_hf_decoders(ctx):
-    _check_family(ctx, ["llama", "llama_tied", "mistral", "qwen2", "qwen3"])
+    _check_family(ctx, ["llama", "qwen3"])
 
 
-def check_hf_moe_fused_and_encoders(ctx):
-    _check_family(ctx, ["qwen3_moe", "phi3", "gpt2", "bert"])
-
-
-def check_public_code_patterns(ctx):
-    """fp32 only: several of these models (like much public code) build fp32 masks that no bf16
-    run of theirs survives, sharded or not."""
-    _check_family(ctx, list(PATTERNS), policies=(None,))
+def check_hf_moe_and_encoders(ctx):
+    _check_family(ctx, ["qwen3_moe", "bert"])
 
 
 def check_quantized_all_gather(ctx):
@@ -97,7 +95,6 @@ def check_quantized_all_gather(ctx):
     assert sharded.autoshard_plan.predicted_comm() == _measured(sharded, mesh, local, {})
 
 
-CHECKS = [check_example_models, check_hf_decoders, check_hf_moe_fused_and_encoders, check_public_code_patterns,
-          check_quantized_all_gather]
+CHECKS = [check_example_models, check_hf_decoders, check_hf_moe_and_encoders, check_quantized_all_gather]
 
 outcomes, test_check = distributed_tests(CHECKS)
