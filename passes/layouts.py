@@ -61,6 +61,7 @@ def insert_redistributes(
         for i in range(len(steps)):
             readers[(value, steps[: i + 1])].append(consumer)
     made: dict[tuple, fx.Node] = {}
+    written = _written_in_place(graph)
     for bucket in plan.take_shard_buckets():
         with graph.inserting_before(bucket.first):
             cuts = graph.call_function(collectives.TAKE_SHARDS, ([*bucket.values], bucket.dim, group_name))
@@ -77,22 +78,26 @@ def insert_redistributes(
             key = (value, steps[: i + 1])
             if key not in made:
                 first_reader = min(readers[key], key=position.__getitem__)
-                made[key] = _insert_step(graph, current, step, group_name, first_reader, plan.tp, reduce_dtype)
+                made[key] = _insert_step(graph, current, step, group_name, first_reader, plan.tp, reduce_dtype,
+                                         late=current in written)
             current = made[key]
         consumer.replace_input_with(value, current)
     graph.lint()
 
 
 def _insert_step(
-    graph: fx.Graph, value: fx.Node, step, group_name: str, first_reader: fx.Node, tp: int, reduce_dtype=None
+    graph: fx.Graph, value: fx.Node, step, group_name: str, first_reader: fx.Node, tp: int, reduce_dtype=None,
+    late: bool = False,
 ) -> fx.Node:
     """The collective node for ``step`` on ``value``, placed after the value it reads.
 
     A parameter or graph input is read at the top of the graph, so its
     collective goes right before its first reader instead, inside the same
     block: a block's parameters exist unsharded only during the block's call.
+    So does a ``late`` value, one written in place after it is made (a buffer
+    filled slice by slice): its collective must read it once it is written.
     """
-    at_top = value.op in ("placeholder", "get_attr")
+    at_top = value.op in ("placeholder", "get_attr") or late
     origin = first_reader if at_top else value
     # before the node after ``value``: a chain of several nodes lands in creation order
     with graph.inserting_before(first_reader if at_top else value.next):
@@ -113,6 +118,30 @@ def _insert_step(
         _inherit_meta(made, origin)
         made = made.args[0]
     return node
+
+
+def _written_in_place(graph: fx.Graph) -> set[fx.Node]:
+    """Values an in-place op writes (``x[..., :n] = y`` is ``copy_`` on a slice of ``x``): the
+    written view and every value it is a view of."""
+    written = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable or not node.args:
+            continue
+        value = node.args[0]
+        while isinstance(value, fx.Node) and value not in written:
+            written.add(value)
+            value = value.args[0] if _is_view(value) else None
+    return written
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An ATen view op: its result aliases its first argument (``slice``, ``select``, ``view``...)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns or not node.args:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 def _inherit_meta(new: fx.Node, origin: fx.Node) -> None:

@@ -507,6 +507,38 @@ class FusedQKV(Decoder):
         super().__init__(cfg, lambda c: Block(c, FusedQKVAttention))
 
 
+# --- keys assembled in a buffer filled slice by slice (MiniCPM3 / DeepSeek-V2 style) ------------
+
+
+class SliceFilledAttention(QKVAttention):
+    """Keys assembled as MLA code does: ``key_states = k_pe.new_empty(...)``, then
+    ``key_states[..., :n] = k_nope`` (per head) and ``key_states[..., n:] = k_pe`` (one part shared
+    by every head, expanded). The buffer is written in place after it is made, so whatever reads
+    it must read it after the writes."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.w_pe = nn.Linear(cfg.dim, cfg.head_dim // 2, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        half = self.head_dim // 2
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        k_pe = self.w_pe(x).view(b, 1, s, half).expand(b, self.n_kv, s, half)
+        keys = k_pe.new_empty(b, self.n_kv, s, self.head_dim)
+        keys[:, :, :, :half] = k[..., :half]
+        keys[:, :, :, half:] = k_pe
+        out = F.scaled_dot_product_attention(q, keys, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SliceFilledKeys(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, SliceFilledAttention))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -521,4 +553,5 @@ PATTERNS = {
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,
+    "slice_filled_keys": SliceFilledKeys,
 }

@@ -204,3 +204,12 @@ def test_check_option_is_validated(fake_world):
     model, inputs = _llama()
     with pytest.raises(ValueError, match="check must be True, False or 'auto'"):
         autoshard.autoshard(model, mesh, example_inputs=inputs, check="always")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_buffer_written_in_place_is_cut_after_the_writes(tp):
+    """Keys assembled in a ``new_empty`` buffer slice by slice (MiniCPM3's MLA): the cut attention
+    reads was once placed right after the buffer was made, before the writes filled it."""
+    torch.manual_seed(0)
+    proof = autoshard.check(PATTERNS["slice_filled_keys"](), {"tp": tp}, example_inputs=(TOKENS,))
+    assert proof.ok, str(proof)
