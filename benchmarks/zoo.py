@@ -101,7 +101,9 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
                     "detail": "" if proof.ok else str(proof).splitlines()[-1].strip(),
                 }
             except CaptureError as err:
-                return {"family": case.family, "kind": case.kind, "export_error": _first_line(err)}
+                if option == "fp32":
+                    return {"family": case.family, "kind": case.kind, "export_error": _first_line(err)}
+                row |= {"status": "refused", "detail": _first_line(err)}  # e.g. fp32 masks a bf16 run cannot mix
             except (InternalError, ProofError) as err:
                 row |= {"status": "INTERNAL", "detail": _first_line(err)}
             except (ValueError, NotImplementedError) as err:

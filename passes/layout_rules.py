@@ -277,6 +277,21 @@ def _expand(node, layouts, tp):
     return Decision(out_dim, {value: dim}, (value, sizes, *node.args[2:]))
 
 
+def _expand_as(node, layouts, tp):
+    """``x.expand_as(other)`` takes ``other``'s shape as it is on each rank: sharded like
+    ``other`` wherever ``x`` broadcasts (size 1 or missing) on that dim, or is cut there too."""
+    x, other = node.args[:2]
+    dim = layouts.get(other)
+    if not isinstance(dim, int):
+        return None
+    x_dim = dim - (_ndim(other) - _ndim(x))
+    if layouts.get(x) is None and (x_dim < 0 or _shape(x)[x_dim] == 1):
+        return Decision(dim, {x: None, other: dim})
+    if layouts.get(x) is None or layouts.get(x) == x_dim:
+        return Decision(dim, {x: x_dim, other: dim})
+    return None
+
+
 def _transpose(node, layouts, tp):
     found = _single_sharded_input(node, layouts)
     if found is None:
@@ -527,6 +542,7 @@ _RULES = (
     ),
     ((aten.view_as_complex.default, aten.view_as_real.default), _complex_view),
     ((aten.expand.default,), _expand),
+    ((aten.expand_as.default,), _expand_as),
     ((aten.transpose.int, aten.permute.default, aten.t.default), _transpose),
     (
         (

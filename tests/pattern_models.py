@@ -539,6 +539,30 @@ class SliceFilledKeys(Decoder):
         super().__init__(cfg, lambda c: Block(c, SliceFilledAttention))
 
 
+# --- a padding mask broadcast with expand_as and applied in place (XLM / Flaubert style) -----
+
+
+class ExpandAsMaskAttention(QKVAttention):
+    """``mask = (mask == 0).view(b, 1, 1, -1).expand_as(scores)`` then ``scores.masked_fill_(mask,
+    min)``: ``expand_as`` takes the scores' shape as each rank holds them (heads cut)."""
+
+    def attend(self, q, k, v, keep):
+        b = q.shape[0]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim)
+        masked = (keep == 0).view(b, 1, 1, -1).expand_as(scores)
+        scores.masked_fill_(masked, torch.finfo(scores.dtype).min)
+        return torch.matmul(F.softmax(scores.float(), dim=-1).type_as(scores), v).transpose(1, 2)
+
+
+class ExpandAsMask(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, ExpandAsMaskAttention))
+
+    def extra(self, tokens):
+        return ((tokens % 7) != 0).long(),  # a padding mask of the ids
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -554,4 +578,5 @@ PATTERNS = {
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,
     "slice_filled_keys": SliceFilledKeys,
+    "expand_as_mask": ExpandAsMask,
 }

@@ -43,6 +43,7 @@ MINIMUM = {
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,
+    "expand_as_mask": 4,
 }
 # trained end to end on real gloo ranks: a dense block, the partial-sum regrouping, experts
 END_TO_END = ("interleaved_rope", "wide_qk_norm", "moe_loop")
