@@ -132,7 +132,13 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         inputs = fresh_inputs(subject, example_inputs, example_kwargs or {}, gen)
         weights = random_weights(subject.reference, subject.plan, model, gen)
         buffers = dict(model.named_buffers())  # the model's own: a twin captured on meta has none
-        ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
+        try:
+            ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
+        except EmittedCodeError as err:  # the unsharded graph itself: nothing autoshard emitted
+            raise NotImplementedError(
+                f"autoshard: the model as captured does not run on these inputs and options, unsharded: "
+                f"{str(err).splitlines()[0].replace('in the emitted code', 'in the captured graph')}"
+            ) from err
         try:
             sim = _run_emitted(subject.root, subject, inputs, weights, buffers, ref.cotangents)
         except EmittedCodeError as err:
