@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoshard.errors import describe, source_line
 from autoshard.mesh import MeshAxes, dp_choice
@@ -303,8 +304,8 @@ def _sized(collective: Collective, value: fx.Node) -> Collective:
     if not isinstance(numel, int):
         try:
             numel = int(numel)
-        except (TypeError, ValueError):
-            return collective  # symbolic (dynamic_shapes): sized per call, not in the plan
+        except (TypeError, ValueError, GuardOnDataDependentSymNode):
+            return collective  # symbolic (dynamic_shapes, or data-dependent: tokens per expert): unsized
     return dataclasses.replace(collective, numel=numel, dtype=str(val.dtype).removeprefix("torch."))
 
 
