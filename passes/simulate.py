@@ -229,9 +229,10 @@ def _without_randomness(target, args, kwargs):
 
 
 def _off_meta(arg):
-    """A graph captured on a meta twin (mixed precision) creates tensors on meta; simulated, on the
-    CPU. A nested graph (the body of a higher-order op) runs as a copy with its devices moved."""
-    if isinstance(arg, torch.device) and arg.type == "meta":
+    """The simulation runs on the CPU: tensors the graph creates on meta (a graph captured on a
+    meta twin, under mixed precision) or on an accelerator are made there. A nested graph (the
+    body of a higher-order op) runs as a copy with its devices moved."""
+    if isinstance(arg, torch.device) and arg.type != "cpu":
         return torch.device("cpu")
     if isinstance(arg, fx.GraphModule):
         return _body_off_meta(arg)
