@@ -418,13 +418,14 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None 
     if not (actual.is_floating_point() or expected.is_floating_point()):
         return 0.0 if torch.equal(actual, expected) else float("inf")
     a, e = actual.detach().double(), expected.detach().double()
-    both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
-    a, e = torch.where(both_inf, 0.0, a), torch.where(both_inf, 0.0, e)
+    same = (torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))) | (torch.isnan(a) & torch.isnan(e))
+    a, e = torch.where(same, 0.0, a), torch.where(same, 0.0, e)  # the reference's own inf and nan, matched
     diff = (a - e).norm().item()
     if diff != diff:  # nan
         return float("inf")
     scale = e.norm().item() if scale is None else scale
-    return diff / max(scale, floor_rms * max(e.numel(), 1) ** 0.5)
+    error = diff / max(scale, floor_rms * max(e.numel(), 1) ** 0.5)
+    return error if error == error else float("inf")  # a nan scale (a nan reference) proves nothing
 
 
 def _output_error(sim: PerRank, ref: torch.Tensor, allowed: float = 0.0) -> float:
