@@ -473,11 +473,11 @@ def expected_on_ranks(layout, full: torch.Tensor, tp: int, gradient: bool = Fals
 
 
 def _value_error(layout, sim: PerRank, ref: torch.Tensor, tp: int, gradient: bool) -> float:
+    """How far one node's per-rank values (or gradients) are from ``layout``'s view of ``ref``.
+    A rank with no gradient where the reference has one is as wrong as can be."""
     values = [(v.grad if gradient else v) for v in sim.values]
     if not all(isinstance(v, torch.Tensor) for v in values):
-        if gradient and ref is not None and any(v is None for v in values):
-            values = [v if v is not None else None for v in values]
-        return 0.0 if ref is None or all(v is None for v in values) else _missing(values, ref)
+        return 0.0 if all(v is None for v in values) and ref.abs().max().item() == 0 else float("inf")
     if not gradient and layout in (PARTIAL, PARTIAL_AVG):
         total = sum(v.double() for v in values)
         return rel_error(total / tp if layout == PARTIAL_AVG else total, ref)
@@ -485,10 +485,6 @@ def _value_error(layout, sim: PerRank, ref: torch.Tensor, tp: int, gradient: boo
     if expected is None:
         return 0.0
     return max(rel_error(v, e) for v, e in zip(values, expected, strict=True))
-
-
-def _missing(values, ref) -> float:
-    return 0.0 if ref.abs().max().item() == 0 else float("inf")
 
 
 def locate(subject: Subject, inputs: list, weights: dict, buffers: dict, cotangents, tolerance: float) -> str | None:
