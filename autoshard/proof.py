@@ -135,7 +135,8 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         inputs = fresh_inputs(subject, example_inputs, example_kwargs or {}, gen)
         weights = random_weights(subject.reference, subject.plan, model, gen)
         # the model's own (a twin captured on meta has none), on the CPU where the proof runs
-        buffers = {fqn: b.detach().cpu() for fqn, b in model.named_buffers()}
+        # (copies: a training-mode batch norm writes its running statistics, and the user's stay untouched)
+        buffers = {fqn: b.detach().cpu().clone() for fqn, b in model.named_buffers()}
         try:
             ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
         except EmittedCodeError as err:  # the unsharded graph itself: nothing autoshard emitted
@@ -385,7 +386,8 @@ def _dot(output: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
 
 
 def _replicated(buffers: dict, fqn: str, tp: int) -> PerRank | None:
-    return PerRank([buffers[fqn]] * tp) if fqn in buffers else None
+    """A buffer on every rank, each its own copy (ops may write it, as a batch norm does)."""
+    return PerRank([buffers[fqn].clone() for _ in range(tp)]) if fqn in buffers else None
 
 
 def _per_rank(inputs: list, tp: int) -> list[PerRank]:
