@@ -67,7 +67,8 @@ def check(
     on the same weights and inputs. FSDP over the dp axes is torch's own and not simulated.
 
     Args:
-        model: the single-device model (it is only read; its weights are not used).
+        model: the single-device model, only read: its weights set the spread of the random ones,
+            its buffers are used as they are (copied).
         mesh: a ``DeviceMesh`` or a dict of axis sizes (``{"dp": 2, "tp": 4}``).
         example_inputs: one rank's batch; only shapes, dtypes and masks are taken from it.
         plan: a saved plan to prove instead of planning.

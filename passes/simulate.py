@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -239,16 +240,17 @@ def _off_meta(arg):
     return arg
 
 
-_BODIES: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
+# each body's CPU copy, kept while the body lives (a weak key: proofs of many models do not pile up)
+_BODIES: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = weakref.WeakKeyDictionary()
 
 
 def _body_off_meta(body: fx.GraphModule) -> fx.GraphModule:
-    if id(body) not in _BODIES or _BODIES[id(body)][0] is not body:
+    if body not in _BODIES:
         graph = copy.deepcopy(body.graph)
         for node in graph.nodes:
             node.args, node.kwargs = map_aggregate((node.args, node.kwargs), _off_meta)
-        _BODIES[id(body)] = (body, fx.GraphModule(body, graph))
-    return _BODIES[id(body)][1]
+        _BODIES[body] = fx.GraphModule(body, graph)
+    return _BODIES[body]
 
 
 # --- the interpreter -------------------------------------------------------------------------
