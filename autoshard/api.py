@@ -97,11 +97,21 @@ def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kw
     """:func:`check` on ``axes`` with ``options``; ``captured`` (this model captured with these
     inputs and options, see :func:`capture_for`) skips capturing again: the zoo proves one
     capture on several meshes."""
+    return checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, captured=captured,
+                      seed=seed, rtol=rtol).proof
+
+
+def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
+               options: PlanOptions, *, plan=None, captured: CapturedGraph | None = None, seed: int = 0,
+               rtol: float | None = None, tp_group: str = "tp", keep_values: bool = False) -> Checked:
+    """Plan, emit (the tp ops name their group ``tp_group``) and prove, without a process group;
+    ``keep_values`` keeps the tensors the proof ran (:class:`~autoshard.proof.ProofValues`)."""
     planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
                     captured=captured)
-    emitted = _emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
-    proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
-    return dataclasses.replace(proof, plan=planned.plan)
+    emitted = _emit(planned, axes, tp_group if axes.has_tp else None, options, keep_planned=True)
+    proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol,
+                  keep_values=keep_values)
+    return Checked(planned, emitted, dataclasses.replace(proof, plan=planned.plan))
 
 
 def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
@@ -295,6 +305,15 @@ class Emitted:
 
     parts: Partitioned
     subject: Subject | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """One plan, the code emitted for it and its proof: what :mod:`autoshard.testing` reports."""
+
+    planned: Planned
+    emitted: Emitted
+    proof: Proof
 
 
 def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,

@@ -68,6 +68,7 @@ class Proof:
     # kind -> (count, ring wire bytes per rank) on the tp axis
     tp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
     plan: Plan | None = dataclasses.field(default=None, compare=False)  # the plan proven
+    values: ProofValues | None = dataclasses.field(default=None, compare=False, repr=False)  # if kept
 
     @property
     def ok(self) -> bool:
@@ -103,6 +104,28 @@ class Proof:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProofValues:
+    """The tensors one proof ran, kept to replay it elsewhere (a real multi-process run on the
+    same weights and batch must compute what every simulated tp rank computed).
+
+    ``args``/``kwargs`` are the fresh inputs in the model's calling form; ``weights`` the full
+    random weights in the model's own layout (``model.load_state_dict(weights, strict=False)``);
+    the loss of a step is ``sum(output * cotangent)`` over the outputs. Per simulated tp rank:
+    ``outputs`` (per output, each rank's value; empty for a non-tensor output), ``losses``, and
+    ``gradients`` (per parameter, each rank's local gradient in the stored layout: transposed,
+    sections permuted, its tp chunk).
+    """
+
+    args: tuple
+    kwargs: dict
+    weights: dict[str, torch.Tensor]
+    cotangents: tuple
+    outputs: tuple[tuple[torch.Tensor, ...], ...]
+    losses: tuple[float, ...]
+    gradients: dict[str, tuple[torch.Tensor | None, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Subject:
     """What a proof runs: the captured graph, the emitted code and how they relate.
 
@@ -126,8 +149,9 @@ class Subject:
 
 
 def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-          *, seed: int = 0, rtol: float | None = None) -> Proof:
-    """Run ``subject`` on fresh inputs and random weights; compare with the reference."""
+          *, seed: int = 0, rtol: float | None = None, keep_values: bool = False) -> Proof:
+    """Run ``subject`` on fresh inputs and random weights; compare with the reference.
+    ``keep_values`` keeps the tensors it ran in ``Proof.values``."""
     start = time.perf_counter()
     _refuse_meta(model)
     with torch.random.fork_rng(devices=[]):
@@ -160,7 +184,18 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
     if any(e > tolerance for _, e in (*outputs, *gradients)):
         first = locate(subject, inputs, weights, buffers, ref.cotangents, tolerance) or _reads_of_worst(
             subject, [(f, e) for f, e in zip(sorted(sim.grads), (e for _, e in gradients), strict=True)], tolerance)
-    return Proof(subject.tp, tolerance, outputs, gradients, first, time.perf_counter() - start, sim.tp_collectives)
+    values = _kept_values(subject, inputs, weights, ref.cotangents, sim) if keep_values else None
+    return Proof(subject.tp, tolerance, outputs, gradients, first, time.perf_counter() - start, sim.tp_collectives,
+                 values=values)
+
+
+def _kept_values(subject: Subject, inputs: list, weights: dict, cotangents: list, sim: _Run) -> ProofValues:
+    args, kwargs = pytree.tree_unflatten(list(inputs), subject.reference._in_spec)
+    outputs = tuple(tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in out.values)
+                    if isinstance(out, PerRank) else () for out in sim.outputs)
+    gradients = {fqn: tuple(g.detach() if g is not None else None for g in per_rank)
+                 for fqn, per_rank in sim.grads.items()}
+    return ProofValues(tuple(args), dict(kwargs), weights, tuple(cotangents), outputs, sim.losses, gradients)
 
 
 def _errors(subject: Subject, sim: _Run, ref: _Run, noise: dict, tolerance: float):
@@ -337,6 +372,7 @@ class _Run:
     cotangents: list
     values: dict[str, PerRank]
     tp_collectives: dict = dataclasses.field(default_factory=dict)
+    losses: tuple[float, ...] = ()
 
 
 def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -367,16 +403,20 @@ def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: 
     sim = RankSimulator(root, tp, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, tp))
     outputs = _flat_outputs(sim.run(*_per_rank(inputs, tp)))
     _retain(sim.values, retain)
-    loss = 0
+    losses = [0] * tp  # each rank's sum(output * cotangent) over its copy or chunk of each output
     for out, cot in zip(outputs, cotangents, strict=True):
         if cot is None or not isinstance(out, PerRank):
             continue
         cuts = torch.chunk(cot, tp, dim=out.sharded_dim) if out.sharded_dim is not None else [cot] * tp
-        loss = loss + sum(_dot(v, c) for v, c in zip(out.values, cuts, strict=True) if v.requires_grad)
+        for rank, (v, c) in enumerate(zip(out.values, cuts, strict=True)):
+            if v.requires_grad:
+                losses[rank] = losses[rank] + _dot(v, c)
+    loss = sum(losses)
     if isinstance(loss, torch.Tensor):
         loss.backward()
     grads = {fqn: [v.grad for v in p.values] for fqn, p in params.items()}
-    return _Run(outputs, grads, cotangents, sim.values, sim.tally.result().get("tp", {}))
+    return _Run(outputs, grads, cotangents, sim.values, sim.tally.result().get("tp", {}),
+                tuple(float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for v in losses))
 
 
 def _dot(output: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
