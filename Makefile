@@ -43,9 +43,11 @@ bench-meshes: $(STAMP)
 zoo: $(STAMP)
 	$(PY) benchmarks/zoo.py --options
 
-# Rewrite the golden plan tables and emitted graphs under tests/golden after an intended change.
+# Rewrite the snapshots (tests/__snapshots__: plan tables, emitted graphs, autoshard.testing reports)
+# after an intended change; syrupy also removes the snapshots no test uses any more.
+SNAPSHOT_TESTS := tests/test_plan.py tests/test_graphs.py tests/test_hf_plans.py tests/test_snapshots.py
 golden: $(STAMP)
-	$(PY) -m pytest -q tests/test_plan.py tests/test_graphs.py tests/test_hf_plans.py --update-golden
+	$(PY) -m pytest -q $(SNAPSHOT_TESTS) --snapshot-update
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache benchmarks/results

@@ -62,7 +62,7 @@ def build_plan(
     dp_placements: dict[str, str] | None = None,
 ) -> Plan:
     """The plan for ``captured``; ``dp_placements`` overrides the dp placement per FQN."""
-    collectives, activations, activation_nodes = _collectives_by_weight(sites, layout_plan)
+    collectives, activations, activation_nodes = _collectives_by_weight(sites, layout_plan, captured.block_fqns)
     entries: dict[str, ParamSharding] = {}
     site_by_param = {fqn: s for s in sites.all for fqn in s.param_fqns}
     expert_sites = {s.weight_fqn: s for s in sites.experts}
@@ -185,10 +185,12 @@ def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:
 
 
 def _collectives_by_weight(
-    sites: Sites, lp: LayoutPlan
+    sites: Sites, lp: LayoutPlan, block_fqns: tuple[str, ...] = ()
 ) -> tuple[dict[str, tuple[Collective, ...]], list[Collective], list[fx.Node]]:
     """Each tp collective as a record next to the weight that causes it, or among the
-    activation collectives (with the node each one belongs to) when no weight does."""
+    activation collectives (with the node each one belongs to) when no weight does or the
+    weight is in another FSDP unit than the code that runs the collective (a sequence-sharded
+    residual stream gathered in the next block): a unit's traffic is what its code runs."""
     by_weight: dict[str, list[Collective]] = {}
     colwise_by_input: dict[fx.Node, list[LinearSite]] = {}
     for site in sites.linears:
@@ -239,6 +241,9 @@ def _collectives_by_weight(
         collective = _sized(collective, value)
         for other in also:
             collective = dataclasses.replace(collective, numel=collective.numel + _sized(collective, other).numel)
+        if fqn is not None and value.op != "get_attr" and _owner_unit(fqn, block_fqns) != unit_of_node(
+                value, block_fqns):
+            fqn = None  # a value of another unit (gathered where it is made), not this weight's own
         if fqn is None:
             activations.append(collective)
             activation_nodes.append(node)
@@ -316,6 +321,10 @@ def _add_shared(by_weight: dict, collective: Collective) -> None:
     by_weight.setdefault(first, []).append(collective)
     for other in others:
         by_weight.setdefault(other, []).append(dataclasses.replace(collective, counted=False))
+
+
+def _owner_unit(fqn: str, block_fqns: tuple[str, ...]) -> str:
+    return next((block for block in block_fqns if fqn.startswith(block + ".")), "")
 
 
 def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:

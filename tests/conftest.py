@@ -5,14 +5,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # `examples` is importable from tests and their spawned ranks
 
-
-def pytest_addoption(parser):
-    parser.addoption(
-        "--update-golden",
-        action="store_true",
-        default=False,
-        help="rewrite the golden plan/graph snapshots under tests/golden instead of comparing",
-    )
+pytest_plugins = ["pytester"]  # the plugin's own tests drive pytest in pytest
 
 
 import pytest  # noqa: E402
@@ -33,7 +26,3 @@ def fake_world():
     yield
     dist.destroy_process_group()
 
-
-@pytest.fixture
-def update_golden(request) -> bool:
-    return request.config.getoption("--update-golden")

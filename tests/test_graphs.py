@@ -1,4 +1,4 @@
-"""Emitted graphs: golden code snapshots and exact collective counts.
+"""Emitted graphs: code snapshots (``tests/__snapshots__``, ``make golden``) and exact collective counts.
 
 Built on a fake 4-rank process group in this process (collectives are
 no-ops), so the emitted code is exactly what a real rank would run.
@@ -13,7 +13,6 @@ from torch.testing import FileCheck
 
 import autoshard
 from tests.cases import FEATURES, MODELS
-from tests.golden import check_golden
 
 MESH_SHAPES = {"2x2": ((2, 2), ("dp", "tp")), "tp4": ((4,), ("tp",)), "dp4": ((4,), ("dp",))}
 
@@ -44,8 +43,8 @@ def emitted_code(sharded, mesh) -> str:
 
 @pytest.mark.parametrize("mesh_name", MESH_SHAPES)
 @pytest.mark.parametrize("model_name", MODELS)
-def test_emitted_graph_golden(fake_world, model_name, mesh_name, update_golden):
-    check_golden(f"graph_{model_name}_{mesh_name}.py.txt", emitted_code(*_shard(model_name, mesh_name)), update_golden)
+def test_emitted_graph_snapshot(fake_world, model_name, mesh_name, autoshard_snapshot):
+    assert emitted_code(*_shard(model_name, mesh_name)) + "\n" == autoshard_snapshot
 
 
 def test_llama_block_has_two_forward_and_two_backward_tp_collectives(fake_world):
