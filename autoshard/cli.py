@@ -84,7 +84,7 @@ def _check(args) -> int:
     import torch
 
     import autoshard.testing
-    from autoshard.testing.plugin import mesh_id
+    from autoshard.testing.meshes import mesh_id
 
     torch.manual_seed(args.seed)
     inputs = tuple(_evaluate(expr, "--input") for expr in args.input)
@@ -147,7 +147,7 @@ def _compare_snapshot(text: str, directory: str, target: str, mesh: str, update:
 
 
 def _mesh(text: str) -> dict[str, int]:
-    from autoshard.testing.plugin import parse_mesh
+    from autoshard.testing.meshes import parse_mesh
 
     try:
         return parse_mesh(text)

@@ -14,12 +14,15 @@ snapshots need the ``testing`` extra, which brings syrupy). It gives:
   from the marker, and the ``autoshard_mesh`` fixture holds it. A mesh may also be
   written ``"dp=2,tp=4"``, as the command line writes it.
 
-Nothing here imports torch until a fixture runs.
+Loading the plugin imports autoshard (and so torch) once per pytest session in an
+environment where autoshard is installed; ``-p no:autoshard`` turns it off.
 """
 
 from __future__ import annotations
 
 import pytest
+
+from autoshard.testing.meshes import mesh_id, parse_mesh
 
 _REPORTS = pytest.StashKey[list]()
 MARKER = "autoshard_meshes"
@@ -31,25 +34,6 @@ def pytest_configure(config) -> None:
         f"{MARKER}(*meshes): run the test once per mesh, each a dict of axis sizes such as "
         "{'dp': 2, 'tp': 4} or a string 'dp=2,tp=4'; autoshard_check and autoshard_mesh use it",
     )
-
-
-def parse_mesh(mesh) -> dict[str, int]:
-    """``{"dp": 2, "tp": 4}`` from that dict or from ``"dp=2,tp=4"``."""
-    if isinstance(mesh, str):
-        try:
-            pairs = [part.split("=") for part in mesh.replace(" ", "").split(",") if part]
-            mesh = {axis: int(size) for axis, size in pairs}
-        except ValueError:
-            raise ValueError(f"autoshard: a mesh is written 'dp=2,tp=4', got {mesh!r}") from None
-    if not isinstance(mesh, dict) or not mesh or not all(
-            isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in mesh.items()):
-        raise ValueError(
-            f"autoshard: a mesh is a dict of positive axis sizes such as {{'dp': 2, 'tp': 4}}, got {mesh!r}")
-    return dict(mesh)
-
-
-def mesh_id(mesh: dict[str, int]) -> str:
-    return "-".join(f"{axis}{size}" for axis, size in mesh.items())
 
 
 def pytest_generate_tests(metafunc) -> None:
@@ -81,7 +65,7 @@ def autoshard_check(request, autoshard_mesh):
     """``autoshard_check(model, mesh=None, *, example_inputs, **options)``: the report of
     :func:`autoshard.testing.check`; ``mesh`` comes from the ``autoshard_meshes`` marker
     when the test has one."""
-    from autoshard.testing import check
+    from autoshard.testing.report import check
 
     reports = request.node.stash.setdefault(_REPORTS, [])
 
