@@ -182,6 +182,8 @@ def _target(target: str):
 def _build(build, target: str):
     import torch.nn as nn
 
+    if not isinstance(build, nn.Module) and not callable(build):
+        raise _UsageError(f"{target} is a {type(build).__name__}, neither an nn.Module nor a function returning one")
     model = build if isinstance(build, nn.Module) else build()
     if not isinstance(model, nn.Module):
         raise _UsageError(f"{target} returned {type(model).__name__}, not an nn.Module")

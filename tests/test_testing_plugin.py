@@ -110,6 +110,26 @@ def test_marker_without_the_fixtures_is_a_usage_error(pytester):
     assert result.ret != 0
 
 
+def test_mesh_comes_from_the_marker_or_the_call_not_both(pytester):
+    pytester.makepyfile(test_meshes="""
+        import pytest, torch.nn as nn
+
+        @pytest.mark.autoshard_meshes({"tp": 2}, "dp=2,tp=2")
+        def test_both(autoshard_check, autoshard_mesh):
+            assert autoshard_mesh in ({"tp": 2}, {"dp": 2, "tp": 2})
+            autoshard_check(nn.Linear(4, 4), {"tp": 4}, example_inputs=())
+
+        def test_neither(autoshard_check, autoshard_mesh):
+            assert autoshard_mesh is None
+            autoshard_check(nn.Linear(4, 4), example_inputs=())
+    """)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(["*test_both?tp2? FAILED*", "*test_both?dp2-tp2? FAILED*"])
+    result.stdout.fnmatch_lines(["*marked autoshard_meshes (this run: {'tp': 2}); leave out the mesh argument*"])
+    result.stdout.fnmatch_lines(["*give a mesh ({'dp': 2, 'tp': 4}) or mark the test autoshard_meshes(...)*"])
+
+
 def test_failing_check_shows_the_report_in_the_test_output(pytester):
     """A failing test that ran a check gets an ``autoshard`` section: the plan and the proof."""
     _example_project(pytester)
