@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-quant bench-meshes zoo golden clean
+.PHONY: install test lint demo bench bench-quant bench-meshes bench-check zoo golden clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ bench-quant: $(STAMP)
 # suggest_mesh's ranking of the 4-rank meshes next to their measured step times.
 bench-meshes: $(STAMP)
 	$(PY) benchmarks/bench_meshes.py
+
+# autoshard.testing.check on a 4-block Llama at dp=2 x tp=4, pinned to one core (goal: 10 s).
+bench-check: $(STAMP)
+	$(PY) benchmarks/bench_check.py
 
 # Every transformers family autoshard captures, planned and proven in one process on five meshes
 # (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4.

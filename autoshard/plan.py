@@ -241,6 +241,9 @@ class Plan:
                 row.append(p.gather.describe(spec) if p.gather is not None else "-")
             rows.append(row + (["; ".join(map(str, p.collectives)) or "-"] if has_tp else []))
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        # columns padded to a multiple of 8: a new or renamed parameter seldom moves them, so a
+        # plan's diff (a snapshot test's) shows the rows that changed, not the whole table
+        widths = [-(-w // 8) * 8 for w in widths[:-1]] + widths[-1:]
 
         def line(cells):
             return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()

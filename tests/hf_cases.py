@@ -114,6 +114,20 @@ def _bert():
     return hf.BertModel(config)
 
 
+def llama_4_blocks() -> hf.LlamaForCausalLM:
+    """A 4-block Llama at a Llama-2 vocabulary (32000), hidden 256, 8 heads of which 4 are kv
+    heads: the model ``autoshard.testing.check`` is measured on (``benchmarks/bench_check.py``)."""
+    torch.manual_seed(0)
+    config = hf.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                            use_cache=False, tie_word_embeddings=False)
+    return hf.LlamaForCausalLM(config)
+
+
+def llama_4_blocks_tokens(batch: int = 1, seq: int = 128) -> torch.Tensor:
+    return torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
 CASES = {
     case.name: case
     for case in (

@@ -5,19 +5,26 @@ against the unsharded model (outputs and every gradient, fresh inputs) and the t
 per block exactly as expected, planned and as the emitted code runs them. One 4-process gloo
 group (2x2) runs four families end to end, where FSDP and real collectives take part: logits
 against the single-device model, loss and every parameter after 3 AdamW steps, measured tp
-collectives, and the trained weights loaded back.
+collectives, and the trained weights loaded back. In the same group, a 4-block Llama on tp=4
+replays ``autoshard.testing.check``'s proof: the same inputs and weights give every rank the
+outputs, loss and gradients the one-process proof computed for that rank.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 import autoshard
+import autoshard.testing
 from autoshard.comm_stats import CollectiveCounter
-from tests.distributed import distributed_tests
-from tests.hf_cases import CASES, VOCAB, main_output
+from tests.distributed import distributed_tests, remove_shared, shared_directory
+from tests.hf_cases import CASES, VOCAB, llama_4_blocks, llama_4_blocks_tokens, main_output
 from tests.parity import assert_parity, dp_slice, rel_error, train_both
 
 # tp collectives per block per training step: 2 forward all-reduces (attention out,
@@ -147,7 +154,42 @@ def test_family_is_proven_with_sequence_parallelism(name):
     assert proof.tp_collectives["reduce_scatter"][0] > 0 and proof.tp_collectives == proof.plan.predicted_comm()["tp"]
 
 
+def check_testing_proof_agrees_with_a_real_run(ctx):
+    """``autoshard.testing.check`` at dp=2 x tp=4 proves the tp ranks' code; the 4 ranks here
+    run that code for real (tp=4, gloo) on the proof's inputs and weights. Each rank's outputs,
+    loss and local gradients equal what the proof computed for that rank, to 1e-5."""
+    directory = shared_directory(ctx)
+    path = os.path.join(directory, "values.pt")
+    if ctx.rank == 0:
+        report = autoshard.testing.check(llama_4_blocks(), {"dp": 2, "tp": 4},
+                                         example_inputs=(llama_4_blocks_tokens(),), keep_values=True)
+        report.assert_close()
+        torch.save(report.values, path)
+    dist.barrier()
+    values = torch.load(path, weights_only=False)
+    model = llama_4_blocks()
+    model.load_state_dict(values.weights, strict=False)
+    sharded = autoshard.autoshard(model, ctx.mesh_tp, example_inputs=values.args, example_kwargs=values.kwargs,
+                                  check=False)
+    outputs = pytree.tree_leaves(sharded(*values.args, **values.kwargs))
+    rank = ctx.mesh_tp.get_local_rank("tp")
+    loss = 0
+    for i, (out, cotangent) in enumerate(zip(outputs, values.cotangents, strict=True)):
+        if cotangent is None:
+            continue
+        assert rel_error(out.detach(), values.outputs[i][rank]) <= 1e-5, f"output {i}"
+        loss = loss + (out.float() * cotangent.float()).sum()
+    assert abs(loss.item() - values.losses[rank]) <= 1e-5 * abs(values.losses[rank]), (loss.item(), values.losses)
+    loss.backward()
+    for fqn, param in sharded.named_parameters():
+        got, want = param.grad.to_local(), values.gradients[fqn][rank]
+        assert rel_error(got, want) <= 1e-5, f"{fqn}: {rel_error(got, want):.2e}"
+    assert len(values.gradients) == len(list(sharded.parameters())) == len(values.weights)
+    remove_shared(ctx, directory)
+
+
 CHECKS = [_make_check(name) for name in END_TO_END]
 CHECKS += [_make_sequence_parallel_check(name) for name in ("llama", "bert")]
+CHECKS += [check_testing_proof_agrees_with_a_real_run]
 
 outcomes, test_hf_model = distributed_tests(CHECKS)

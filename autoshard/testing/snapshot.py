@@ -53,8 +53,8 @@ def _section(title: str, body: str) -> str:
 
 
 def _comm_table(comm: dict[str, dict[str, tuple[int, int]]]) -> str:
-    rows = [(axis, kind, count, nbytes) for axis, kinds in comm.items() for kind, (count, nbytes) in kinds.items()
-            if count]
+    rows = sorted((axis, kind, count, nbytes) for axis, kinds in comm.items()
+                  for kind, (count, nbytes) in kinds.items() if count)  # sorted: a diff shows changes, not order
     if not rows:
         return "none"
     width = max(len("axis"), *(len(axis) for axis, *_ in rows))
