@@ -10,7 +10,8 @@ block in forward and two in backward.
     print(autoshard.plan(model, mesh, example_inputs=(batch,)))
 """
 
-from autoshard import collectives  # noqa: F401  (registers the torch.ops.autoshard ops)
+# collectives registers the torch.ops.autoshard ops; testing is autoshard.testing.check and its report
+from autoshard import collectives, testing  # noqa: F401
 from autoshard.api import autoshard, check, plan
 from autoshard.backend import backend, register_backend_name
 from autoshard.block_quant import BlockQuant
@@ -24,4 +25,4 @@ register_backend_name()  # torch.compile(model, backend="autoshard", options={"m
 
 __all__ = ["autoshard", "plan", "check", "Proof", "ProofError",
            "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
-           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links"]
+           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links", "testing"]
