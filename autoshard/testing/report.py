@@ -12,6 +12,7 @@ proof runs every tp rank of that code in this process
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Mapping
 
@@ -156,12 +157,11 @@ def check(
                              keep_values=keep_values)
     parts = checked.emitted.parts
     code = (UnitCode.of(ROOT, parts.root), *(UnitCode.of(fqn, block) for fqn, block in parts.blocks.items()))
-    given = {"on_indivisible": on_indivisible, "loss_parallel": loss_parallel, "sequence_parallel": sequence_parallel,
-             "mp_policy": mp_policy, "all_gather_quant": all_gather_quant, "trace_blocks_once": trace_blocks_once,
-             "reshard_after_forward": reshard_after_forward, "plan": plan}
-    defaults = {"on_indivisible": "replicate", "loss_parallel": False, "sequence_parallel": False, "mp_policy": None,
-                "all_gather_quant": None, "trace_blocks_once": True, "reshard_after_forward": True, "plan": None}
-    changed = {k: v for k, v in given.items() if v is not defaults[k] and v != defaults[k]}
+    given = {"plan": plan, "reshard_after_forward": reshard_after_forward, "on_indivisible": on_indivisible,
+             "loss_parallel": loss_parallel, "sequence_parallel": sequence_parallel, "mp_policy": mp_policy,
+             "all_gather_quant": all_gather_quant, "trace_blocks_once": trace_blocks_once}
+    defaults = inspect.signature(check).parameters
+    changed = {k: v for k, v in given.items() if v is not defaults[k].default and v != defaults[k].default}
     return Report(type(model).__name__, dict(axes.to_dict()), changed, checked.proof.plan, code, checked.proof,
                   time.perf_counter() - start, reshard_after_forward)
 
