@@ -208,7 +208,7 @@ def propagate(
         s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
     }
     while True:
-        plan = _propagate_once(gm, sites, tp, roles, carries_grad, revised, options)
+        plan = Propagation(gm, sites, tp, roles, options, carries_grad, revised).run()
         norms = _norms_over_sharded_width(plan, sites)
         if norms:
             for norm in norms:
@@ -242,80 +242,103 @@ class _Revisions:
     reduced_early: set[fx.Node] = dataclasses.field(default_factory=set)
 
 
-def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, revised: _Revisions, options) -> LayoutPlan:
-    on_indivisible, loss_parallel, sequence_parallel = (
-        options.on_indivisible, options.loss_parallel, options.sequence_parallel
-    )
-    gathered_early = revised.gathered_early
-    fixed_roles = roles
-    roles = dict(roles or {})
-    site_of = {s.node: s for s in sites.all}
-    owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
-    owned.update({n: s for s in sites.experts for n in s.chain})
-    expert_of = {s.node: s for s in sites.experts}
-    layouts: dict[fx.Node, object] = {}
-    edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
-    new_args: dict[fx.Node, tuple] = {}
-    notes: dict[str, str] = {}
-    fused: dict[str, tuple[int, ...]] = {}
-    output_site = {s.output: s for s in (*sites.linears, *sites.experts)}
-    param_fqns = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get("val") is not None
-                  and getattr(n.meta["val"], "requires_grad", False)} | {
-                      fqn for s in sites.all for fqn in s.param_fqns}
-    sharded_params: dict[str, int] = {}
-    stream_entries: set[fx.Node] = set()
+class Propagation:
+    """One walk over the graph in topological order: each site's role, each value's layout and
+    the redistributions its consumers need (see the module docstring).
 
-    def layout(value) -> object:
-        return layouts.get(value) if isinstance(value, fx.Node) else None
+    The walk only reads the graph. Its state is what it has decided so far: ``roles``,
+    ``layouts``, ``edges`` (``(producer, consumer)`` -> steps), ``new_args`` (views whose
+    sharded dim shrinks), ``notes``, ``fused`` sections and ``sharded_params``. ``visit``
+    decides one node from what its inputs have been given, so a test seeds input layouts and
+    visits a single op (``tests/test_rules.py``); ``run`` visits every node and returns the
+    :class:`LayoutPlan`.
 
-    def seen(value) -> object:
+    ``roles`` fixes the sites' roles (a user plan); ``carries_grad`` are the values a gradient
+    flows back through; ``revised`` is what earlier walks learned (:class:`_Revisions`).
+    """
+
+    def __init__(self, gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, str] | None = None,
+                 options: PlanOptions = DEFAULT_OPTIONS, carries_grad: frozenset[fx.Node] = frozenset(),
+                 revised: _Revisions | None = None):
+        self.gm, self.sites, self.tp, self.options = gm, sites, tp, options
+        self.carries_grad = carries_grad
+        self.revised = revised or _Revisions()
+        self.fixed_roles = roles
+        self.roles: dict[str, str] = dict(roles or {})
+        self.layouts: dict[fx.Node, object] = {}
+        self.edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
+        self.new_args: dict[fx.Node, tuple] = {}
+        self.notes: dict[str, str] = {}
+        self.fused: dict[str, tuple[int, ...]] = {}
+        self.sharded_params: dict[str, int] = {}
+        self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
+        self.site_of = {s.node: s for s in sites.all}
+        self.expert_of = {s.node: s for s in sites.experts}
+        self.owned = {n: s for s in sites.linears for n in s.nodes if n is not s.node}
+        self.owned.update({n: s for s in sites.experts for n in s.chain})
+        self.output_site = {s.output: s for s in (*sites.linears, *sites.experts)}
+        self.param_fqns = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get("val") is not None
+                           and getattr(n.meta["val"], "requires_grad", False)} | {
+                               fqn for s in sites.all for fqn in s.param_fqns}
+
+    def run(self) -> LayoutPlan:
+        for node in self.gm.graph.nodes:
+            self.visit(node)
+        _hoist_enter_tp(self.edges, self.layouts)
+        return LayoutPlan(
+            self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
+            sequence_parallel=self.options.sequence_parallel, carries_grad=self.carries_grad,
+            sharded_params=self.sharded_params,
+        )
+
+    def visit(self, node: fx.Node) -> None:
+        """Decide ``node``'s layout (and its site's role) and what its inputs need."""
+        if node in self.owned:
+            return  # a folded bias add, a weight transpose, an expert pick: handled with its site
+        site = self.site_of.get(node)
+        if node in self.expert_of:
+            self._expert(self.expert_of[node])
+        elif isinstance(site, LinearSite):
+            self._linear(site)
+        elif isinstance(site, EmbeddingSite):
+            self._embedding(site)
+        elif node.op == "output":
+            self._output(node)
+        elif node.op in ("placeholder", "get_attr"):
+            self.layouts[node] = None
+        else:
+            self._op(node)
+
+    # --- layouts as consumers see them ----------------------------------------------------
+
+    def layout(self, value) -> object:
+        return self.layouts.get(value) if isinstance(value, fx.Node) else None
+
+    def seen(self, value) -> object:
         """The layout consumers plan with: a source gathered early reads as replicated,
         an embedding output under sequence parallelism as sequence-sharded."""
-        if value in stream_entries:
+        if value in self.stream_entries:
             return SEQ_DIM
-        if value in revised.reduced_early and layout(value) in PARTIALS:
+        if value in self.revised.reduced_early and self.layout(value) in PARTIALS:
             return None
-        return None if value in gathered_early else layout(value)
+        return None if value in self.revised.gathered_early else self.layout(value)
 
-    def seq_ok(value: fx.Node) -> bool:
+    def seq_ok(self, value: fx.Node) -> bool:
         """Whether ``value`` can be cut along the sequence; an error if the sequence
         length may not divide by tp (checked with sympy on symbolic sizes)."""
         shape = value.meta["val"].shape
         if len(shape) != 3:
             return False
         seq = layout_rules.size_expr(shape[SEQ_DIM])
-        if not layout_rules.divides(seq, tp):
+        if not layout_rules.divides(seq, self.tp):
             raise ValueError(
-                f"autoshard: sequence_parallel cuts the sequence over tp={tp}, but the sequence length "
-                f"{seq} of {describe(value)} may not divide by {tp}"
+                f"autoshard: sequence_parallel cuts the sequence over tp={self.tp}, but the sequence length "
+                f"{seq} of {describe(value)} may not divide by {self.tp}"
                 + ("; declare it divisible, e.g. seq = tp * Dim('chunks')" if not seq.is_Integer else "")
             )
         return True
 
-    def divisible_role(site, role: str) -> str:
-        """``role``, or replicate (noted) when a dim does not divide by tp and the plan is ours."""
-        reason = _indivisible(site, role, tp)
-        if reason is None:
-            return role
-        if fixed_roles is not None or on_indivisible == "error":
-            raise ValueError(f"autoshard: {reason}")
-        notes[site.weight_fqn] = f"replicated over tp: its {reason.split(' and its ')[1].split(';')[0]}"
-        return REPLICATE
-
-    def fuse(split: fx.Node, decision):
-        """Accept a split of a fused projection if the path back to its colwise weight
-        only reshapes other dims and nothing else reads the (permuted) columns."""
-        value = next(iter(decision.inputs))
-        site = _fused_origin(value, layouts, output_site, readers=len(value.users))
-        if site is None or roles.get(site.weight_fqn) != COLWISE:
-            return None
-        if fused.setdefault(site.weight_fqn, decision.fused_sections) != decision.fused_sections:
-            return None
-        return decision
-
-    colwise_outputs = set(output_site)
-
-    def from_colwise(value: fx.Node) -> bool:
+    def from_colwise(self, value: fx.Node) -> bool:
         """Whether ``value``'s sharding comes from a colwise linear (Megatron's pair), not from
         an embedding: an embedding's shard never decides that the next linear is rowwise."""
         frontier, visited = [value], set()
@@ -324,158 +347,188 @@ def _propagate_once(gm, sites: Sites, tp: int, roles, carries_grad, revised: _Re
             if node in visited:
                 continue
             visited.add(node)
-            if node in colwise_outputs and roles.get(output_site[node].weight_fqn) in COLWISE_LIKE:
+            site = self.output_site.get(node)
+            if site is not None and self.roles.get(site.weight_fqn) in COLWISE_LIKE:
                 return True
-            frontier += [v for v in node.all_input_nodes if _is_sharded(seen(v))]
+            frontier += [v for v in node.all_input_nodes if _is_sharded(self.seen(v))]
         return False
 
-    def partial_grad(value) -> tuple:
-        """enter_tp for a replicated, gradient-carrying input of a sharded computation."""
-        return (Redistribute(ENTER_TP),) if value in carries_grad else ()
+    # --- roles ----------------------------------------------------------------------------
 
-    def require(value: fx.Node, consumer: fx.Node, wanted, then: tuple = ()) -> None:
+    def divisible_role(self, site, role: str) -> str:
+        """``role``, or replicate (noted) when a dim does not divide by tp and the plan is ours."""
+        reason = _indivisible(site, role, self.tp)
+        if reason is None:
+            return role
+        if self.fixed_roles is not None or self.options.on_indivisible == "error":
+            raise ValueError(f"autoshard: {reason}")
+        self.notes[site.weight_fqn] = f"replicated over tp: its {reason.split(' and its ')[1].split(';')[0]}"
+        return REPLICATE
+
+    def _linear(self, site: LinearSite) -> None:
+        node = site.node
+        input_layout = self.seen(site.input)
+        if input_layout is not None and not self.from_colwise(site.input):
+            input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
+        role = _linear_role(site, input_layout, self.roles, self.fixed_roles, site.weight_fqn in self.sites.tied)
+        role = self.divisible_role(site, role)
+        if site.weight_fqn in self.revised.replicated and self.fixed_roles is None:
+            role = REPLICATE
+            self.notes[site.weight_fqn] = (
+                f"replicated over tp: its {site.out_features} outputs (fewer than its {site.in_features} "
+                f"inputs) feed no rowwise linear (its sharded region ends at "
+                f"{self.revised.replicated[site.weight_fqn]}); computed whole, it needs no collective"
+            )
+        self.roles[site.weight_fqn] = role
+        if role in COLWISE_LIKE:
+            # A gathered input still needs enter_tp: colwise input-gradients are partial.
+            self.require(site.input, node, None, then=(Redistribute(ENTER_TP),))
+            self.layouts[node] = self.layouts[site.output] = _ndim(site.output) - 1
+        elif role == ROWWISE:
+            self.require(site.input, node, _ndim(site.input) - 1)
+            self.layouts[node] = PARTIAL
+            sequence_parallel = self.options.sequence_parallel
+            if site.bias_node is not None or sequence_parallel:  # reduced (scattered) before the bias
+                self.layouts[site.output] = SEQ_DIM if sequence_parallel and self.seq_ok(site.output) else None
+        else:
+            self.require(site.input, node, None)
+            self.layouts[node] = self.layouts[site.output] = None
+
+    def _embedding(self, site: EmbeddingSite) -> None:
+        node = site.node
+        sharded_role = VOCAB_PARALLEL if site.weight_fqn in self.sites.tied else COLWISE
+        role = self.roles.get(site.weight_fqn, sharded_role)
+        if role not in (sharded_role, REPLICATE):
+            raise ValueError(
+                f"autoshard: embedding '{site.weight_fqn}' can be {sharded_role!r} or 'replicate', not {role!r}"
+            )
+        role = self.divisible_role(site, role)
+        self.roles[site.weight_fqn] = role
+        self.layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
+        if self.options.sequence_parallel and self.seq_ok(node):
+            self.stream_entries.add(node)  # consumers read it sequence-sharded
+
+    def _expert(self, site: ExpertSite) -> None:
+        """A matmul on one expert of a stacked weight: colwise cuts the parameter's output dim,
+        rowwise its input dim; the parameter is stored cut that way, so the expert picks between
+        it and the matmul only carry the cut along (see :mod:`passes.experts`)."""
+        role = self.roles.get(site.weight_fqn)
+        if role is None:
+            rowwise = self.seen(site.input) == site.input_dim and self.from_colwise(site.input)
+            role = self.divisible_role(site, ROWWISE if rowwise else COLWISE)
+            self.roles[site.weight_fqn] = role
+        node = site.node
+        if role == REPLICATE:
+            self.require(site.input, node, None)
+            self.layouts.update({n: None for n in (site.weight_node, *site.chain, node)})
+            return
+        param_dim = site.out_dim if role == COLWISE else site.in_dim
+        self.sharded_params[site.weight_fqn] = param_dim
+        self.layouts[site.weight_node] = param_dim
+        for link in site.chain:
+            self.layouts[link] = site.dim_in_chain(link, param_dim)
+        if role == COLWISE:
+            self.require(site.input, node, None, then=self.partial_grad(site.input))
+            self.layouts[node] = site.output_dim
+        else:
+            self.require(site.input, node, site.input_dim)
+            self.layouts[node] = PARTIAL
+
+    # --- every other op ---------------------------------------------------------------------
+
+    def _output(self, node: fx.Node) -> None:
+        for value in node.all_input_nodes:
+            lay = self.layout(value)
+            if self.options.loss_parallel and isinstance(lay, int) and lay == _ndim(value) - 1:
+                self.edges[(value, node)] = (Redistribute(SHARDED_OUTPUT, lay),)
+            else:
+                self.require(value, node, None)
+
+    def _op(self, node: fx.Node) -> None:
+        """An op between sites: its layout rule (or DTensor's strategy) if any input is sharded,
+        else (or when no rule fits) its inputs gathered and its output replicated."""
+        inputs = {v: self.seen(v) for v in node.all_input_nodes}
+        decision = None
+        if any(lay is not None for lay in inputs.values()):
+            decision = layout_rules.apply(node, inputs, self.tp) or dtensor_rules.query(node, inputs, self.tp)
+        if decision is not None and decision.fused_sections is not None:
+            decision = self._fuse(decision)
+        if decision is None:
+            for value in node.all_input_nodes:
+                self.require(value, node, None)
+            self.layouts[node] = None
+            return
+        self.layouts[node] = decision.output
+        sharded_output = _is_sharded(decision.output)
+        for value, wanted in decision.inputs.items():
+            then = self.partial_grad(value) if sharded_output and wanted is None else ()
+            self.require(value, node, wanted, then)
+        if decision.args is not None:
+            self.new_args[node] = decision.args
+
+    def _fuse(self, decision):
+        """Accept a split of a fused projection if the path back to its colwise weight
+        only reshapes other dims and nothing else reads the (permuted) columns."""
+        value = next(iter(decision.inputs))
+        site = _fused_origin(value, self.layouts, self.output_site, readers=len(value.users))
+        if site is None or self.roles.get(site.weight_fqn) != COLWISE:
+            return None
+        if self.fused.setdefault(site.weight_fqn, decision.fused_sections) != decision.fused_sections:
+            return None
+        return decision
+
+    # --- what a consumer needs ------------------------------------------------------------------
+
+    def partial_grad(self, value) -> tuple:
+        """enter_tp for a replicated, gradient-carrying input of a sharded computation."""
+        return (Redistribute(ENTER_TP),) if value in self.carries_grad else ()
+
+    def require(self, value: fx.Node, consumer: fx.Node, wanted, then: tuple = ()) -> None:
         """Record what ``consumer`` needs done to read ``value`` as ``wanted``, then ``then``."""
-        have = layout(value)
+        have = self.layout(value)
         if isinstance(have, tuple) and have != wanted:
             raise NotImplementedError(
                 f"autoshard: {describe(consumer)} reads the multi-output value '{value.name}' whole; "
                 f"only indexing it is supported while it is sharded"
             )
-        if have == wanted:
-            steps = ()
-        elif have in PARTIALS:
-            reduce = Redistribute(REDUCE, "avg" if have == PARTIAL_AVG else None)
-            steps = (reduce,) + (() if wanted is None else (Redistribute(TAKE_SHARD, wanted),))
-        elif wanted is None:
-            steps = (Redistribute(GATHER, have),)
-        elif have is None:
-            if _shrink_broadcast(value, wanted, tp, new_args, layouts):
-                return
-            if value.op == "get_attr" and value.target in param_fqns and len(value.users) == 1 and isinstance(
-                wanted, int
-            ):
-                layouts[value] = wanted  # stored sharded over tp (see LayoutPlan.sharded_params)
-                sharded_params[value.target] = wanted
-                return
-            steps = (Redistribute(TAKE_SHARD, wanted),)
-        elif wanted != PARTIAL:
-            steps = (Redistribute(GATHER, have), Redistribute(TAKE_SHARD, wanted))
-        else:
-            raise NotImplementedError(
-                f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
-                f"{wanted} but it is {have}"
-            )
+        if have is None and wanted is not None and self._read_sharded_in_place(value, wanted):
+            return
+        steps = self._steps(value, consumer, have, wanted)
         if steps and steps[-1].kind == GATHER and then == (Redistribute(ENTER_TP),):
             steps, then = steps[:-1] + (Redistribute(GATHER_FOR_COLWISE, steps[-1].dim),), ()
         if steps + then:
-            edges[(value, consumer)] = steps + then
+            self.edges[(value, consumer)] = steps + then
 
-    def expert(site: ExpertSite) -> None:
-        """A matmul on one expert of a stacked weight: colwise cuts the parameter's output dim,
-        rowwise its input dim; the parameter is stored cut that way, so the expert picks between
-        it and the matmul only carry the cut along (see :mod:`passes.experts`)."""
-        x_layout = seen(site.input)
-        role = roles.get(site.weight_fqn)
-        if role is None:
-            rowwise = x_layout == site.input_dim and from_colwise(site.input)
-            role = divisible_role(site, ROWWISE if rowwise else COLWISE)
-            roles[site.weight_fqn] = role
-        node = site.node
-        if role == REPLICATE:
-            require(site.input, node, None)
-            layouts.update({n: None for n in (site.weight_node, *site.chain, node)})
-            return
-        param_dim = site.out_dim if role == COLWISE else site.in_dim
-        sharded_params[site.weight_fqn] = param_dim
-        layouts[site.weight_node] = param_dim
-        for link in site.chain:
-            layouts[link] = site.dim_in_chain(link, param_dim)
-        if role == COLWISE:
-            require(site.input, node, None, then=partial_grad(site.input))
-            layouts[node] = site.output_dim
-        else:
-            require(site.input, node, site.input_dim)
-            layouts[node] = PARTIAL
+    def _read_sharded_in_place(self, value: fx.Node, wanted) -> bool:
+        """A replicated value that needs no cut: a broadcast whose sharded dim shrinks to its local
+        size, or a parameter read by this op alone, stored sharded over tp (see
+        ``LayoutPlan.sharded_params``)."""
+        if _shrink_broadcast(value, wanted, self.tp, self.new_args, self.layouts):
+            return True
+        if value.op == "get_attr" and value.target in self.param_fqns and len(value.users) == 1 and isinstance(
+                wanted, int):
+            self.layouts[value] = wanted
+            self.sharded_params[value.target] = wanted
+            return True
+        return False
 
-    for node in gm.graph.nodes:
-        if node in owned:
-            continue  # a folded bias add, a weight transpose, an expert pick: handled with its site
-        site = site_of.get(node)
-        if node in expert_of:
-            expert(expert_of[node])
-        elif isinstance(site, LinearSite):
-            input_layout = seen(site.input)
-            if input_layout is not None and not from_colwise(site.input):
-                input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
-            role = _linear_role(site, input_layout, roles, fixed_roles, site.weight_fqn in sites.tied)
-            role = divisible_role(site, role)
-            if site.weight_fqn in revised.replicated and fixed_roles is None:
-                role = REPLICATE
-                notes[site.weight_fqn] = (
-                    f"replicated over tp: its {site.out_features} outputs (fewer than its {site.in_features} "
-                    f"inputs) feed no rowwise linear (its sharded region ends at "
-                    f"{revised.replicated[site.weight_fqn]}); computed whole, it needs no collective"
-                )
-            roles[site.weight_fqn] = role
-            x_dim = _ndim(site.input) - 1
-            if role in COLWISE_LIKE:
-                # A gathered input still needs enter_tp: colwise input-gradients are partial.
-                require(site.input, node, None, then=(Redistribute(ENTER_TP),))
-                layouts[node] = layouts[site.output] = _ndim(site.output) - 1
-            elif role == ROWWISE:
-                require(site.input, node, x_dim)
-                layouts[node] = PARTIAL
-                if site.bias_node is not None or sequence_parallel:  # reduced (scattered) before the bias
-                    layouts[site.output] = SEQ_DIM if sequence_parallel and seq_ok(site.output) else None
-            else:
-                require(site.input, node, None)
-                layouts[node] = layouts[site.output] = None
-        elif isinstance(site, EmbeddingSite):
-            tied = site.weight_fqn in sites.tied
-            sharded_role = VOCAB_PARALLEL if tied else COLWISE
-            role = roles.get(site.weight_fqn, sharded_role)
-            if role not in (sharded_role, REPLICATE):
-                raise ValueError(
-                    f"autoshard: embedding '{site.weight_fqn}' can be {sharded_role!r} or 'replicate', not {role!r}"
-                )
-            role = divisible_role(site, role)
-            roles[site.weight_fqn] = role
-            layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
-            if sequence_parallel and seq_ok(node):
-                stream_entries.add(node)  # consumers read it sequence-sharded
-        elif node.op == "output":
-            for value in node.all_input_nodes:
-                lay = layout(value)
-                if loss_parallel and isinstance(lay, int) and lay == _ndim(value) - 1:
-                    edges[(value, node)] = (Redistribute(SHARDED_OUTPUT, lay),)
-                else:
-                    require(value, node, None)
-        elif node.op in ("placeholder", "get_attr"):
-            layouts[node] = None
-        else:
-            inputs = {v: seen(v) for v in node.all_input_nodes}
-            decision = None
-            if any(lay is not None for lay in inputs.values()):
-                decision = layout_rules.apply(node, inputs, tp) or dtensor_rules.query(node, inputs, tp)
-            if decision is not None and decision.fused_sections is not None:
-                decision = fuse(node, decision)
-            if decision is None:
-                for value in node.all_input_nodes:
-                    require(value, node, None)
-                layouts[node] = None
-                continue
-            layouts[node] = decision.output
-            sharded_output = _is_sharded(decision.output)
-            for value, wanted in decision.inputs.items():
-                then = partial_grad(value) if sharded_output and wanted is None else ()
-                require(value, node, wanted, then)
-            if decision.args is not None:
-                new_args[node] = decision.args
-    _hoist_enter_tp(edges, layouts)
-    return LayoutPlan(
-        roles, layouts, edges, new_args, tp, notes, fused, sequence_parallel=sequence_parallel,
-        carries_grad=carries_grad, sharded_params=sharded_params,
-    )
+    @staticmethod
+    def _steps(value: fx.Node, consumer: fx.Node, have, wanted) -> tuple[Redistribute, ...]:
+        if have == wanted:
+            return ()
+        if have in PARTIALS:
+            reduce = Redistribute(REDUCE, "avg" if have == PARTIAL_AVG else None)
+            return (reduce,) + (() if wanted is None else (Redistribute(TAKE_SHARD, wanted),))
+        if wanted is None:
+            return (Redistribute(GATHER, have),)
+        if have is None:
+            return (Redistribute(TAKE_SHARD, wanted),)
+        if wanted != PARTIAL:
+            return (Redistribute(GATHER, have), Redistribute(TAKE_SHARD, wanted))
+        raise NotImplementedError(
+            f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
+            f"{wanted} but it is {have}"
+        )
 
 
 def _norms_over_sharded_width(plan: LayoutPlan, sites: Sites) -> list[fx.Node]:

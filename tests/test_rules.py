@@ -16,9 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.passes import dtensor_rules, layout_rules
+from autoshard.passes import layout_rules
 from autoshard.passes.capture import capture
+from autoshard.passes.discover import Sites
 from autoshard.passes.experts import find_expert_sites
+from autoshard.passes.propagate import GATHER as GATHER_STEP
+from autoshard.passes.propagate import REDUCE, Propagation
 from tests.pattern_models import PATTERNS
 
 GATHER = "gather"
@@ -35,22 +38,22 @@ class _Fn(nn.Module):
 
 
 def _layout_through(fn, shapes, layouts, tp: int = 2):
-    """The layout of ``fn``'s output when its inputs have ``layouts`` (or ``GATHER``)."""
+    """The layout of ``fn``'s output when its inputs have ``layouts``, as propagation decides it
+    op by op; ``GATHER`` when an op had to read an input whole (no rule keeps it sharded)."""
     gm = torch.export.export(_Fn(fn), tuple(torch.randn(s) for s in shapes), strict=False).graph_module
-    have = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], layouts, strict=True))
+    walk = Propagation(gm, Sites(linears=(), embeddings=()), tp)
+    walk.layouts.update(zip([n for n in gm.graph.nodes if n.op == "placeholder"], layouts, strict=True))
     for node in gm.graph.nodes:
         if node.op == "output":
-            return have[node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]]
+            out = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+            return walk.layouts[out]
         if node.op != "call_function":
             continue
-        inputs = {v: have.get(v) for v in node.all_input_nodes}
-        if all(lay is None for lay in inputs.values()):
-            have[node] = None
-            continue
-        decision = layout_rules.apply(node, inputs, tp) or dtensor_rules.query(node, inputs, tp)
-        if decision is None:
+        walk.visit(node)
+        made_whole = [step for (_, consumer), steps in walk.edges.items() if consumer is node for step in steps
+                      if step.kind in (GATHER_STEP, REDUCE)]
+        if made_whole:
             return GATHER
-        have[node] = decision.output
     raise AssertionError("no output")
 
 
