@@ -191,112 +191,133 @@ def _collectives_by_weight(
     activation collectives (with the node each one belongs to) when no weight does or the
     weight is in another FSDP unit than the code that runs the collective (a sequence-sharded
     residual stream gathered in the next block): a unit's traffic is what its code runs."""
-    by_weight: dict[str, list[Collective]] = {}
-    colwise_by_input: dict[fx.Node, list[LinearSite]] = {}
-    for site in sites.linears:
-        role = lp.roles[site.weight_fqn]
-        if role in COLWISE_LIKE:
-            colwise_by_input.setdefault(site.input, []).append(site)
-        elif role == ROWWISE and lp.layouts.get(site.output) in PARTIALS:
-            continue  # recorded with the reduce edge its partial sum reaches
-        elif role == ROWWISE and lp.layouts.get(site.output) == SEQ_DIM:
-            by_weight.setdefault(site.weight_fqn, []).append(
-                _sized(Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True), site.output)
-            )
-            if site.bias_node is not None and site.output is site.node:  # added to this rank's rows only
-                by_weight.setdefault(site.bias_node.target, []).append(_sized(
-                    Collective(ALL_REDUCE, "bwd", "grad", cause="its rows of the sequence only"), site.bias_node))
-        elif role == ROWWISE:
-            collective = _sized(Collective(ALL_REDUCE, "fwd", "output"), site.output)
-            by_weight.setdefault(site.weight_fqn, []).append(collective)
-    for group in colwise_by_input.values():
-        names = tuple(s.weight_fqn for s in group)
-        steps = lp.edges.get((group[0].input, group[0].node), ())
-        if any(step.kind == GATHER_FOR_COLWISE for step in steps):
-            first = Collective(GATHER_SCATTER, "fwd", "input", over_sequence=True, shared_by=names)
-        elif group[0].input not in lp.carries_grad:
-            continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
-        else:
-            first = Collective(ALL_REDUCE, "bwd", "input grad", shared_by=names)
-        _add_shared(by_weight, _sized(first, group[0].input))
+    records = _Records(sites, lp, block_fqns)
+    records.linears()
+    records.colwise_groups()
+    records.embeddings()
+    records.edges()
+    return {k: tuple(v) for k, v in records.by_weight.items()}, records.activations, records.activation_nodes
 
-    origin = {}
-    for site in sites.linears:
-        origin[site.output] = site.weight_fqn
-        origin[site.node] = site.weight_fqn
-    for site in sites.embeddings:
-        origin[site.node] = site.weight_fqn
-        if lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
-            by_weight.setdefault(site.weight_fqn, []).append(
-                _sized(Collective(ALL_REDUCE, "fwd", "embedding output"), site.node))
-    colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
-    activations: list[Collective] = []
-    activation_nodes: list[fx.Node] = []
 
-    buckets = {v: b.values for b in lp.take_shard_buckets() for v in b.values}  # value -> its bucket
+class _Records:
+    """The plan's tp collective records, built from the sites and from propagation's edges."""
 
-    def record(fqn: str | None, collective: Collective, node: fx.Node, value: fx.Node, also=()) -> None:
+    def __init__(self, sites: Sites, lp: LayoutPlan, block_fqns: tuple[str, ...]):
+        self.sites, self.lp, self.block_fqns = sites, lp, block_fqns
+        self.by_weight: dict[str, list[Collective]] = {}
+        self.activations: list[Collective] = []
+        self.activation_nodes: list[fx.Node] = []
+        self.origin = {n: s.weight_fqn for s in sites.linears for n in (s.output, s.node)}
+        self.origin |= {s.node: s.weight_fqn for s in sites.embeddings}
+        self.colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
+        self.buckets = {v: b.values for b in lp.take_shard_buckets() for v in b.values}  # value -> its bucket
+
+    def add(self, fqn: str, collective: Collective) -> None:
+        self.by_weight.setdefault(fqn, []).append(collective)
+
+    def record(self, fqn: str | None, collective: Collective, node: fx.Node, value: fx.Node, also=()) -> None:
         """Next to its weight when one explains it, else among the activation collectives;
         ``also``: further values the same collective moves (a bucket), added to its size."""
         collective = _sized(collective, value)
         for other in also:
             collective = dataclasses.replace(collective, numel=collective.numel + _sized(collective, other).numel)
-        if fqn is not None and value.op != "get_attr" and _owner_unit(fqn, block_fqns) != unit_of_node(
-                value, block_fqns):
+        if fqn is not None and value.op != "get_attr" and _owner_unit(fqn, self.block_fqns) != unit_of_node(
+                value, self.block_fqns):
             fqn = None  # a value of another unit (gathered where it is made), not this weight's own
         if fqn is None:
-            activations.append(collective)
-            activation_nodes.append(node)
+            self.activations.append(collective)
+            self.activation_nodes.append(node)
         else:
-            by_weight.setdefault(fqn, []).append(collective)
+            self.add(fqn, collective)
 
-    seen = set()
-    for (value, consumer), steps in lp.edges.items():
-        for step in steps:
-            key = (value, step)
-            if key in seen or (step.kind in (ENTER_TP, GATHER_FOR_COLWISE) and consumer in colwise_nodes):
+    def linears(self) -> None:
+        """A rowwise output's all-reduce (or reduce-scatter under sequence parallelism), unless its
+        partial sum travels on (recorded at the reduce edge it reaches)."""
+        for site in self.sites.linears:
+            if self.lp.roles[site.weight_fqn] != ROWWISE:
                 continue
-            seen.add(key)
-            node = consumer if consumer.op != "output" else value
-            if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
-                if value.op == "get_attr":
-                    cause = f"sharded {describe(consumer)}"
-                    record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=cause), node, value)
-                else:
-                    cause = f"sharded {describe(consumer)}"
-                    record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", cause), node, value)
-            elif step.kind == GATHER:
-                if value in origin:
-                    collective = Collective(ALL_GATHER, "fwd", "output")
-                else:
-                    collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", describe(consumer))
-                record(_region_origin(value, lp, origin), collective, node, value)
-            elif step.kind == GATHER_FOR_COLWISE:
-                record(
-                    None,
-                    Collective(
-                        GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}", over_sequence=True
-                    ),
-                    node,
-                    value,
-                )
-            elif step.kind == SHARDED_OUTPUT:
-                record(_region_origin(value, lp, origin), Collective(NO_COLLECTIVE, "fwd", "output"), node, value)
-            elif step.kind == REDUCE:
-                weights = tuple(_partial_origins(value, lp, origin))
-                if not weights:
-                    cause = describe(consumer)
-                    record(None, Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", cause), node, value)
-                else:
-                    _add_shared(by_weight, _sized(Collective(ALL_REDUCE, "fwd", "output", shared_by=weights), value))
-            elif step.kind == TAKE_SHARD and value in lp.carries_grad:  # forward: no communication
-                bucket = buckets.get(value, (value,))
-                if value is not bucket[0]:
-                    continue  # one all-gather for the bucket, recorded with its first value
-                subject = ", ".join(f"'{v.name}'" for v in bucket)
-                take = Collective(TAKE_SHARD_KIND, "bwd", subject, describe(consumer), dim=step.dim)
-                record(None, take, node, value, also=bucket[1:])
-    return {k: tuple(v) for k, v in by_weight.items()}, activations, activation_nodes
+            layout = self.lp.layouts.get(site.output)
+            if layout in PARTIALS:
+                continue
+            if layout == SEQ_DIM:
+                self.add(site.weight_fqn, _sized(
+                    Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True), site.output))
+                if site.bias_node is not None and site.output is site.node:  # added to this rank's rows only
+                    self.add(site.bias_node.target, _sized(
+                        Collective(ALL_REDUCE, "bwd", "grad", cause="its rows of the sequence only"), site.bias_node))
+            else:
+                self.add(site.weight_fqn, _sized(Collective(ALL_REDUCE, "fwd", "output"), site.output))
+
+    def colwise_groups(self) -> None:
+        """Colwise linears reading one input share its input-gradient all-reduce (or its
+        sequence all-gather)."""
+        groups: dict[fx.Node, list[LinearSite]] = {}
+        for site in self.sites.linears:
+            if self.lp.roles[site.weight_fqn] in COLWISE_LIKE:
+                groups.setdefault(site.input, []).append(site)
+        for group in groups.values():
+            names = tuple(s.weight_fqn for s in group)
+            steps = self.lp.edges.get((group[0].input, group[0].node), ())
+            if any(step.kind == GATHER_FOR_COLWISE for step in steps):
+                first = Collective(GATHER_SCATTER, "fwd", "input", over_sequence=True, shared_by=names)
+            elif group[0].input not in self.lp.carries_grad:
+                continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
+            else:
+                first = Collective(ALL_REDUCE, "bwd", "input grad", shared_by=names)
+            _add_shared(self.by_weight, _sized(first, group[0].input))
+
+    def embeddings(self) -> None:
+        for site in self.sites.embeddings:
+            if self.lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
+                self.add(site.weight_fqn, _sized(Collective(ALL_REDUCE, "fwd", "embedding output"), site.node))
+
+    def edges(self) -> None:
+        """Every redistribution propagation put on a use, once per value and step (a colwise
+        linear's own input step is its group's, recorded by :meth:`colwise_groups`)."""
+        seen = set()
+        for (value, consumer), steps in self.lp.edges.items():
+            for step in steps:
+                key = (value, step)
+                if key in seen or (step.kind in (ENTER_TP, GATHER_FOR_COLWISE) and consumer in self.colwise_nodes):
+                    continue
+                seen.add(key)
+                self.edge(value, consumer, step)
+
+    def edge(self, value: fx.Node, consumer: fx.Node, step) -> None:
+        node = consumer if consumer.op != "output" else value
+        if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
+            cause = f"sharded {describe(consumer)}"
+            if value.op == "get_attr":
+                self.record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=cause), node, value)
+            else:
+                self.record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", cause), node, value)
+        elif step.kind == GATHER:
+            if value in self.origin:
+                collective = Collective(ALL_GATHER, "fwd", "output")
+            else:
+                collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", describe(consumer))
+            self.record(_region_origin(value, self.lp, self.origin), collective, node, value)
+        elif step.kind == GATHER_FOR_COLWISE:
+            collective = Collective(GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}",
+                                    over_sequence=True)
+            self.record(None, collective, node, value)
+        elif step.kind == SHARDED_OUTPUT:
+            self.record(_region_origin(value, self.lp, self.origin), Collective(NO_COLLECTIVE, "fwd", "output"), node,
+                        value)
+        elif step.kind == REDUCE:
+            weights = tuple(_partial_origins(value, self.lp, self.origin))
+            if not weights:
+                collective = Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", describe(consumer))
+                self.record(None, collective, node, value)
+            else:
+                _add_shared(self.by_weight, _sized(Collective(ALL_REDUCE, "fwd", "output", shared_by=weights), value))
+        elif step.kind == TAKE_SHARD and value in self.lp.carries_grad:  # forward: no communication
+            bucket = self.buckets.get(value, (value,))
+            if value is not bucket[0]:
+                return  # one all-gather for the bucket, recorded with its first value
+            subject = ", ".join(f"'{v.name}'" for v in bucket)
+            take = Collective(TAKE_SHARD_KIND, "bwd", subject, describe(consumer), dim=step.dim)
+            self.record(None, take, node, value, also=bucket[1:])
 
 
 def _sized(collective: Collective, value: fx.Node) -> Collective:
