@@ -126,39 +126,14 @@ def capture(
     one full tracing gives. Blocks that differ, or a forward this cannot follow, are
     traced in full.
     """
-    traced, traced_args, traced_kwargs = model, tuple(args), kwargs or {}
     blocks = find_blocks(model)
-    if compute_dtype is not None:
-        traced = _twin(model, _to_meta, _parameters_as(compute_dtype))
-        _cast_unit_inputs(traced, blocks, compute_dtype)
-        traced_args, traced_kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: _to_meta(t).to(compute_dtype) if t.is_floating_point() else _to_meta(t),
-            (traced_args, traced_kwargs),
-        )
-    elif parameters_on_meta(model):
-        traced = _twin_on_meta(model)
-        traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (traced_args, traced_kwargs))
+    traced, traced_args, traced_kwargs = _traced_twin(model, tuple(args), kwargs or {}, blocks, compute_dtype)
     stack, trace_note = find_stack(model, blocks) if trace_blocks_once and dynamic_shapes is None else (None, "")
     exported_module = traced
     if stack is not None:
         exported_module = with_two_blocks(_twin(traced, lambda b: b), stack)
     traced_calls = []
-    try:
-        # a twin on meta also creates the tensors its forward makes without `device=` on meta
-        # (a rotary `torch.arange(n)`), or they would meet meta tensors on the CPU
-        on_meta = torch.device("meta") if traced is not model else contextlib.nullcontext()
-        with recording_calls(traced_calls, clone=False), on_meta:
-            exported = torch.export.export(
-                exported_module, traced_args, traced_kwargs, dynamic_shapes=dynamic_shapes, strict=False
-            )
-    except NotImplementedError:
-        raise
-    except Exception as err:  # export raises many types; the user needs one
-        raise CaptureError(
-            f"autoshard: could not capture {type(model).__name__} with torch.export "
-            f"(strict=False) at {user_frame(traceback.extract_tb(err.__traceback__))}: "
-            f"{type(err).__name__}: {_first_lines(str(err))}"
-        ) from err
+    exported = _export(model, traced, exported_module, traced_args, traced_kwargs, dynamic_shapes, traced_calls)
     functions = _check_functions(model, traced, args, kwargs or {}, traced_calls)
     unlifted = exported.module()
     graph = unlifted.graph
@@ -169,16 +144,8 @@ def capture(
             full = capture(model, args, kwargs, dynamic_shapes, compute_dtype, trace_blocks_once=False)
             return dataclasses.replace(full, trace_note=why)
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
-    for node in list(graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            graph.erase_node(node)
-        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
-            # export's check before each `.to`: under mixed precision FSDP2 already cast what
-            # the check would expect uncast (a block's inputs), and the `.to` stays a no-op
-            graph.erase_node(node)
     aliases = _tied_aliases(model)
-    _read_tied_parameters_by_one_name(graph, aliases)
-    graph.eliminate_dead_code()
+    _clean(graph, aliases)
     gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
         setattr(gm, attr, getattr(unlifted, attr))
@@ -188,6 +155,56 @@ def capture(
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
     return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note)
+
+
+def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
+    """The module export traces and its inputs: the model itself, or a twin on meta (under mixed
+    precision with floating parameters and inputs in ``compute_dtype``; or a model on meta)."""
+    if compute_dtype is not None:
+        traced = _twin(model, _to_meta, _parameters_as(compute_dtype))
+        _cast_unit_inputs(traced, blocks, compute_dtype)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: _to_meta(t).to(compute_dtype) if t.is_floating_point() else _to_meta(t),
+            (args, kwargs),
+        )
+        return traced, args, kwargs
+    if parameters_on_meta(model):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
+        return _twin_on_meta(model), args, kwargs
+    return model, args, kwargs
+
+
+def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced_calls):
+    """``torch.export`` (non-strict) of ``exported_module``, recording the custom autograd
+    Functions it calls; any failure but a ``NotImplementedError`` becomes one ``CaptureError``."""
+    try:
+        # a twin on meta also creates the tensors its forward makes without `device=` on meta
+        # (a rotary `torch.arange(n)`), or they would meet meta tensors on the CPU
+        on_meta = torch.device("meta") if traced is not model else contextlib.nullcontext()
+        with recording_calls(traced_calls, clone=False), on_meta:
+            return torch.export.export(exported_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except NotImplementedError:
+        raise
+    except Exception as err:  # export raises many types; the user needs one
+        raise CaptureError(
+            f"autoshard: could not capture {type(model).__name__} with torch.export "
+            f"(strict=False) at {user_frame(traceback.extract_tb(err.__traceback__))}: "
+            f"{type(err).__name__}: {_first_lines(str(err))}"
+        ) from err
+
+
+def _clean(graph: fx.Graph, aliases) -> None:
+    """Drop export's guards and dtype asserts, read each tied parameter by one name, and remove
+    what nothing uses."""
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            # export's check before each `.to`: under mixed precision FSDP2 already cast what
+            # the check would expect uncast (a block's inputs), and the `.to` stays a no-op
+            graph.erase_node(node)
+    _read_tied_parameters_by_one_name(graph, aliases)
+    graph.eliminate_dead_code()
 
 
 def parameters_on_meta(model: nn.Module) -> bool:

@@ -63,49 +63,13 @@ def build_plan(
 ) -> Plan:
     """The plan for ``captured``; ``dp_placements`` overrides the dp placement per FQN."""
     collectives, activations, activation_nodes = _collectives_by_weight(sites, layout_plan, captured.block_fqns)
-    entries: dict[str, ParamSharding] = {}
     site_by_param = {fqn: s for s in sites.all for fqn in s.param_fqns}
     expert_sites = {s.weight_fqn: s for s in sites.experts}
-    for fqn, shape in captured.param_shapes.items():
-        site = site_by_param.get(fqn)
-        role, transposed, note = _role_of(fqn, site, layout_plan.roles)
-        explained_by = site.weight_fqn if site is not None else fqn  # an expert weight is its own site
-        if explained_by in layout_plan.notes and axes.has_tp:
-            note = layout_plan.notes[explained_by]
-        source = getattr(site, "output", getattr(site, "node", None))
-        if site is not None and fqn == site.weight_fqn and source in layout_plan.gathered_early and axes.has_tp:
-            ends = layout_plan.gathered_early[source]
-            note = (note + "; " if note else "") + (
-                f"{GATHERED_EARLY}no rowwise linear reads it (its sharded region ends at {ends})"
-            )
-        tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
-        if tied_names:
-            note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
-        tp_dim = None
-        if fqn in layout_plan.sharded_params and axes.has_tp:
-            role, tp_dim = SHARDED, layout_plan.sharded_params[fqn]
-            expert = expert_sites.get(fqn)
-            if expert is not None:
-                note = _expert_note(expert, layout_plan.roles[fqn], tp_dim)
-            else:
-                note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
-        placements = param_placements(role, shape, axes, (dp_placements or {}).get(fqn), tp_dim)
-        sections = ()
-        if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
-            sections = layout_plan.fused.get(explained_by, ())  # a linear's weight and bias share them
-        padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
-        if padding:
-            note = (note + "; " if note else "") + padding
-        entries[fqn] = ParamSharding(
-            role=role,
-            shape=shape,
-            transposed=transposed,
-            placements=placements,
-            unit=_unit_of(fqn, captured.block_fqns),
-            collectives=collectives.get(fqn, ()) if axes.has_tp else (),
-            note=note,
-            sections=sections,
-        )
+    entries = {
+        fqn: _param_entry(fqn, shape, site_by_param.get(fqn), expert_sites.get(fqn), captured, layout_plan, axes,
+                          (dp_placements or {}).get(fqn), collectives.get(fqn, ()) if axes.has_tp else ())
+        for fqn, shape in captured.param_shapes.items()
+    }
     return Plan(
         mesh=axes.to_dict(),
         params=entries,
@@ -177,6 +141,41 @@ def _role_of(fqn: str, site, roles: dict[str, str]):
     return REPLICATE, False, ""
 
 
+def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_plan: LayoutPlan, axes: MeshAxes,
+                 dp_placement: str | None, collectives: tuple) -> ParamSharding:
+    """One parameter's entry: its role (from its site), placements, unit and why."""
+    role, transposed, note = _role_of(fqn, site, layout_plan.roles)
+    explained_by = site.weight_fqn if site is not None else fqn  # an expert weight is its own site
+    if explained_by in layout_plan.notes and axes.has_tp:
+        note = layout_plan.notes[explained_by]
+    source = getattr(site, "output", getattr(site, "node", None))
+    if site is not None and fqn == site.weight_fqn and source in layout_plan.gathered_early and axes.has_tp:
+        ends = layout_plan.gathered_early[source]
+        note = (note + "; " if note else "") + (
+            f"{GATHERED_EARLY}no rowwise linear reads it (its sharded region ends at {ends})"
+        )
+    tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
+    if tied_names:
+        note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
+    tp_dim = None
+    if fqn in layout_plan.sharded_params and axes.has_tp:
+        role, tp_dim = SHARDED, layout_plan.sharded_params[fqn]
+        if expert is not None:
+            note = _expert_note(expert, layout_plan.roles[fqn], tp_dim)
+        else:
+            note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
+    placements = param_placements(role, shape, axes, dp_placement, tp_dim)
+    sections = ()
+    if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
+        sections = layout_plan.fused.get(explained_by, ())  # a linear's weight and bias share them
+    padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
+    if padding:
+        note = (note + "; " if note else "") + padding
+    return ParamSharding(role=role, shape=shape, transposed=transposed, placements=placements,
+                         unit=_unit_of(fqn, captured.block_fqns), collectives=collectives, note=note,
+                         sections=sections)
+
+
 def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:
     for block in blocks:
         if fqn.startswith(block + "."):
@@ -221,7 +220,7 @@ class _Records:
         collective = _sized(collective, value)
         for other in also:
             collective = dataclasses.replace(collective, numel=collective.numel + _sized(collective, other).numel)
-        if fqn is not None and value.op != "get_attr" and _owner_unit(fqn, self.block_fqns) != unit_of_node(
+        if fqn is not None and value.op != "get_attr" and _unit_of(fqn, self.block_fqns) != unit_of_node(
                 value, self.block_fqns):
             fqn = None  # a value of another unit (gathered where it is made), not this weight's own
         if fqn is None:
@@ -342,10 +341,6 @@ def _add_shared(by_weight: dict, collective: Collective) -> None:
     by_weight.setdefault(first, []).append(collective)
     for other in others:
         by_weight.setdefault(other, []).append(dataclasses.replace(collective, counted=False))
-
-
-def _owner_unit(fqn: str, block_fqns: tuple[str, ...]) -> str:
-    return next((block for block in block_fqns if fqn.startswith(block + ".")), "")
 
 
 def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:
