@@ -41,10 +41,10 @@ from collections.abc import Mapping
 
 from autoshard.block_quant import BlockQuant, TileQuant
 from autoshard.export import to_hf_tp_plan, to_parallelize_plan
-from autoshard.mesh import axes_from_sizes
+from autoshard.mesh import axes_from_sizes, dp_choice
 from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
-from autoshard.sharding import Collective, Role
+from autoshard.sharding import Collective, Role, Why, dp_padding
 
 # 2: collectives are records (kind, direction, subject, cause, sharing); 1 (still loaded): prose
 PLAN_VERSION = 2
@@ -75,6 +75,7 @@ class ParamSharding:
     note: str = ""
     sections: tuple[int, ...] = ()
     gather: TileQuant | None = None  # with a quantized all-gather: its tile and blocks, or why not
+    why: Why = Why()  # the decisions ``note`` is rendered from (for this plan's mesh)
 
     def sharded_dim(self, axis: str) -> int | None:
         """The stored dim ``axis`` cuts, or None when replicated over it."""
@@ -95,10 +96,13 @@ class ParamSharding:
             "collectives": [c.to_dict() for c in self.collectives],
             "note": self.note,
             "sections": list(self.sections),
-        } | ({"gather": self.gather.to_dict()} if self.gather is not None else {})
+        } | ({"gather": self.gather.to_dict()} if self.gather is not None else {}) | (
+            {"why": self.why.to_dict()} if self.why != Why() else {})
 
     @classmethod
-    def from_dict(cls, fqn: str, data: Mapping) -> ParamSharding:
+    def from_dict(cls, fqn: str, data: Mapping, dp: int = 1) -> ParamSharding:
+        """``dp``: the plan's dp size. A plan saved without ``why`` keeps its note as it was
+        written (minus FSDP's padding, which is recomputed for each mesh)."""
         try:
             role = data["role"]
             transposed = bool(data["transposed"])
@@ -108,16 +112,24 @@ class ParamSharding:
         if role not in ROLES:
             known = ", ".join(repr(str(r)) for r in ROLES)
             raise ValueError(f"autoshard: plan entry for '{fqn}' has unknown role {role!r}; one of {known}")
+        shape = tuple(int(n) for n in data.get("shape", ()))
+        note = str(data.get("note", ""))
+        if "why" in data:
+            why = Why.from_dict(data["why"])
+        else:
+            padding = dp_padding(shape, transposed, dp_choice(placements), dp)
+            why = Why(about=note.removesuffix(padding).removesuffix("; ") if padding else note)
         return cls(
             role=Role(role),
-            shape=tuple(int(n) for n in data.get("shape", ())),
+            shape=shape,
             transposed=transposed,
             placements=placements,
             unit=str(data.get("unit", "")),
             collectives=tuple(Collective.from_dict(c) for c in data.get("collectives", ())),
-            note=str(data.get("note", "")),
+            note=note,
             sections=tuple(int(n) for n in data.get("sections", ())),
             gather=TileQuant.from_dict(data["gather"]) if data.get("gather") else None,
+            why=why,
         )
 
 
@@ -209,7 +221,7 @@ class Plan:
             raise ValueError("autoshard: plan has no 'params' mapping")
         return cls(
             mesh={str(a): int(n) for a, n in mesh.items()},
-            params={fqn: ParamSharding.from_dict(fqn, p) for fqn, p in params.items()},
+            params={fqn: ParamSharding.from_dict(fqn, p, axes_from_sizes(dict(mesh)).dp) for fqn, p in params.items()},
             units=tuple(data.get("units", ())),
             # version 1 counted every activation line as one collective
             activations=tuple(

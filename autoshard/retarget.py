@@ -21,21 +21,15 @@ it records no tp collectives, so it is not retargeted to a mesh with tp.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice
-from autoshard.sharding import GATHERED_EARLY, dp_padding, param_placements, tp_dim_of
+from autoshard.sharding import dp_padding, param_placements, tp_dim_of
 
 if TYPE_CHECKING:
     from autoshard.plan import ParamSharding, Plan
-
-# The note propagate writes for a weight replicated because a dim does not divide by tp.
-_REPLICATED = re.compile(r"replicated over tp: its (?P<what>.+?) \((?P<size>\d+)\) do not divide by the tp axis size "
-                         r"(?P<tp>\d+)")
-
 
 def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
     """``plan`` on a mesh of ``sizes`` (``{"dp": 4}``, ``{"tp": 4}``, ``{"dp": 2, "tp": 2}``,
@@ -116,38 +110,12 @@ def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> Param
         collectives=entry.collectives if new.has_tp else (),
         note=_retarget_note(entry, placements, old, new),
         sections=entry.sections if new.has_tp else (),
+        why=entry.why.on_tp(new.tp if new.has_tp else None),
     )
 
 
 def _retarget_note(entry: ParamSharding, placements: Mapping[str, str], old: MeshAxes, new: MeshAxes) -> str:
-    """The note with its padding recomputed for the new dp and its tp parts for the new tp."""
-    note = entry.note
-    old_padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), old.dp)
-    if old_padding:
-        note = note.removesuffix(old_padding).removesuffix("; ")
-    if not new.has_tp:
-        note = _drop_from(note, GATHERED_EARLY)
-        note = _drop_from(note, "replicated over tp: ")
-    elif new.tp != old.tp:
-        note = _REPLICATED.sub(lambda m: _replicated_note(m, new.tp), note)
+    """The note rendered again from the entry's decisions for the new mesh: its tp parts for the
+    new tp (none without tp), its padding for the new dp."""
     padding = dp_padding(entry.shape, entry.transposed, dp_choice(placements), new.dp)
-    if padding:
-        note = (note + "; " if note else "") + padding
-    return note
-
-
-def _drop_from(note: str, marker: str) -> str:
-    """``note`` without the part that opens with ``marker`` (tp parts come last, before padding)."""
-    at = note.find(marker)
-    return note if at < 0 else note[:at].removesuffix("; ")
-
-
-def _replicated_note(match: re.Match, tp: int) -> str:
-    what, size, old_tp = match["what"], int(match["size"]), match["tp"]
-    if size % tp:
-        return f"replicated over tp: its {what} ({size}) do not divide by the tp axis size {tp}"
-    return (
-        f"replicated over tp as planned for tp={old_tp}: its {what} ({size}) do not divide by {old_tp} "
-        f"(they do by {tp}: plan afresh to shard it)"
-    )
-
+    return entry.why.note(new.tp if new.has_tp else None, padding)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 
 from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, dp_choice
 
@@ -52,8 +53,89 @@ TP_DIM_BY_ROLE: dict[Role, int | None] = {
     Role.REPLICATE: None,
 }
 
-# Opens the note of a colwise output gathered right away (tp-only; retargeting drops it without tp).
-GATHERED_EARLY = "output all-gathered at once: "
+@dataclasses.dataclass(frozen=True)
+class Indivisible:
+    """A weight replicated over tp because its ``what`` (``size``) do not divide by the ``tp``
+    it was planned for."""
+
+    what: str  # "vocabulary rows", "output features", ...
+    size: int
+    tp: int
+
+    def reason(self) -> str:
+        return f"its {self.what} ({self.size}) do not divide by the tp axis size {self.tp}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Why:
+    """The decisions behind a parameter's entry, kept as data: the plan's note is rendered from
+    them for the mesh the plan is on, and retargeting renders it again for another mesh.
+
+    ``about``: what the role means for this weight, independent of the mesh (an embedding table
+    already in the [in, out] form, an expert's cut). ``tied_with``: the other names of the
+    parameter. The tp decisions (rendered only on a mesh with tp): ``indivisible`` (replicated,
+    a dim does not divide), ``computed_whole`` (replicated: why a narrowing linear is computed
+    whole), ``gathered_early_at`` (colwise output all-gathered right away; where its sharded
+    region would have ended).
+    """
+
+    about: str = ""
+    tied_with: tuple[str, ...] = ()
+    indivisible: Indivisible | None = None
+    computed_whole: str = ""
+    gathered_early_at: str = ""
+
+    def note(self, tp: int | None, padding: str = "") -> str:
+        """The note on a mesh with tp axis size ``tp`` (None: no tp axis); ``padding`` is FSDP's."""
+        parts = [f"tied with {', '.join(self.tied_with)}"] if self.tied_with else []
+        main = self.about
+        if tp is not None and self.indivisible is not None:
+            main = self._indivisible_note(tp)
+        elif tp is not None and self.computed_whole:
+            main = f"replicated over tp: {self.computed_whole}"
+        elif self.indivisible is not None or self.computed_whole:
+            main = ""
+        parts += [main] if main else []
+        if tp is not None and self.gathered_early_at:
+            parts.append("output all-gathered at once: no rowwise linear reads it (its sharded region ends at "
+                         f"{self.gathered_early_at})")
+        parts += [padding] if padding else []
+        return "; ".join(parts)
+
+    def on_tp(self, tp: int | None) -> Why:
+        """These decisions carried to a mesh with tp axis size ``tp`` (None: no tp axis): without tp
+        the tp decisions go; a dim that still does not divide is stated for the new size."""
+        if tp is None:
+            return dataclasses.replace(self, indivisible=None, computed_whole="", gathered_early_at="")
+        if self.indivisible is not None and self.indivisible.size % tp:
+            return dataclasses.replace(self, indivisible=dataclasses.replace(self.indivisible, tp=tp))
+        return self
+
+    def _indivisible_note(self, tp: int) -> str:
+        planned = self.indivisible
+        if planned.size % tp or tp == planned.tp:
+            return f"replicated over tp: {dataclasses.replace(planned, tp=tp).reason()}"
+        return (f"replicated over tp as planned for tp={planned.tp}: its {planned.what} ({planned.size}) do not "
+                f"divide by {planned.tp} (they do by {tp}: plan afresh to shard it)")
+
+    def to_dict(self) -> dict:
+        data = {"about": self.about, "tied_with": list(self.tied_with), "computed_whole": self.computed_whole,
+                "gathered_early_at": self.gathered_early_at}
+        if self.indivisible is not None:
+            data["indivisible"] = dataclasses.asdict(self.indivisible)
+        return {k: v for k, v in data.items() if v}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Why:
+        indivisible = data.get("indivisible")
+        return cls(
+            about=str(data.get("about", "")),
+            tied_with=tuple(str(n) for n in data.get("tied_with", ())),
+            indivisible=Indivisible(str(indivisible["what"]), int(indivisible["size"]), int(indivisible["tp"]))
+            if indivisible else None,
+            computed_whole=str(data.get("computed_whole", "")),
+            gathered_early_at=str(data.get("gathered_early_at", "")),
+        )
 
 
 def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:

@@ -41,11 +41,12 @@ from autoshard.sharding import (
     ALL_GATHER,
     ALL_REDUCE,
     GATHER_SCATTER,
-    GATHERED_EARLY,
     NO_COLLECTIVE,
     REDUCE_SCATTER,
     Collective,
+    Indivisible,
     Role,
+    Why,
     dp_padding,
     param_placements,
 )
@@ -144,36 +145,32 @@ def _role_of(fqn: str, site, roles: dict[str, str]):
 def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_plan: LayoutPlan, axes: MeshAxes,
                  dp_placement: str | None, collectives: tuple) -> ParamSharding:
     """One parameter's entry: its role (from its site), placements, unit and why."""
-    role, transposed, note = _role_of(fqn, site, layout_plan.roles)
+    role, transposed, about = _role_of(fqn, site, layout_plan.roles)
     explained_by = site.weight_fqn if site is not None else fqn  # an expert weight is its own site
-    if explained_by in layout_plan.notes and axes.has_tp:
-        note = layout_plan.notes[explained_by]
+    replicated = layout_plan.notes.get(explained_by) if axes.has_tp else None
     source = getattr(site, "output", getattr(site, "node", None))
-    if site is not None and fqn == site.weight_fqn and source in layout_plan.gathered_early and axes.has_tp:
-        ends = layout_plan.gathered_early[source]
-        note = (note + "; " if note else "") + (
-            f"{GATHERED_EARLY}no rowwise linear reads it (its sharded region ends at {ends})"
-        )
-    tied_names = [alias for alias, canonical in captured.aliases.items() if canonical == fqn]
-    if tied_names:
-        note = f"tied with {', '.join(tied_names)}" + (f"; {note}" if note else "")
+    early = layout_plan.gathered_early.get(source, "") if site is not None and fqn == site.weight_fqn else ""
+    why = Why(
+        about=about,
+        tied_with=tuple(alias for alias, canonical in captured.aliases.items() if canonical == fqn),
+        indivisible=replicated if isinstance(replicated, Indivisible) else None,
+        computed_whole=replicated if isinstance(replicated, str) else "",
+        gathered_early_at=early if axes.has_tp else "",
+    )
     tp_dim = None
     if fqn in layout_plan.sharded_params and axes.has_tp:
         role, tp_dim = SHARDED, layout_plan.sharded_params[fqn]
-        if expert is not None:
-            note = _expert_note(expert, layout_plan.roles[fqn], tp_dim)
-        else:
-            note = f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp"
+        about = (_expert_note(expert, layout_plan.roles[fqn], tp_dim) if expert is not None
+                 else f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp")
+        why = Why(about=about)
     placements = param_placements(role, shape, axes, dp_placement, tp_dim)
     sections = ()
     if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
         sections = layout_plan.fused.get(explained_by, ())  # a linear's weight and bias share them
     padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
-    if padding:
-        note = (note + "; " if note else "") + padding
     return ParamSharding(role=role, shape=shape, transposed=transposed, placements=placements,
-                         unit=_unit_of(fqn, captured.block_fqns), collectives=collectives, note=note,
-                         sections=sections)
+                         unit=_unit_of(fqn, captured.block_fqns), collectives=collectives,
+                         note=why.note(axes.tp if axes.has_tp else None, padding), sections=sections, why=why)
 
 
 def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:

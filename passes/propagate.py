@@ -72,7 +72,7 @@ from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm, expand_gqa_for_tp
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
-from autoshard.sharding import Role
+from autoshard.sharding import Indivisible, Role
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
 # A weight tied between the input embedding and the LM head, stored [vocab, dim]
@@ -144,7 +144,8 @@ class LayoutPlan:
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]]
     new_args: dict[fx.Node, tuple]
     tp: int
-    notes: dict[str, str] = dataclasses.field(default_factory=dict)  # weight FQN -> why replicated
+    # weight FQN -> why replicated over tp: a dim that does not divide, or why computed whole
+    notes: dict[str, Indivisible | str] = dataclasses.field(default_factory=dict)
     fused: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
     # colwise outputs gathered right after the matmul -> where their region would have ended
     gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
@@ -268,7 +269,7 @@ class Propagation:
         self.layouts: dict[fx.Node, object] = {}
         self.edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
         self.new_args: dict[fx.Node, tuple] = {}
-        self.notes: dict[str, str] = {}
+        self.notes: dict[str, Indivisible | str] = {}
         self.fused: dict[str, tuple[int, ...]] = {}
         self.sharded_params: dict[str, int] = {}
         self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
@@ -357,12 +358,14 @@ class Propagation:
 
     def divisible_role(self, site, role: str) -> str:
         """``role``, or replicate (noted) when a dim does not divide by tp and the plan is ours."""
-        reason = _indivisible(site, role, self.tp)
-        if reason is None:
+        indivisible = _indivisible(site, role, self.tp)
+        if indivisible is None:
             return role
         if self.fixed_roles is not None or self.options.on_indivisible == "error":
-            raise ValueError(f"autoshard: {reason}")
-        self.notes[site.weight_fqn] = f"replicated over tp: its {reason.split(' and its ')[1].split(';')[0]}"
+            shape = list(site.weight_node.meta["val"].shape) if "val" in site.weight_node.meta else "?"
+            raise ValueError(f"autoshard: parameter '{site.weight_fqn}' (shape {shape}) is {role} and "
+                             f"{indivisible.reason()}; at {describe(site.node)}")
+        self.notes[site.weight_fqn] = indivisible
         return REPLICATE
 
     def _linear(self, site: LinearSite) -> None:
@@ -375,7 +378,7 @@ class Propagation:
         if site.weight_fqn in self.revised.replicated and self.fixed_roles is None:
             role = REPLICATE
             self.notes[site.weight_fqn] = (
-                f"replicated over tp: its {site.out_features} outputs (fewer than its {site.in_features} "
+                f"its {site.out_features} outputs (fewer than its {site.in_features} "
                 f"inputs) feed no rowwise linear (its sharded region ends at "
                 f"{self.revised.replicated[site.weight_fqn]}); computed whole, it needs no collective"
             )
@@ -860,7 +863,7 @@ def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool)
     return ROWWISE if input_layout == _ndim(site.input) - 1 else COLWISE
 
 
-def _indivisible(site, role: str, tp: int) -> str | None:
+def _indivisible(site, role: str, tp: int) -> Indivisible | None:
     """Why ``site`` cannot take ``role`` on ``tp`` ranks (a dim that does not divide), or None."""
     if role == REPLICATE or tp == 1:
         return None
@@ -872,13 +875,7 @@ def _indivisible(site, role: str, tp: int) -> str | None:
         size, what = site.out_features, "output features"
     else:
         size, what = site.in_features, "input features"
-    if size % tp == 0:
-        return None
-    shape = list(site.weight_node.meta["val"].shape) if "val" in site.weight_node.meta else "?"
-    return (
-        f"parameter '{site.weight_fqn}' (shape {shape}) is {role} and its {what} ({size}) "
-        f"do not divide by the tp axis size {tp}; at {describe(site.node)}"
-    )
+    return None if size % tp == 0 else Indivisible(what, size, tp)
 
 
 def _check_roles_cover_sites(fixed_roles, sites: Sites) -> None:

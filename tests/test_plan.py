@@ -445,3 +445,35 @@ def test_the_plan_prints_each_units_predicted_tp_traffic():
     assert traffic["layers.0"][0] == traffic["layers.1"][0] == 4
     assert "predicted tp traffic per training step" in str(plan)
     assert tp_traffic_by_unit(autoshard.plan(Llama(LlamaConfig()), {"dp": 4}, example_inputs=(TOKENS,))) is None
+
+
+class _SixWide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 6, bias=False)
+        self.down = nn.Linear(6, 16, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+def test_why_a_weight_is_replicated_is_data_rendered_per_mesh():
+    """The plan keeps the decision (6 output features do not divide by tp=4) as data in its JSON;
+    retargeting renders the note for each mesh from that data, never from the note's text."""
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    plan = autoshard.plan(_SixWide(), {"dp": 2, "tp": 4}, example_inputs=(x,))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["params"]["up.weight"]["why"] == {"indivisible": {"what": "output features", "size": 6, "tp": 4}}
+    assert plan.params["up.weight"].note == (
+        "replicated over tp: its output features (6) do not divide by the tp axis size 4")
+    saved = Plan.from_dict(data)
+    assert saved == plan
+    assert saved.for_mesh({"dp": 1, "tp": 8}).params["up.weight"].note == (
+        "replicated over tp: its output features (6) do not divide by the tp axis size 8")
+    assert saved.for_mesh({"tp": 2}).params["up.weight"].note == (
+        "replicated over tp as planned for tp=4: its output features (6) do not divide by 4 "
+        "(they do by 2: plan afresh to shard it)")
+    assert saved.for_mesh({"dp": 2}).params["up.weight"].note == ""
+    # a plan saved before decisions were kept as data keeps its note's text
+    del data["params"]["up.weight"]["why"]
+    assert Plan.from_dict(data).params["up.weight"].why.about == plan.params["up.weight"].note
