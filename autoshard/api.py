@@ -34,6 +34,7 @@ from autoshard.passes.verify import verify
 from autoshard.plan import Plan, mixed_precision_of
 from autoshard.proof import Proof, Subject, copy_graph_module, prove, vocabularies
 from autoshard.retarget import retarget
+from autoshard.sharding import REPLICATED, Role, shard_on
 
 # The largest model (parameter elements) ``autoshard(check="auto")`` proves. The proof runs every
 # tp rank's forward and backward on the example shapes in this process, which costs about one
@@ -339,7 +340,7 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
         # an expert weight's role is planned again from its layout unless the plan replicated it
         experts = {s.weight_fqn for s in sites.experts}
-        roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == "replicate"}
+        roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == Role.REPLICATE}
         dp_placements = {fqn: dp_choice(p.placements) for fqn, p in given.params.items() if dp_choice(p.placements)}
     with in_stage("propagate", captured.gm.graph):
         layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
@@ -436,7 +437,7 @@ def _check_plan_params(given: Plan, param_shapes) -> None:
                 f"{list(param_shapes[fqn])}"
             )
         dp = dp_choice(entry.placements)
-        allowed = ("S(1)", "R") if entry.role == "vocab_parallel" else ("S(0)", "R")
+        allowed = (shard_on(1 if entry.role == Role.VOCAB_PARALLEL else 0), REPLICATED)
         if dp not in (None, *allowed):
             raise ValueError(
                 f"autoshard: plan gives '{fqn}' ({entry.role}) dp placement {dp!r}; expected "

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from autoshard.mesh import MeshAxes, dp_choice
-from autoshard.sharding import tp_local_shape
+from autoshard.sharding import placement_dim, shard_on, tp_local_shape
 
 ON_UNALIGNED = ("unquantized", "error")
 
@@ -184,8 +184,9 @@ def tile_quant(fqn: str, entry, axes: MeshAxes, spec: BlockQuant) -> TileQuant |
     choice = dp_choice(entry.placements)
     if choice is None or axes.dp == 1:
         return TileQuant(tuple(tile), reason="not all-gathered (no FSDP sharding)")
-    if choice != "S(0)":
-        why = "replicated over dp: not all-gathered" if choice == "R" else f"FSDP shards stored dim {choice[2:-1]}"
+    if choice != shard_on(0):
+        dim = placement_dim(choice)
+        why = "replicated over dp: not all-gathered" if dim is None else f"FSDP shards stored dim {dim}"
         return TileQuant(tuple(tile), reason=why)
     if stored[0] % axes.dp:
         tile[0] = -(-stored[0] // axes.dp)

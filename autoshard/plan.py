@@ -44,7 +44,7 @@ from autoshard.export import to_hf_tp_plan, to_parallelize_plan
 from autoshard.mesh import axes_from_sizes, dp_choice
 from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
-from autoshard.sharding import Collective, Role, Why, dp_padding
+from autoshard.sharding import Collective, Role, Why, dp_padding, placement_dim
 
 # 2: collectives are records (kind, direction, subject, cause, sharing); 1 (still loaded): prose
 PLAN_VERSION = 2
@@ -79,8 +79,7 @@ class ParamSharding:
 
     def sharded_dim(self, axis: str) -> int | None:
         """The stored dim ``axis`` cuts, or None when replicated over it."""
-        text = self.placements.get(axis, "R")
-        return None if text == "R" else placement(text).dim
+        return placement_dim(self.placements.get(axis))
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -356,17 +355,6 @@ class Plan:
         broken = [u for u in blocks if any(b[0] == u for b in self.breaks)]
         where = "; ".join(f"{u}: {w}" for u, w in self.breaks if u in broken)
         return f"tp breaks: {len(broken)} of {len(blocks)} blocks" + (f" ({where})" if where else "")
-
-
-def placement(text: str):
-    """DTensor placement of a plan string: ``"R"`` or ``"S(d)"``."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if text == "R":
-        return Replicate()
-    if text.startswith("S(") and text.endswith(")"):
-        return Shard(int(text[2:-1]))
-    raise ValueError(f"autoshard: unknown placement {text!r}; expected 'R' or 'S(d)'")
 
 
 def section_order(sections: tuple[int, ...], tp: int):

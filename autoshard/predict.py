@@ -40,8 +40,10 @@ from autoshard.sharding import (
     GATHER_SCATTER,
     NO_COLLECTIVE,
     REDUCE_SCATTER,
+    REPLICATED,
     TAKE_SHARD,
     rank_shape,
+    sharded_by_fsdp,
 )
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -149,7 +151,7 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
     spec = plan.quant_spec()
     sharded_by_unit = defaultdict(list)
     for entry in plan.params.values():
-        if dp_choice(entry.placements) not in (None, "R"):
+        if sharded_by_fsdp(entry.placements):
             sharded_by_unit[entry.unit].append(entry)
     for unit in plan.units:
         gathered = reduced = 0.0
@@ -169,7 +171,7 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
         if axes.is_hsdp:
             tally.add(DP_REPLICATE, "all_reduce", reduced, axes.replicas)
     for entry in plan.params.values():
-        if dp_choice(entry.placements) == "R":
+        if dp_choice(entry.placements) == REPLICATED:
             numel = math.prod(rank_shape(entry, axes))
             for axis in reversed(axes.dp_axes):
                 tally.add(axis, "all_reduce", numel * master.itemsize, axes.size(axis))

@@ -42,6 +42,7 @@ from autoshard.errors import describe
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
 from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator
 from autoshard.plan import Plan, section_order
+from autoshard.sharding import REPLICATED, shard_on
 
 _ATEN = torch.ops.aten
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -566,7 +567,7 @@ def _reads_of_worst(subject: Subject, errors: list[tuple[str, float]], tolerance
 
 def _layout_text(layout) -> str:
     if layout is None:
-        return "R"
+        return REPLICATED
     if isinstance(layout, int):
-        return f"S({layout})"
+        return shard_on(layout)
     return str(layout)

@@ -138,15 +138,60 @@ class Why:
         )
 
 
+# --- placements as a plan spells them -----------------------------------------------------
+# A plan stores DTensor placements per mesh axis as text (its JSON and table show the same):
+# "R" for Replicate(), "S(d)" for Shard(d). Only this module reads or writes that spelling.
+
+REPLICATED = "R"
+
+
+def shard_on(dim: int) -> str:
+    """The plan's spelling of ``Shard(dim)``."""
+    return f"S({dim})"
+
+
+def placement_dim(text: str | None) -> int | None:
+    """The dim a plan placement cuts (``"S(d)"``), or None for ``"R"`` or no placement."""
+    if text is None or text == REPLICATED:
+        return None
+    if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
+        return int(text[2:-1])
+    raise ValueError(f"autoshard: unknown placement {text!r}; expected 'R' or 'S(d)'")
+
+
+def to_dtensor_placement(text: str):
+    """DTensor's placement for a plan placement."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dim = placement_dim(text)
+    return Replicate() if dim is None else Shard(dim)
+
+
+def placement_text(placement) -> str:
+    """A DTensor placement as a plan spells it (anything else, never planned, by its repr)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if type(placement) is Shard:
+        return shard_on(placement.dim)
+    if type(placement) is Replicate:
+        return REPLICATED
+    return repr(placement)
+
+
+def sharded_by_fsdp(placements) -> bool:
+    """Whether a plan entry's parameter is cut on the FSDP shard axis (not replicated over dp)."""
+    return placement_dim(dp_choice(placements)) is not None
+
+
 def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:
     """FSDP shards dim 0, except a colwise bias (already cut by tp) and scalars stay
     replicated, a vocabulary-parallel table gives dim 0 to tp and dim 1 to FSDP, and a
     ``sharded`` parameter whose dim 0 tp cuts gives FSDP dim 1."""
     if role == Role.VOCAB_PARALLEL:
-        return "S(1)"
+        return shard_on(1)
     if role == Role.SHARDED:
-        return "R" if len(shape) <= 1 else "S(1)" if tp_dim == 0 else "S(0)"
-    return "R" if role == Role.COLWISE_BIAS or not shape else "S(0)"
+        return REPLICATED if len(shape) <= 1 else shard_on(1) if tp_dim == 0 else shard_on(0)
+    return REPLICATED if role == Role.COLWISE_BIAS or not shape else shard_on(0)
 
 
 def param_placements(
@@ -158,19 +203,18 @@ def param_placements(
     if role != Role.SHARDED:
         tp_dim = TP_DIM_BY_ROLE[Role(role)]
     if axes.is_hsdp:
-        placements[DP_REPLICATE] = "R"  # HSDP replicates every shard; only the shard axis is a choice
+        placements[DP_REPLICATE] = REPLICATED  # HSDP replicates every shard; only the shard axis is a choice
     if axes.has_dp:
         placements[axes.shard_axis] = dp_placement or default_dp_placement(role, shape, tp_dim)
     if axes.has_tp:
-        placements[TP] = "R" if tp_dim is None else f"S({tp_dim})"
+        placements[TP] = REPLICATED if tp_dim is None else shard_on(tp_dim)
     return placements
 
 
 def tp_dim_of(entry) -> int | None:
     """The stored dim tp cuts for a plan entry (anything with ``role`` and ``placements``)."""
     if entry.role == Role.SHARDED:
-        text = entry.placements.get(TP, "R")
-        return None if text == "R" else int(text[2:-1])
+        return placement_dim(entry.placements.get(TP))
     return TP_DIM_BY_ROLE[Role(entry.role)]
 
 
@@ -196,9 +240,9 @@ def rank_shape(entry, axes: MeshAxes) -> list[int]:
 
 def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
     """Say so when FSDP2 must pad: the dp-sharded stored dim does not divide by dp."""
-    if dp_placement is None or dp_placement == "R" or dp <= 1:
+    dim = placement_dim(dp_placement)
+    if dim is None or dp <= 1:
         return ""
-    dim = int(dp_placement[2:-1])
     stored = tuple(reversed(shape)) if transposed else tuple(shape)
     if len(stored) <= dim or stored[dim] % dp == 0:
         return ""

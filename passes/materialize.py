@@ -41,8 +41,9 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from autoshard.mesh import TP, MeshAxes, dp_choice
 from autoshard.passes.capture import parameters_on_meta
 from autoshard.passes.partition import Partitioned
-from autoshard.plan import Plan, placement, section_order
+from autoshard.plan import Plan, section_order
 from autoshard.quantized_gather import wrap_for_quantized_gather
+from autoshard.sharding import sharded_by_fsdp, to_dtensor_placement
 from autoshard.state_dict import install_state_dict_hooks
 
 
@@ -68,7 +69,7 @@ def materialize(
     _wrap_quantized_gathers(root, plan)
     _tie(root, aliases)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
-    replicated_dp = {fqn for fqn, e in plan.params.items() if dp_choice(e.placements) == "R"}
+    replicated_dp = {fqn for fqn, e in plan.params.items() if not sharded_by_fsdp(e.placements)}
     cast_to = mp_policy.param_dtype if mp_policy is not None and axes.has_dp else None
     for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
         _name_param_reads(gm, prefix, transposed)
@@ -121,8 +122,8 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         if sync:
             _broadcast_from_first_rank(stored, axes)
     if axes.has_tp:
-        tp = placement(entry.placements[TP])
-        if axes.has_dp and dp_choice(entry.placements) == "R":
+        tp = to_dtensor_placement(entry.placements[TP])
+        if axes.has_dp and not sharded_by_fsdp(entry.placements):
             dp_replicated = [Replicate()] * len(axes.dp_axes)
             stored = distribute_tensor(stored, axes.mesh, [*dp_replicated, tp], src_data_rank=None)
         else:
@@ -290,9 +291,9 @@ def _apply_fsdp(
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
     dp_dim = {
-        params[fqn]: placement(dp_choice(entry.placements))
+        params[fqn]: to_dtensor_placement(dp_choice(entry.placements))
         for fqn, entry in plan.params.items()
-        if dp_choice(entry.placements) not in (None, "R")
+        if sharded_by_fsdp(entry.placements)
     }
 
     def shard_dim(param):  # S(1) where tp already cuts dim 0 (a tied vocabulary table)

@@ -10,10 +10,11 @@ with the parameter's FQN rather than surfacing later as wrong numerics.
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from autoshard.mesh import MeshAxes
 from autoshard.plan import Plan
+from autoshard.sharding import REPLICATED, placement_text
 
 
 def verify(sharded: fx.GraphModule, plan: Plan, axes: MeshAxes) -> None:
@@ -34,16 +35,8 @@ def verify(sharded: fx.GraphModule, plan: Plan, axes: MeshAxes) -> None:
 
 def _placements_by_axis(param, axes: MeshAxes) -> dict[str, str]:
     """``{"dp": "S(0)", "tp": "S(1)"}``; an axis the tensor is not on counts as replicated."""
-    got = {axis: "R" for axis in axes.names}
+    got = {axis: REPLICATED for axis in axes.names}
     if isinstance(param, DTensor):
         for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements, strict=True):
-            got[axis] = _short(placement)
+            got[axis] = placement_text(placement)
     return got
-
-
-def _short(placement) -> str:
-    if type(placement) is Shard:
-        return f"S({placement.dim})"
-    if type(placement) is Replicate:
-        return "R"
-    return repr(placement)  # _StridedShard, Partial: never planned
