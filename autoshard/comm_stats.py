@@ -28,35 +28,36 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard.collectives  # noqa: F401  (defines torch.ops.autoshard.*)
+from autoshard.sharding import Wire
 
 _funcol = torch.ops._c10d_functional
 _c10d = torch.ops.c10d
 
 # op overload packet -> (kind, index of the process-group/name argument)
 _AUTOSHARD = {
-    torch.ops.autoshard.reduce_partial: ("all_reduce", 1),
-    torch.ops.autoshard.gather_shards: ("all_gather", 2),
-    torch.ops.autoshard.reduce_scatter_partial: ("reduce_scatter", 2),
-    torch.ops.autoshard.gather_for_colwise: ("all_gather", 2),
+    torch.ops.autoshard.reduce_partial: (Wire.ALL_REDUCE, 1),
+    torch.ops.autoshard.gather_shards: (Wire.ALL_GATHER, 2),
+    torch.ops.autoshard.reduce_scatter_partial: (Wire.REDUCE_SCATTER, 2),
+    torch.ops.autoshard.gather_for_colwise: (Wire.ALL_GATHER, 2),
 }
 _FUNCTIONAL = {
-    _funcol.all_reduce: ("all_reduce", 2),
-    _funcol.all_gather_into_tensor: ("all_gather", 2),
-    _funcol.reduce_scatter_tensor: ("reduce_scatter", 3),
-    _funcol.all_to_all_single: ("all_to_all", 3),
+    _funcol.all_reduce: (Wire.ALL_REDUCE, 2),
+    _funcol.all_gather_into_tensor: (Wire.ALL_GATHER, 2),
+    _funcol.reduce_scatter_tensor: (Wire.REDUCE_SCATTER, 3),
+    _funcol.all_to_all_single: (Wire.ALL_TO_ALL, 3),
     # the in-place and out= forms inductor lowers them to
-    _funcol.all_reduce_: ("all_reduce", 2),
-    _funcol.all_gather_into_tensor_out: ("all_gather", 2),
-    _funcol.reduce_scatter_tensor_out: ("reduce_scatter", 3),
+    _funcol.all_reduce_: (Wire.ALL_REDUCE, 2),
+    _funcol.all_gather_into_tensor_out: (Wire.ALL_GATHER, 2),
+    _funcol.reduce_scatter_tensor_out: (Wire.REDUCE_SCATTER, 3),
 }
 _C10D = {
-    _c10d.allreduce_: ("all_reduce", 1),
-    _c10d._allgather_base_: ("all_gather", 2),
-    _c10d.allgather_: ("all_gather", 2),
-    _c10d._reduce_scatter_base_: ("reduce_scatter", 2),
-    _c10d.reduce_scatter_: ("reduce_scatter", 2),
+    _c10d.allreduce_: (Wire.ALL_REDUCE, 1),
+    _c10d._allgather_base_: (Wire.ALL_GATHER, 2),
+    _c10d.allgather_: (Wire.ALL_GATHER, 2),
+    _c10d._reduce_scatter_base_: (Wire.REDUCE_SCATTER, 2),
+    _c10d.reduce_scatter_: (Wire.REDUCE_SCATTER, 2),
     _c10d.broadcast_: ("broadcast", 1),
-    _c10d.alltoall_base_: ("all_to_all", 2),
+    _c10d.alltoall_base_: (Wire.ALL_TO_ALL, 2),
 }
 
 
@@ -89,7 +90,7 @@ def _wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
     if group_size <= 1:
         return 0.0
     share = (group_size - 1) / group_size
-    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
+    return 2 * share * nbytes if kind == Wire.ALL_REDUCE else share * nbytes
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -142,16 +143,16 @@ class CollectiveCounter(TorchDispatchMode):
             kind, group_index = _AUTOSHARD[packet]
             # a sum taken in the op's reduce_dtype (mixed precision) travels in that dtype
             reduce_dtype = args[group_index + 1] if len(args) > group_index + 1 else kwargs.get("reduce_dtype")
-            payload = out if kind == "all_gather" else args[0]
-            self._record(kind, args[group_index], payload, reduce_dtype if kind != "all_gather" else None)
+            payload = out if kind == Wire.ALL_GATHER else args[0]
+            self._record(kind, args[group_index], payload, reduce_dtype if kind != Wire.ALL_GATHER else None)
         elif packet in _FUNCTIONAL:
             kind, group_index = _FUNCTIONAL[packet]
-            payload = out if kind == "all_gather" else args[0]
+            payload = out if kind == Wire.ALL_GATHER else args[0]
             self._record(kind, args[group_index], payload)
         elif packet in _C10D:
             kind, group_index = _C10D[packet]
             payload = args[0]  # output tensor(s) for gathers, input for the rest
-            if kind == "reduce_scatter":
+            if kind == Wire.REDUCE_SCATTER:
                 payload = args[1]
             self._record(kind, args[group_index], payload)
         return out

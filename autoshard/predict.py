@@ -34,26 +34,16 @@ from collections import defaultdict
 import torch
 
 from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, axes_from_sizes, dp_choice
-from autoshard.sharding import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    GATHER_SCATTER,
-    NO_COLLECTIVE,
-    REDUCE_SCATTER,
-    REPLICATED,
-    TAKE_SHARD,
-    rank_shape,
-    sharded_by_fsdp,
-)
+from autoshard.sharding import REPLICATED, WIRE_KINDS, Wire, rank_shape, sharded_by_fsdp
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = (Wire.ALL_REDUCE, Wire.ALL_GATHER, Wire.REDUCE_SCATTER, Wire.ALL_TO_ALL)
 
 
 def _ring(kind: str, nbytes: float, ranks: int) -> float:
     if ranks <= 1:
         return 0.0
     share = (ranks - 1) / ranks
-    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
+    return 2 * share * nbytes if kind == Wire.ALL_REDUCE else share * nbytes
 
 
 class Tally:
@@ -132,15 +122,8 @@ def _tp_sends(plan, reduce_dtype) -> dict[str, list[tuple[str, int]]]:
             )
         moved = getattr(torch, record.dtype)  # captured in param_dtype under mixed precision
         summed = reduce_dtype if reduce_dtype is not None and moved.is_floating_point else moved
-        kinds = {
-            ALL_REDUCE: [("all_reduce", summed)],
-            ALL_GATHER: [("all_gather", moved)],
-            REDUCE_SCATTER: [("reduce_scatter", summed), ("all_gather", moved)],  # its backward gathers
-            GATHER_SCATTER: [("all_gather", moved), ("reduce_scatter", summed)],
-            TAKE_SHARD: [("all_gather", moved)],
-            NO_COLLECTIVE: [],
-        }[record.kind]
-        sends[unit] += [(kind, record.numel * dtype.itemsize) for kind, dtype in kinds]
+        sends[unit] += [(kind, record.numel * (summed if sums else moved).itemsize)
+                        for kind, sums in WIRE_KINDS[record.kind]]
     return sends
 
 
@@ -166,12 +149,12 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
         if not reduced:
             continue  # nothing FSDP-managed in this unit
         gathers = 2 if unit and reshard else 1  # the root keeps its parameters until backward
-        tally.add(shard_axis, "all_gather", shards * gathered, shards, gathers)
-        tally.add(shard_axis, "reduce_scatter", shards * reduced, shards)
+        tally.add(shard_axis, Wire.ALL_GATHER, shards * gathered, shards, gathers)
+        tally.add(shard_axis, Wire.REDUCE_SCATTER, shards * reduced, shards)
         if axes.is_hsdp:
-            tally.add(DP_REPLICATE, "all_reduce", reduced, axes.replicas)
+            tally.add(DP_REPLICATE, Wire.ALL_REDUCE, reduced, axes.replicas)
     for entry in plan.params.values():
         if dp_choice(entry.placements) == REPLICATED:
             numel = math.prod(rank_shape(entry, axes))
             for axis in reversed(axes.dp_axes):
-                tally.add(axis, "all_reduce", numel * master.itemsize, axes.size(axis))
+                tally.add(axis, Wire.ALL_REDUCE, numel * master.itemsize, axes.size(axis))

@@ -256,6 +256,68 @@ GATHER_SCATTER = "all-gather+reduce-scatter"  # sequence parallel: all-gather fo
 TAKE_SHARD = "take-shard"  # a local cut forward, an all-gather of the gradient backward
 NO_COLLECTIVE = "none"  # a sharded output left sharded (loss parallel)
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, GATHER_SCATTER, TAKE_SHARD, NO_COLLECTIVE)
+class Wire(str, enum.Enum):
+    """A collective as it runs on the wire, named as torch names it: what
+    :class:`~autoshard.comm_stats.CollectiveCounter` counts and ``predicted_comm`` predicts."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# What each plan kind puts on the wire in one training step, as torch names the collectives
+# (``CollectiveCounter`` and ``predicted_comm`` count these): ``(wire kind, sums)``, ``sums``
+# when it adds partial values (it travels in the policy's reduce dtype).
+WIRE_KINDS: dict[str, tuple[tuple[Wire, bool], ...]] = {
+    ALL_REDUCE: ((Wire.ALL_REDUCE, True),),
+    ALL_GATHER: ((Wire.ALL_GATHER, False),),
+    REDUCE_SCATTER: ((Wire.REDUCE_SCATTER, True), (Wire.ALL_GATHER, False)),  # its backward gathers
+    GATHER_SCATTER: ((Wire.ALL_GATHER, False), (Wire.REDUCE_SCATTER, True)),
+    TAKE_SHARD: ((Wire.ALL_GATHER, False),),  # the gradient's all-gather in backward
+    NO_COLLECTIVE: (),
+}
+
+
+class Step(enum.Enum):
+    """One redistribution propagation puts on a use of a value. Each step knows the op the
+    layouts pass emits for it (in :mod:`autoshard.collectives`), the kind of collective the plan
+    records for it (and through :data:`WIRE_KINDS` what it puts on the wire), and the suffix
+    of the emitted node's name."""
+
+    ENTER_TP = ("enter_tp", "ENTER_TP", ALL_REDUCE, "enter_tp")  # identity; its gradient all-reduced
+    GATHER = ("gather", "GATHER_SHARDS", ALL_GATHER, "gathered")
+    TAKE_SHARD = ("take_shard", "TAKE_SHARD", TAKE_SHARD, "shard")  # a local cut; its gradient gathered
+    REDUCE = ("reduce", "REDUCE_PARTIAL", ALL_REDUCE, "reduced")  # a partial sum all-reduced
+    SHARDED_OUTPUT = ("sharded_output", "as_sharded_dtensor", NO_COLLECTIVE, "dtensor")  # loss parallel
+    # sequence parallel: all-gathered over the sequence forward, its gradient reduce-scattered
+    GATHER_FOR_COLWISE = ("gather_for_colwise", "GATHER_FOR_COLWISE", GATHER_SCATTER, "gathered")
+
+    def __init__(self, label: str, op_name: str, plan_kind: str, node_suffix: str):
+        self.label, self.op_name, self.plan_kind, self.node_suffix = label, op_name, plan_kind, node_suffix
+
+    @property
+    def op(self):
+        from autoshard import collectives
+
+        return getattr(collectives, self.op_name)
+
+    @property
+    def sums_partials(self) -> bool:
+        """Whether the op adds partial values, forward or backward (taken in the reduce dtype)."""
+        return any(sums for _, sums in WIRE_KINDS[self.plan_kind])
+
+    def __repr__(self) -> str:
+        return f"Step.{self.name}"
 _PAST = {ALL_REDUCE: "all-reduced", ALL_GATHER: "all-gathered", REDUCE_SCATTER: "reduce-scattered"}
 
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, TP, axes_from_sizes
 from autoshard.options import PlanOptions
-from autoshard.sharding import rank_shape, tp_local_shape
+from autoshard.sharding import Wire, rank_shape, tp_local_shape
 
 _MATMULS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -189,7 +189,7 @@ def _candidate(sizes, plan, captured, layout_plan, rate, links: Links, memory_li
 
 def _steps(kind: str, ranks: int) -> int:
     """Latency-bound steps of a ring collective on ``ranks`` ranks."""
-    return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+    return 2 * (ranks - 1) if kind == Wire.ALL_REDUCE else ranks - 1
 
 
 def _spans(sizes: dict[str, int]) -> dict[str, int]:
@@ -260,5 +260,5 @@ def _probe_links(small: int = 256, large: int = 1 << 20, repeats: int = 10) -> L
         timings.append((2 * (ranks - 1) / ranks * numel * 4, seconds.item()))
     (b0, t0), (b1, t1) = timings
     per_byte = max((t1 - t0) / (b1 - b0), 1e-15)
-    alpha = max(t0 - b0 * per_byte, 0.0) / _steps("all_reduce", ranks)
+    alpha = max(t0 - b0 * per_byte, 0.0) / _steps(Wire.ALL_REDUCE, ranks)
     return Links(intra_gbps=1.0 / per_byte / 1e9, intra_latency_us=alpha * 1e6)

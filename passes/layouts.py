@@ -19,34 +19,11 @@ import torch.fx as fx
 from autoshard import collectives
 from autoshard.passes.layout_rules import Strided
 from autoshard.passes.propagate import (
-    ENTER_TP,
     GATHER,
-    GATHER_FOR_COLWISE,
-    REDUCE,
-    SHARDED_OUTPUT,
-    TAKE_SHARD,
     LayoutPlan,
 )
 
 aten = torch.ops.aten
-
-_OP = {
-    ENTER_TP: collectives.ENTER_TP,
-    GATHER: collectives.GATHER_SHARDS,
-    TAKE_SHARD: collectives.TAKE_SHARD,
-    SHARDED_OUTPUT: collectives.as_sharded_dtensor,
-    GATHER_FOR_COLWISE: collectives.GATHER_FOR_COLWISE,
-    REDUCE: collectives.REDUCE_PARTIAL,
-}
-_NAME = {
-    ENTER_TP: "enter_tp",
-    GATHER: "gathered",
-    TAKE_SHARD: "shard",
-    SHARDED_OUTPUT: "dtensor",
-    GATHER_FOR_COLWISE: "gathered",
-    REDUCE: "reduced",
-}
-
 
 def insert_redistributes(
     gm: fx.GraphModule, plan: LayoutPlan, group_name: str, reduce_dtype: torch.dtype | None = None
@@ -104,15 +81,15 @@ def _insert_step(
         if isinstance(step.dim, Strided):
             node = _strided_step(graph, value, step, group_name)
         else:
-            args = (value, group_name) if step.kind in (ENTER_TP, REDUCE) else (value, step.dim, group_name)
-            if reduce_dtype is not None and step.kind in (ENTER_TP, REDUCE, GATHER_FOR_COLWISE):
+            args = (value, group_name) if step.dim is None else (value, step.dim, group_name)
+            if reduce_dtype is not None and step.kind.sums_partials:
                 args += (reduce_dtype,)  # a sum of partial values, forward or backward
-            node = graph.call_function(_OP[step.kind], args)
-            if step.kind == REDUCE and step.dim == "avg":  # a mean over the sharded dim: sum of means / tp
+            node = graph.call_function(step.kind.op, args)
+            if step.average:  # a mean over the sharded dim: sum of means / tp
                 node._rename(f"{value.name}_summed")
                 with graph.inserting_after(node):
                     node = graph.call_function(aten.div.Tensor, (node, tp))
-    node._rename(f"{value.name}_{_NAME[step.kind]}")
+    node._rename(f"{value.name}_{step.kind.node_suffix}")
     made = node
     while made is not value:  # the step is a chain on its first argument; all of it runs in origin's unit
         _inherit_meta(made, origin)

@@ -23,34 +23,26 @@ from autoshard.passes.partition import unit_of_node
 from autoshard.passes.propagate import (
     COLWISE,
     COLWISE_LIKE,
-    ENTER_TP,
-    GATHER,
-    GATHER_FOR_COLWISE,
     PARTIALS,
-    REDUCE,
     REPLICATE,
     ROWWISE,
     SEQ_DIM,
-    SHARDED_OUTPUT,
-    TAKE_SHARD,
     VOCAB_PARALLEL,
     LayoutPlan,
 )
 from autoshard.plan import ParamSharding, Plan
 from autoshard.sharding import (
-    ALL_GATHER,
     ALL_REDUCE,
     GATHER_SCATTER,
-    NO_COLLECTIVE,
     REDUCE_SCATTER,
     Collective,
     Indivisible,
     Role,
+    Step,
     Why,
     dp_padding,
     param_placements,
 )
-from autoshard.sharding import TAKE_SHARD as TAKE_SHARD_KIND
 
 SHARDED = Role.SHARDED
 
@@ -101,7 +93,7 @@ def _breaks(lp: LayoutPlan, block_fqns) -> tuple[tuple[str, str], ...]:
         if unit:
             found[(unit, where)] = None
     for (value, consumer), steps in lp.edges.items():
-        if any(step.kind == GATHER for step in steps) and value not in lp.gathered_early:
+        if any(step.kind is Step.GATHER for step in steps) and value not in lp.gathered_early:
             unit = unit_of_node(consumer, block_fqns) if consumer.op != "output" else ""
             if unit:
                 found[(unit, describe(consumer))] = None
@@ -254,7 +246,7 @@ class _Records:
         for group in groups.values():
             names = tuple(s.weight_fqn for s in group)
             steps = self.lp.edges.get((group[0].input, group[0].node), ())
-            if any(step.kind == GATHER_FOR_COLWISE for step in steps):
+            if any(step.kind is Step.GATHER_FOR_COLWISE for step in steps):
                 first = Collective(GATHER_SCATTER, "fwd", "input", over_sequence=True, shared_by=names)
             elif group[0].input not in self.lp.carries_grad:
                 continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
@@ -274,45 +266,45 @@ class _Records:
         for (value, consumer), steps in self.lp.edges.items():
             for step in steps:
                 key = (value, step)
-                if key in seen or (step.kind in (ENTER_TP, GATHER_FOR_COLWISE) and consumer in self.colwise_nodes):
+                own_group = step.kind in (Step.ENTER_TP, Step.GATHER_FOR_COLWISE) and consumer in self.colwise_nodes
+                if key in seen or own_group:
                     continue
                 seen.add(key)
                 self.edge(value, consumer, step)
 
     def edge(self, value: fx.Node, consumer: fx.Node, step) -> None:
         node = consumer if consumer.op != "output" else value
-        if step.kind == ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
+        kind = step.kind.plan_kind
+        if step.kind is Step.ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
             cause = f"sharded {describe(consumer)}"
             if value.op == "get_attr":
-                self.record(value.target, Collective(ALL_REDUCE, "bwd", "grad", cause=cause), node, value)
+                self.record(value.target, Collective(kind, "bwd", "grad", cause=cause), node, value)
             else:
-                self.record(None, Collective(ALL_REDUCE, "bwd", f"grad of '{value.name}'", cause), node, value)
-        elif step.kind == GATHER:
+                self.record(None, Collective(kind, "bwd", f"grad of '{value.name}'", cause), node, value)
+        elif step.kind is Step.GATHER:
             if value in self.origin:
-                collective = Collective(ALL_GATHER, "fwd", "output")
+                collective = Collective(kind, "fwd", "output")
             else:
-                collective = Collective(ALL_GATHER, "fwd", f"'{value.name}'", describe(consumer))
+                collective = Collective(kind, "fwd", f"'{value.name}'", describe(consumer))
             self.record(_region_origin(value, self.lp, self.origin), collective, node, value)
-        elif step.kind == GATHER_FOR_COLWISE:
-            collective = Collective(GATHER_SCATTER, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}",
-                                    over_sequence=True)
+        elif step.kind is Step.GATHER_FOR_COLWISE:
+            collective = Collective(kind, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}", over_sequence=True)
             self.record(None, collective, node, value)
-        elif step.kind == SHARDED_OUTPUT:
-            self.record(_region_origin(value, self.lp, self.origin), Collective(NO_COLLECTIVE, "fwd", "output"), node,
-                        value)
-        elif step.kind == REDUCE:
+        elif step.kind is Step.SHARDED_OUTPUT:
+            self.record(_region_origin(value, self.lp, self.origin), Collective(kind, "fwd", "output"), node, value)
+        elif step.kind is Step.REDUCE:
             weights = tuple(_partial_origins(value, self.lp, self.origin))
             if not weights:
-                collective = Collective(ALL_REDUCE, "fwd", f"partial sum '{value.name}'", describe(consumer))
+                collective = Collective(kind, "fwd", f"partial sum '{value.name}'", describe(consumer))
                 self.record(None, collective, node, value)
             else:
-                _add_shared(self.by_weight, _sized(Collective(ALL_REDUCE, "fwd", "output", shared_by=weights), value))
-        elif step.kind == TAKE_SHARD and value in self.lp.carries_grad:  # forward: no communication
+                _add_shared(self.by_weight, _sized(Collective(kind, "fwd", "output", shared_by=weights), value))
+        elif step.kind is Step.TAKE_SHARD and value in self.lp.carries_grad:  # forward: no communication
             bucket = self.buckets.get(value, (value,))
             if value is not bucket[0]:
                 return  # one all-gather for the bucket, recorded with its first value
             subject = ", ".join(f"'{v.name}'" for v in bucket)
-            take = Collective(TAKE_SHARD_KIND, "bwd", subject, describe(consumer), dim=step.dim)
+            take = Collective(kind, "bwd", subject, describe(consumer), dim=step.dim)
             self.record(None, take, node, value, also=bucket[1:])
 
 

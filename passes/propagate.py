@@ -72,7 +72,8 @@ from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm, expand_gqa_for_tp
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
-from autoshard.sharding import Indivisible, Role
+from autoshard.passes.layout_rules import Strided
+from autoshard.sharding import Indivisible, Role, Step
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
 # A weight tied between the input embedding and the LM head, stored [vocab, dim]
@@ -81,16 +82,14 @@ COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
 VOCAB_PARALLEL = Role.VOCAB_PARALLEL
 COLWISE_LIKE = (COLWISE, VOCAB_PARALLEL)
 
-ENTER_TP, GATHER, TAKE_SHARD = "enter_tp", "gather", "take_shard"
-# a partial sum (a rowwise product, a sum over the sharded dim) all-reduced where a consumer needs its total
-REDUCE = "reduce"
+ENTER_TP, GATHER, TAKE_SHARD, REDUCE = Step.ENTER_TP, Step.GATHER, Step.TAKE_SHARD, Step.REDUCE
 PARTIAL, PARTIAL_AVG, PARTIALS = layout_rules.PARTIAL, layout_rules.PARTIAL_AVG, layout_rules.PARTIALS
 # loss parallel: a model output sharded on its last (vocabulary) dim leaves the graph as a
 # DTensor ``Shard(-1)`` on the tp mesh instead of being gathered
-SHARDED_OUTPUT = "sharded_output"
+SHARDED_OUTPUT = Step.SHARDED_OUTPUT
 # sequence parallel: a sequence-sharded input of colwise linears, all-gathered forward,
 # its partial gradient reduce-scattered backward (one op instead of gather + enter_tp)
-GATHER_FOR_COLWISE = "gather_for_colwise"
+GATHER_FOR_COLWISE = Step.GATHER_FOR_COLWISE
 SEQ_DIM = 1  # [batch, seq, hidden] activations
 
 _aten = torch.ops.aten
@@ -105,10 +104,12 @@ _GRAD_STOPS = (
 
 @dataclasses.dataclass(frozen=True)
 class Redistribute:
-    """What a consumer needs done to a value before reading it."""
+    """What a consumer needs done to a value before reading it: ``kind`` on ``dim`` (the sharded
+    dim gathered or cut; none for a sum); ``average`` for a reduced partial mean."""
 
-    kind: str  # ENTER_TP | GATHER | TAKE_SHARD
-    dim: int | None = None
+    kind: Step
+    dim: int | Strided | None = None
+    average: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,7 +521,7 @@ class Propagation:
         if have == wanted:
             return ()
         if have in PARTIALS:
-            reduce = Redistribute(REDUCE, "avg" if have == PARTIAL_AVG else None)
+            reduce = Redistribute(REDUCE, average=have == PARTIAL_AVG)
             return (reduce,) + (() if wanted is None else (Redistribute(TAKE_SHARD, wanted),))
         if wanted is None:
             return (Redistribute(GATHER, have),)

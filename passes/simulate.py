@@ -36,6 +36,7 @@ from autoshard import collectives
 from autoshard.errors import describe
 from autoshard.mesh import TP
 from autoshard.predict import Tally
+from autoshard.sharding import Wire
 
 aten = torch.ops.aten
 
@@ -118,12 +119,12 @@ def _wire(tensors: list[torch.Tensor], reduce_dtype=None) -> int:
 
 
 def _summed(tally: Tally, xs, reduce_dtype=None, scattered: bool = False):
-    tally.add(TP, "reduce_scatter" if scattered else "all_reduce", _wire(xs[:1], reduce_dtype), len(xs))
+    tally.add(TP, Wire.REDUCE_SCATTER if scattered else Wire.ALL_REDUCE, _wire(xs[:1], reduce_dtype), len(xs))
     return _sum(xs, reduce_dtype)
 
 
 def _gathered(tally: Tally, xs, dim):
-    tally.add(TP, "all_gather", _wire(xs), len(xs))
+    tally.add(TP, Wire.ALL_GATHER, _wire(xs), len(xs))
     return _cat(xs, dim)
 
 
@@ -158,7 +159,7 @@ def _take_shards(tally: Tally, values: list[PerRank], dim, group_name) -> PerRan
         return [_chunks(xs[i * tp + r], tp, dim)[r] for i in range(count) for r in range(tp)]
 
     def backward(grads):
-        tally.add(TP, "all_gather", _wire(grads), tp)  # one all-gather for every value
+        tally.add(TP, Wire.ALL_GATHER, _wire(grads), tp)  # one all-gather for every value
         return [g for i in range(count) for g in _copies(_cat(grads[i * tp:(i + 1) * tp], dim), tp)]
 
     out = _AcrossRanks.apply(forward, backward, *flat)

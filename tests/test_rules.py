@@ -20,8 +20,8 @@ from autoshard.passes import layout_rules
 from autoshard.passes.capture import capture
 from autoshard.passes.discover import Sites
 from autoshard.passes.experts import find_expert_sites
-from autoshard.passes.propagate import GATHER as GATHER_STEP
-from autoshard.passes.propagate import REDUCE, Propagation
+from autoshard.passes.propagate import Propagation
+from autoshard.sharding import Step
 from tests.pattern_models import PATTERNS
 
 GATHER = "gather"
@@ -51,7 +51,7 @@ def _layout_through(fn, shapes, layouts, tp: int = 2):
             continue
         walk.visit(node)
         made_whole = [step for (_, consumer), steps in walk.edges.items() if consumer is node for step in steps
-                      if step.kind in (GATHER_STEP, REDUCE)]
+                      if step.kind in (Step.GATHER, Step.REDUCE)]
         if made_whole:
             return GATHER
     raise AssertionError("no output")
