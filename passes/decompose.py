@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autoshard.passes.partition import made_like
+
 aten = torch.ops.aten
 
 NORMS = (aten.rms_norm.default, aten.layer_norm.default)
@@ -46,7 +48,7 @@ def decompose_norm(graph: fx.Graph, node: fx.Node) -> None:
         metas = [torch.empty(m.shape, dtype=m.dtype, device="meta") if isinstance(m, torch.Tensor) else m
                  for m in metas]
         new.meta["val"] = target(*metas)
-        new.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        made_like(new, node)
         return new
 
     with graph.inserting_before(node):
@@ -97,7 +99,7 @@ def expand_gqa_for_tp(graph: fx.Graph, tp: int) -> list[fx.Node]:
             expanded = []
             for t in (k, v):
                 rep = graph.call_function(aten.repeat_interleave.self_int, (t, heads // kv_heads, -3))
-                rep.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
+                made_like(rep, node)
                 val = t.meta["val"]
                 rep.meta["val"] = val.repeat_interleave(heads // kv_heads, dim=-3)
                 rep._rename(f"{t.name}_per_q_head")

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from autoshard import collectives
 from autoshard.passes.layout_rules import Strided
+from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import (
     GATHER,
     LayoutPlan,
@@ -122,7 +123,7 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _inherit_meta(new: fx.Node, origin: fx.Node) -> None:
-    new.meta.update({k: origin.meta[k] for k in ("nn_module_stack", "stack_trace") if k in origin.meta})
+    made_like(new, origin)
 
 
 def _strided_step(graph: fx.Graph, value: fx.Node, step, group_name: str) -> fx.Node:

@@ -108,17 +108,25 @@ def _fetch(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _owner_block(path: str, block_fqns) -> str | None:
+def owner_block(path: str, block_fqns) -> str | None:
+    """The block of ``block_fqns`` that ``path`` (a module or parameter FQN) is in, or None."""
     for block in block_fqns:
         if path == block or path.startswith(block + "."):
             return block
     return None
 
 
+def made_like(new: fx.Node, origin: fx.Node, also: tuple[str, ...] = ()) -> None:
+    """A node a pass adds for ``origin``'s sake takes its module stack and source line (and the
+    ``also`` meta keys): partitioning puts it in ``origin``'s block, and errors name the user's
+    line. Every pass that adds nodes goes through this."""
+    new.meta.update({k: origin.meta[k] for k in (*also, "nn_module_stack", "stack_trace") if k in origin.meta})
+
+
 def unit_of_node(node: fx.Node, block_fqns) -> str:
     """The FSDP unit (block FQN, ``""`` for the root) whose code computes ``node``."""
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        found = _owner_block(path, block_fqns)
+        found = owner_block(path, block_fqns)
         if found:
             return found
     return ""
@@ -130,12 +138,12 @@ def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:
         if node.op in ("placeholder", "output"):
             unit[node] = ""
         elif node.op == "get_attr":
-            unit[node] = _owner_block(node.target, block_fqns) or ""
+            unit[node] = owner_block(node.target, block_fqns) or ""
         else:
             stack = node.meta.get("nn_module_stack") or {}
             found = ""
             for path, _ in stack.values():
-                found = _owner_block(path, block_fqns) or found
+                found = owner_block(path, block_fqns) or found
                 if found:
                     break
             unit[node] = found

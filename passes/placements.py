@@ -19,7 +19,7 @@ from autoshard.errors import describe, source_line
 from autoshard.mesh import MeshAxes, dp_choice
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
-from autoshard.passes.partition import unit_of_node
+from autoshard.passes.partition import owner_block, unit_of_node
 from autoshard.passes.propagate import (
     COLWISE,
     COLWISE_LIKE,
@@ -166,10 +166,7 @@ def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_
 
 
 def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:
-    for block in blocks:
-        if fqn.startswith(block + "."):
-            return block
-    return ""
+    return owner_block(fqn, blocks) or ""
 
 
 def _collectives_by_weight(

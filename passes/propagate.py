@@ -73,6 +73,7 @@ from autoshard.passes.decompose import NORMS, decompose_norm, expand_gqa_for_tp
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
 from autoshard.passes.layout_rules import Strided
+from autoshard.passes.partition import made_like
 from autoshard.sharding import Indivisible, Role, Step
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
@@ -626,7 +627,7 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
 
 def _add(graph: fx.Graph, a: fx.Node, b: fx.Node, like: fx.Node) -> fx.Node:
     new = graph.call_function(torch.ops.aten.add.Tensor, (a, b))
-    new.meta.update({k: like.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in like.meta})
+    made_like(new, like, also=("val",))
     return new
 
 

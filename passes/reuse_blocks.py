@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autoshard.passes.partition import owner_block
+
 _HOOK_DICTS = re.compile(r"^_(forward|backward|state_dict|load_state_dict)\w*(hooks|hooks_\w+)$")
 
 
@@ -124,8 +126,7 @@ def _unit(node: fx.Node, stack: Stack) -> int | None:
     else:
         paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
     for k in (0, 1):
-        block = stack.block(k)
-        if any(p == block or p.startswith(block + ".") for p in paths):
+        if any(owner_block(p, (stack.block(k),)) for p in paths):
             return k
     return None
 

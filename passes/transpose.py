@@ -26,6 +26,7 @@ import torch.fx as fx
 from autoshard import collectives
 from autoshard.errors import describe
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL
 
 aten = torch.ops.aten
@@ -154,4 +155,4 @@ def _current_input(site: LinearSite) -> fx.Node:
 
 def _inherit(new: fx.Node, old: fx.Node, name: str) -> None:
     new._rename(name)
-    new.meta.update({k: old.meta[k] for k in ("nn_module_stack", "stack_trace") if k in old.meta})
+    made_like(new, old)
