@@ -1,6 +1,10 @@
 """``autoshard()`` and ``plan()``: the only place the pipeline runs.
 
-capture -> discover -> propagate -> (plan) -> layouts -> transpose -> partition -> materialize -> verify
+capture -> discover -> propagate -> placements (the plan) -> [ranks agree] -> layouts -> transpose
+-> partition -> [proof] -> materialize -> activation checkpointing -> verify
+
+``_plan`` runs the stages up to the plan, ``_emit`` those that write the sharded code, and
+``autoshard()`` the rest; :func:`checked_on` plans, emits and proves without a process group.
 """
 
 from __future__ import annotations
@@ -175,58 +179,72 @@ def autoshard(
 ) -> fx.GraphModule:
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
-    ``example_inputs``/``example_kwargs`` are one rank's dp-local batch. The
-    result, called on a rank's local batch, returns what ``model`` returns
-    for it, as full (tp-replicated) tensors; its ``parameters()`` are the
-    sharded DTensors any ``torch.optim`` optimizer trains, with gradients
-    averaged over dp. ``plan`` (a :class:`Plan` or its dict) replaces
-    planning; the plan applied is ``result.autoshard_plan``.
-    ``sync_module_states`` broadcasts rank 0's weights first, so ranks that
-    initialized differently still agree. The user's model is never modified.
-    A model built on the meta device is sharded from shapes: each rank's local
-    shards are allocated uninitialized, for ``result.load_state_dict`` to fill;
-    non-persistent buffers the forward reads must hold values beforehand.
-    The graph is captured for the shapes of ``example_inputs``; a call with
-    other shapes raises a ``ValueError`` naming the input.
-    ``on_indivisible``: a weight whose sharded dim does not divide by tp (a
-    vocabulary of 50257 on tp=2) is replicated over tp and the plan says why
-    (``"replicate"``), or raises a ``ValueError`` naming it (``"error"``).
-    ``loss_parallel``: outputs sharded over their last dim (LM-head logits)
-    are returned as DTensors ``Shard(-1)`` on the tp mesh, never gathered;
-    compute the loss under ``torch.distributed.tensor.parallel.loss_parallel()``.
-    ``dynamic_shapes`` (``torch.export``'s spec, e.g. ``({0: Dim("batch"),
-    1: Dim("seq")},)``) captures those dims symbolic: one plan and one graph
-    for every batch and sequence length.
-    ``sequence_parallel``: norms, dropout and residual adds run sharded over
-    the sequence; each rowwise all-reduce becomes a reduce-scatter and each
-    colwise group's input an all-gather (reduce-scatter in backward).
-    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``, applied by every FSDP unit
-    (master parameters and optimizer state stay fp32; parameters are
-    all-gathered and computed in ``param_dtype``, gradients reduce-scattered in
-    ``reduce_dtype``). autoshard's tp collectives follow it: activations travel
-    in ``param_dtype`` and every sum of partial values (rowwise outputs, grouped
-    input gradients, sequence-parallel reduce-scatters) is taken in
-    ``reduce_dtype``. Needs a dp axis, since FSDP2 applies the casts.
-    ``all_gather_quant``: an :class:`autoshard.BlockQuant`; each rank quantizes its
-    tile of every 2-D weight block by block right before FSDP's all-gather, which
-    then carries 1-byte values and one fp32 scale per block; the gathered weight is
-    dequantized to the compute dtype before the matmul. Master weights,
-    gradients and optimizer state are untouched. A weight whose tile does not
-    divide by the block is gathered unquantized (the plan says why) unless
-    ``BlockQuant(on_unaligned="error")``. On a mesh without dp nothing is gathered.
-    ``trace_blocks_once``: a stack of identical blocks (an ``nn.ModuleList``) is traced
-    as its first two and the others written from the second: the same graph and
-    plan as tracing every block, in a fraction of the time on a deep model. Blocks
-    that differ are traced in full and the plan says why; ``False`` always traces all.
-    ``activation_checkpointing``: ``"full"`` recomputes each block in backward
-    (its forward tp collectives included), ``"selective"`` keeps the outputs of
-    matmuls, attention and tp collectives and recomputes the rest (no extra tp
-    collective), ``None`` keeps every activation.
-    ``check``: prove the emitted tp code before any tensor is placed (see :func:`check`);
-    a plan that fails raises :class:`~autoshard.proof.ProofError` naming the first
-    diverging node and its source line. ``"auto"`` proves when it costs little: a mesh
-    with tp, a model holding values (not on meta) with at most
-    :data:`AUTO_CHECK_MAX_ELEMENTS` parameter elements. ``True`` always, ``False`` never.
+    The result, called on a rank's local batch, returns what ``model`` returns for it, as full
+    (tp-replicated) tensors; its ``parameters()`` are the sharded DTensors any ``torch.optim``
+    optimizer trains, with gradients averaged over dp. The plan applied is
+    ``result.autoshard_plan``. The user's model is never modified. The graph is captured for
+    the shapes of ``example_inputs``; a call with other shapes raises a ``ValueError`` naming
+    the input.
+
+    Args:
+        model: the single-device model. Built on the meta device, it is sharded from shapes:
+            each rank's local shards are allocated uninitialized, for ``result.load_state_dict``
+            to fill (non-persistent buffers the forward reads must hold values beforehand).
+        mesh: a ``DeviceMesh`` with axes ``("dp", "tp")``, ``("dp",)``, ``("tp",)``, or for HSDP
+            ``("dp_replicate", "dp_shard"[, "tp"])``.
+
+    Keyword Args:
+        example_inputs: one rank's dp-local batch (a tuple of positional inputs).
+        example_kwargs: its keyword inputs.
+        plan: a :class:`Plan` or its dict, applied instead of planning.
+        sync_module_states: broadcast rank 0's weights first, so ranks that initialized
+            differently still agree.
+        reshard_after_forward: FSDP2's: blocks free their gathered parameters after forward.
+        on_indivisible: a weight whose sharded dim does not divide by tp (a vocabulary of 50257
+            on tp=2) is replicated over tp and the plan says why (``"replicate"``), or raises a
+            ``ValueError`` naming it (``"error"``).
+        loss_parallel: outputs sharded over their last dim (LM-head logits) are returned as
+            DTensors ``Shard(-1)`` on the tp mesh, never gathered; compute the loss under
+            ``torch.distributed.tensor.parallel.loss_parallel()``.
+        dynamic_shapes: ``torch.export``'s spec (e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``):
+            those dims are captured symbolic, one plan and one graph for every batch and
+            sequence length.
+        sequence_parallel: norms, dropout and residual adds run sharded over the sequence; each
+            rowwise all-reduce becomes a reduce-scatter and each colwise group's input an
+            all-gather (reduce-scatter in backward).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``, applied by every FSDP unit (master
+            parameters and optimizer state stay fp32; parameters are all-gathered and computed
+            in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``). autoshard's tp
+            collectives follow it: activations travel in ``param_dtype`` and every sum of partial
+            values is taken in ``reduce_dtype``. Needs a dp axis, since FSDP2 applies the casts.
+        activation_checkpointing: ``"full"`` recomputes each block in backward (its forward tp
+            collectives included); ``"selective"`` keeps the outputs of matmuls, attention and
+            tp collectives and recomputes the rest (no extra tp collective); ``None`` keeps
+            every activation.
+        all_gather_quant: an :class:`autoshard.BlockQuant`: each rank quantizes its tile of every
+            2-D weight block by block right before FSDP's all-gather, which then carries 1-byte
+            values and one fp32 scale per block; the gathered weight is dequantized before the
+            matmul. Master weights, gradients and optimizer state are untouched. A weight whose
+            tile does not divide by the block is gathered unquantized (the plan says why) unless
+            ``BlockQuant(on_unaligned="error")``.
+        trace_blocks_once: trace a stack of identical blocks (an ``nn.ModuleList``) as its first
+            two and write the others from the second: the same graph and plan as tracing every
+            block, in a fraction of the time. Blocks that differ are traced in full and the plan
+            says why; ``False`` always traces all.
+        check: prove the emitted tp code before any tensor is placed (see :func:`check`); a plan
+            that fails raises :class:`~autoshard.proof.ProofError` naming the first diverging
+            node and its source line. ``"auto"`` proves when it costs little: a mesh with tp, a
+            model holding values (not on meta) with at most :data:`AUTO_CHECK_MAX_ELEMENTS`
+            parameter elements. ``True`` always, ``False`` never.
+
+    Returns:
+        the sharded ``fx.GraphModule`` (its blocks are FSDP units).
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        sharded = autoshard.autoshard(model, mesh, example_inputs=(tokens,))
+        optimizer = torch.optim.AdamW(sharded.parameters(), lr=3e-4)
     """
     axes = _axes(mesh)
     if axes.mesh is None:

@@ -1,12 +1,22 @@
-"""The sharding vocabulary: parameter roles and the placements each role gives.
+"""The sharding vocabulary, the only module that spells it.
 
-One module, imported by the planner's passes, the :class:`~autoshard.plan.Plan`
-and retargeting alike, and importing none of them: a role is a
-:class:`Role` (a ``str`` enum, so plans print and serialize as before), and
-the placements of a parameter follow from its role, its shape and the mesh
-(:func:`param_placements`). Activation layouts are DTensor placements
-(``passes.layout_rules``); tp collectives are described per parameter in the
-plan.
+Imported by the planner's passes, the :class:`~autoshard.plan.Plan` and
+retargeting alike, and importing none of them:
+
+* roles (:class:`Role`, a ``str`` enum, so plans print and serialize as
+  before); the placements of a parameter follow from its role, its shape and
+  the mesh (:func:`param_placements`), spelled ``"R"``/``"S(d)"`` as a plan
+  stores them (:func:`shard_on`, :func:`placement_dim`,
+  :func:`to_dtensor_placement`);
+* the redistributions propagation puts on a use (:class:`Step`), the kinds
+  of collective a plan records (:class:`Collective`), and what each puts on
+  the wire (:class:`Wire`, :data:`WIRE_KINDS`);
+* why a parameter is stored as it is (:class:`Why`), rendered as its note.
+
+Activation layouts are not DTensor placements: propagation's layout of a value
+is ``None`` (replicated), a dim (sharded on it), a partial sum or mean
+(``passes.layout_rules.PARTIAL``/``PARTIAL_AVG``), a ``Strided`` dim (heads
+folded into another dim) or a tuple (a multi-output op).
 """
 
 from __future__ import annotations
