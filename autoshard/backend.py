@@ -9,14 +9,14 @@ map from their flat names to the original FQNs). For each graph the backend:
    node's ``nn_module_stack``, so blocks are found as in the eager path;
 2. runs the eager pipeline on it (:func:`autoshard.autoshard`): the same
    capture, plan, rewrite, FSDP2 units and checks, hence the same plan;
-3. compiles each FSDP block of the sharded module with ``compiler``
+3. compiles each FSDP block of the sharded module (:mod:`autoshard.compiled_blocks`) with ``compiler``
    (``"inductor"`` or ``"aot_eager"``, any dynamo backend name) while FSDP2's
    hooks around the blocks stay eager, as they must (the root's own code,
    embedding and head, runs eagerly too);
 4. returns a function that runs the sharded module on the graph's user inputs.
 
-The model's parameters
-----------------------
+The model's parameters (:mod:`autoshard.handover`)
+--------------------------------------------------
 Dynamo keeps the model's parameter objects referenced (weak references and
 use counts that ``torch.utils.swap_tensors`` refuses) and its guards check
 their type and shape on every call, so they cannot turn into the sharded
@@ -46,21 +46,17 @@ error: the full weights it would be planned from are gone.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
+from autoshard.compiled_blocks import compile_blocks
+from autoshard.handover import hand_over, release, sharded_before
 from autoshard.plan import Plan
-from autoshard.quantized_gather import master_values
-from autoshard.state_dict import StoredLayout
 
 _DYNAMO_SELF = "L['self']"
 
@@ -183,43 +179,6 @@ def _fqn_of_dynamo_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sharded:
-    """What became of one released model parameter."""
-
-    param: nn.Parameter  # the sharded parameter that replaces it (read by the optimizer hook)
-    code: str  # code of the dynamo graph it was sharded in
-    module: fx.GraphModule  # that graph's sharded module
-    layout: StoredLayout  # how that module stores it (for the model's own state dict)
-
-
-# released model parameter -> its _Sharded
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_OPTIMIZER_HOOK = []
-
-
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Replace released model parameters in ``optimizer`` by their sharded parameters."""
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, param in enumerate(params):
-            sharded = _SHARDED.get(param)
-            if sharded is None:
-                continue
-            replacement = sharded.param
-            if optimizer.state.get(param):
-                raise RuntimeError(
-                    f"autoshard backend: the optimizer holds state for '{replacement.autoshard_fqn}' as it was "
-                    f"before sharding; build the optimizer before the first step or after the first call"
-                )
-            params[i] = replacement
-
-
-def _install_optimizer_hook() -> None:
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_repoint_optimizer))
-
-
 class _ShardedGraph:
     """What dynamo calls in place of one graph: the sharded module on the graph's user inputs.
 
@@ -246,42 +205,9 @@ class _ShardedGraph:
                     f"torch._dynamo.reset() before compiling another model of that class"
                 )
         if self._to_release:  # after dynamo is done with the values (guards, fake tensors)
-            _release(self._to_release)
+            release(self._to_release)
             self._to_release = []
         return self.module(*(args[i] for i in self.inputs.user_positions))
-
-
-def _release(tensors: list[torch.Tensor]) -> None:
-    """Free the storage of the model's parameters; their metadata (guarded by dynamo) stays.
-
-    Buffers are kept: they are small, and another graph may read them too.
-    """
-    for tensor in tensors:
-        tensor.detach().untyped_storage().resize_(0)
-
-
-def _sharded_before(inputs: GraphInputs, example_inputs, code: str) -> fx.GraphModule | None:
-    """The sharded module of an earlier capture of this very graph; None if none of its parameters is sharded.
-
-    Dynamo captures a graph again when a guard fails: grad mode (an evaluation
-    under ``torch.no_grad()``), or new input shapes. The same code over the
-    same parameters is served by the same sharded module; anything else would
-    have to be planned from full weights that are gone, and is refused.
-    """
-    params = [(fqn, value) for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True)
-              if kind == "parameter"]
-    earlier = [(fqn, _SHARDED[value]) for fqn, value in params if value in _SHARDED]
-    if not earlier:
-        return None
-    modules = {id(sharded.module) for _, sharded in earlier}
-    if len(earlier) == len(params) and len(modules) == 1 and all(sharded.code == code for _, sharded in earlier):
-        return earlier[0][1].module
-    raise NotImplementedError(
-        f"autoshard backend: '{earlier[0][0]}' was sharded for an earlier graph and dynamo captured a different "
-        f"graph reading it (a graph break with reads of it on both sides, a recompile for new input shapes, or "
-        f"another code path); keep each parameter's reads within one graph and call the compiled model with "
-        f"the input shapes of its first call"
-    )
 
 
 class AutoshardBackend:
@@ -313,23 +239,16 @@ class AutoshardBackend:
         mesh = self.mesh if self.mesh is not None else default_mesh()
         inputs = read_graph_inputs(gm, example_inputs)
         code = gm.code
-        again = _sharded_before(inputs, example_inputs, code)
+        again = sharded_before(inputs, example_inputs, code)
         if again is not None:  # the same graph captured again (e.g. under torch.no_grad())
             return _ShardedGraph(again, inputs, example_inputs)
         _user_fqn_paths(gm)
         as_module = _GraphAsModule(gm, inputs, example_inputs)
         user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
         sharded = autoshard(as_module, mesh, example_inputs=user_inputs, **self.options)
-        _compile_blocks(sharded, self.compiler)
+        compile_blocks(sharded, self.compiler)
         self.sharded.append(sharded)
-        _install_optimizer_hook()
-        originals = dict(as_module.named_parameters(remove_duplicate=False))
-        plan = sharded.autoshard_plan
-        layout = StoredLayout.of(plan, plan.mesh.get("tp", 1))
-        for fqn, param in sharded.named_parameters(remove_duplicate=False):
-            param.autoshard_fqn = fqn
-            _SHARDED[originals[fqn]] = _Sharded(param, code, sharded, layout)
-        _hook_owners_state_dicts({id(p) for p in originals.values()}, skip=(as_module,))
+        hand_over(sharded, dict(as_module.named_parameters(remove_duplicate=False)), code, skip=(as_module,))
         return _ShardedGraph(sharded, inputs, example_inputs)
 
     @property
@@ -379,114 +298,6 @@ class AutoshardBackend:
         for module in self.sharded:
             keys = module.state_dict(keep_vars=True).keys()
             module.load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=False)
-
-
-def _hook_owners_state_dicts(released: set[int], skip: tuple[nn.Module, ...]) -> None:
-    """Make the user's own modules give and take their released parameters' shards.
-
-    After sharding, the model's parameters are released (their storage freed),
-    so ``model.state_dict()`` would return empty tensors and
-    ``model.load_state_dict()`` would write into freed storage. The modules that
-    own those parameters are found once (dynamo hands the backend tensors, not
-    modules), and hooked: saving puts each parameter's shard in the original
-    layout (a DTensor, as ``autoshard``'s own state dict gives) under the
-    user's key; loading sends each value to its shard and keeps the freed
-    parameter out of the copy. Existing checkpoint code keeps working.
-    """
-    for module in gc.get_objects():
-        if not issubclass(type(module), nn.Module) or any(module is m for m in skip):  # type(): no weak proxies
-            continue
-        owns = any(p is not None and id(p) in released for p in module._parameters.values())
-        if owns and not getattr(module, "_autoshard_state_dict_hooked", False):
-            module._autoshard_state_dict_hooked = True
-            module.register_state_dict_post_hook(_save_shards)
-            module.register_load_state_dict_pre_hook(_load_shards)
-            module.register_load_state_dict_post_hook(_forget_loaded_shards)
-
-
-def _released(module: nn.Module):
-    """(local name, its _Sharded) of ``module``'s released parameters."""
-    for name, param in module._parameters.items():
-        sharded = _SHARDED.get(param) if param is not None else None
-        if sharded is not None:
-            yield name, sharded
-
-
-def _save_shards(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for name, sharded in _released(module):
-        if prefix + name in state_dict:  # else kept out by the module
-            master = master_values(sharded.param.detach())
-            state_dict[prefix + name] = sharded.layout.to_original(sharded.param.autoshard_fqn, master)
-
-
-def _load_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    loaded = []
-    for name, sharded in _released(module):
-        value = state_dict.pop(prefix + name, None)
-        if value is None:
-            continue
-        sharded.module.load_state_dict({sharded.param.autoshard_fqn: value}, strict=False)
-        loaded.append(prefix + name)
-    module._autoshard_loaded = loaded
-
-
-def _forget_loaded_shards(module, incompatible_keys) -> None:
-    """The keys the pre-hook took were loaded into shards: not missing."""
-    for key in getattr(module, "_autoshard_loaded", ()):
-        if key in incompatible_keys.missing_keys:
-            incompatible_keys.missing_keys.remove(key)
-    module._autoshard_loaded = []
-
-
-def _compile_blocks(sharded: fx.GraphModule, compiler: str) -> None:
-    """Compile each FSDP block's computation; FSDP2's hooks stay around it, eager.
-
-    The compiled function sees plain tensors only: each parameter's
-    ``to_local()`` runs eagerly before it (dynamo cannot trace DTensor's
-    ``to_local`` backward), and its local tensors are passed in as inputs.
-    """
-    for fqn in sharded.autoshard_plan.units:
-        if fqn:
-            block = sharded.get_submodule(fqn)
-            block.forward = _LocalCompiled(block, compiler)
-
-
-class _LocalCompiled:
-    """``block.forward`` as a compiled function of (local parameter tensors, inputs).
-
-    The compiler is called directly on the block's ATen graph, at the first
-    call with that call's tensors as examples: nested ``torch.compile`` is
-    inert while dynamo runs a compiled graph, and a direct call also skips a
-    second bytecode trace.
-    """
-
-    def __init__(self, block: fx.GraphModule, compiler: str):
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        reads = [n for n in block.graph.nodes if n.op == "call_method" and n.target == "to_local"]
-        self._param_names = tuple(n.args[0].target for n in reads)
-        for node in reads:
-            env[node] = graph.placeholder(node.name)
-        for node in block.graph.nodes:
-            if node in env or (node.op == "get_attr" and all(u in env for u in node.users)):
-                continue
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        (output,) = [n for n in graph.nodes if n.op == "output"]
-        self._single_output = not isinstance(output.args[0], (tuple, list))
-        if self._single_output:  # compilers take graphs returning tuples
-            output.args = ((output.args[0],),)
-        self._block = block
-        self._local_graph = fx.GraphModule(block, graph)
-        self._compiler = compiler
-        self._compiled = None
-
-    def __call__(self, *args):
-        block = self._block
-        inputs = [*(block.get_parameter(name).to_local() for name in self._param_names), *args]
-        if self._compiled is None:
-            self._compiled = lookup_backend(self._compiler)(self._local_graph, inputs)
-        out = self._compiled(*inputs)
-        return out[0] if self._single_output else out
 
 
 def default_mesh() -> DeviceMesh:
