@@ -1,6 +1,6 @@
 """``autoshard()`` and ``plan()``: the only place the pipeline runs.
 
-capture -> discover -> propagate -> placements (the plan) -> [ranks agree] -> layouts -> transpose
+capture -> discover -> normalize -> propagate -> placements (the plan) -> [ranks agree] -> layouts -> transpose
 -> partition -> [proof] -> materialize -> activation checkpointing -> verify
 
 ``_plan`` runs the stages up to the plan, ``_emit`` those that write the sharded code, and
@@ -30,6 +30,7 @@ from autoshard.passes.checkpointing import apply_activation_checkpointing
 from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.layouts import insert_redistributes
 from autoshard.passes.materialize import materialize
+from autoshard.passes.normalize import normalize
 from autoshard.passes.partition import Partitioned, partition
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, LayoutPlan, propagate
@@ -360,6 +361,8 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         experts = {s.weight_fqn for s in sites.experts}
         roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == Role.REPLICATE}
         dp_placements = {fqn: dp_choice(p.placements) for fqn, p in given.params.items() if dp_choice(p.placements)}
+    with in_stage("normalize", captured.gm.graph):
+        normalize(captured.gm, sites, axes.tp)
     with in_stage("propagate", captured.gm.graph):
         layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
     with in_stage("plan", captured.gm.graph):

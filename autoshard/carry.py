@@ -13,6 +13,7 @@ import dataclasses
 
 from autoshard.options import PlanOptions
 from autoshard.passes.discover import find_sites
+from autoshard.passes.normalize import normalize
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import propagate
 from autoshard.plan import ParamSharding, Plan
@@ -44,6 +45,7 @@ def check_activations_carry(
     # graph of ``final`` is the one the pipeline goes on to shard
     twin = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     twin_sites = find_sites(twin.gm, twin.param_shapes)
+    normalize(twin.gm, twin_sites, old.tp)
     layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, options.strict())
     before = build_plan(twin, twin_sites, layout_plan, old, dp_placements)
     changed = []

@@ -69,11 +69,10 @@ import torch.fx as fx
 from autoshard.errors import describe
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.passes import dtensor_rules, layout_rules
-from autoshard.passes.decompose import NORMS, decompose_norm, expand_gqa_for_tp
+from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
 from autoshard.passes.layout_rules import Strided
-from autoshard.passes.partition import made_like
 from autoshard.sharding import Indivisible, Role, Step
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
@@ -190,7 +189,13 @@ def propagate(
     roles: dict[str, str] | None = None,
     options: PlanOptions = DEFAULT_OPTIONS,
 ) -> LayoutPlan:
-    """Assign roles (greedy, or from ``roles``) and layouts.
+    """Assign roles (greedy, or from ``roles``) and layouts, on a graph :func:`~autoshard.passes.
+    normalize.normalize` has rewritten.
+
+    Propagation reads the graph and rewrites one thing only: a norm over a width it shards
+    (a q/k norm over all heads) is written out in ops that reduce over the sharded dim
+    (:func:`~autoshard.passes.decompose.decompose_norm`), and the walk runs again. Which norms
+    those are depends on the layouts, so this rewrite cannot happen before.
 
     A weight whose sharded dim does not divide by ``tp`` is replicated over tp
     (``options.on_indivisible="replicate"``, noted in the plan) or is an error
@@ -202,9 +207,6 @@ def propagate(
     after each rowwise linear, all-gather before each colwise group.
     """
     _check_roles_cover_sites(roles, sites)
-    _sum_partials_first(gm, sites)
-    if tp > 1:
-        expand_gqa_for_tp(gm.graph, tp)
     carries_grad = _carries_grad(gm)
     revised = _Revisions()
     narrowing = {
@@ -573,62 +575,6 @@ def _projected(value: fx.Node, colwise: set) -> bool:
 
 def _symbolic(node: fx.Node) -> bool:
     return any(isinstance(s, torch.SymInt) for s in node.meta["val"].shape)
-
-
-def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:
-    """``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph: regroup a chain of adds
-    so that the outputs of linears are summed first, ``x + (a + m)``. Two rowwise
-    outputs then add as partial sums and are all-reduced once (a parallel block)."""
-    linear_outputs = {s.output for s in sites.linears}
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if not _is_plain_add(node) or any(_is_plain_add(u) and len(node.users) == 1 for u in node.users):
-            continue  # start from the last add of a chain
-        terms, chain = _add_chain(node)
-        products = [t for t in terms if t in linear_outputs and _same_shape(t, node)]
-        if len(products) < 2 or len(chain) != len(terms) - 1:
-            continue
-        others = [t for t in terms if t not in products]
-        with graph.inserting_before(node):
-            total = products[0]
-            for product in products[1:] + others:
-                total = _add(graph, total, product, node)
-        node.replace_all_uses_with(total)
-        for old in chain:
-            graph.erase_node(old)
-
-
-def _add_chain(last: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(terms, adds) of the sum ending at ``last``: adds read only by the next add of the chain."""
-    terms, chain, frontier = [], [], [last]
-    while frontier:
-        value = frontier.pop()
-        if _is_plain_add(value) and (value is last or len(value.users) == 1) and _same_shape(value, last):
-            chain.append(value)
-            frontier += reversed(value.args)
-        else:
-            terms.append(value)
-    return terms, chain
-
-
-def _is_plain_add(node) -> bool:
-    return (
-        isinstance(node, fx.Node) and node.op == "call_function" and node.target == torch.ops.aten.add.Tensor
-        and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args)
-        and node.kwargs.get("alpha", 1) == 1
-    )
-
-
-def _same_shape(a: fx.Node, b: fx.Node) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and (
-        va.dtype == vb.dtype)
-
-
-def _add(graph: fx.Graph, a: fx.Node, b: fx.Node, like: fx.Node) -> fx.Node:
-    new = graph.call_function(torch.ops.aten.add.Tensor, (a, b))
-    made_like(new, like, also=("val",))
-    return new
 
 
 def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: dict) -> bool:

@@ -1,0 +1,84 @@
+"""Normalize: the graph rewrites made before propagation, so that it plans the graph as it runs.
+
+* **Partial sums first.** ``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph; a chain
+  of adds is regrouped so that the outputs of linears are summed first, ``x + (a + m)``:
+  two rowwise outputs then add as partial sums and are all-reduced once (a parallel block).
+* **Grouped-query attention on tp** (:func:`~autoshard.passes.decompose.expand_gqa_for_tp`):
+  where q's heads divide by tp and k/v's do not, k and v are repeated per q head so that
+  tp cuts them like q.
+
+The one rewrite left to propagation is a norm over a width it shards, which depends on
+the layouts it finds (see :func:`~autoshard.passes.propagate.propagate`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autoshard.passes.decompose import expand_gqa_for_tp
+from autoshard.passes.discover import Sites
+from autoshard.passes.partition import made_like
+
+
+def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
+    """Rewrite ``gm`` in place (see the module docstring); ``sites`` are unchanged."""
+    _sum_partials_first(gm, sites)
+    if tp > 1:
+        expand_gqa_for_tp(gm.graph, tp)
+
+
+def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:
+    """``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph: regroup a chain of adds
+    so that the outputs of linears are summed first, ``x + (a + m)``. Two rowwise
+    outputs then add as partial sums and are all-reduced once (a parallel block)."""
+    linear_outputs = {s.output for s in sites.linears}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not _is_plain_add(node) or any(_is_plain_add(u) and len(node.users) == 1 for u in node.users):
+            continue  # start from the last add of a chain
+        terms, chain = _add_chain(node)
+        products = [t for t in terms if t in linear_outputs and _same_shape(t, node)]
+        if len(products) < 2 or len(chain) != len(terms) - 1:
+            continue
+        others = [t for t in terms if t not in products]
+        with graph.inserting_before(node):
+            total = products[0]
+            for product in products[1:] + others:
+                total = _add(graph, total, product, node)
+        node.replace_all_uses_with(total)
+        for old in chain:
+            graph.erase_node(old)
+
+
+def _add_chain(last: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(terms, adds) of the sum ending at ``last``: adds read only by the next add of the chain."""
+    terms, chain, frontier = [], [], [last]
+    while frontier:
+        value = frontier.pop()
+        if _is_plain_add(value) and (value is last or len(value.users) == 1) and _same_shape(value, last):
+            chain.append(value)
+            frontier += reversed(value.args)
+        else:
+            terms.append(value)
+    return terms, chain
+
+
+def _is_plain_add(node) -> bool:
+    return (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target == torch.ops.aten.add.Tensor
+        and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args)
+        and node.kwargs.get("alpha", 1) == 1
+    )
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and (
+        va.dtype == vb.dtype)
+
+
+def _add(graph: fx.Graph, a: fx.Node, b: fx.Node, like: fx.Node) -> fx.Node:
+    new = graph.call_function(torch.ops.aten.add.Tensor, (a, b))
+    made_like(new, like, also=("val",))
+    return new
