@@ -112,7 +112,7 @@ def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_
                rtol: float | None = None, tp_group: str = "tp", keep_values: bool = False) -> Checked:
     """Plan, emit (the tp ops name their group ``tp_group``) and prove, without a process group;
     ``keep_values`` keeps the tensors the proof ran (:class:`~autoshard.proof.ProofValues`)."""
-    planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
+    planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
                     captured=captured)
     emitted = _emit(planned, axes, tp_group if axes.has_tp else None, options, keep_planned=True)
     proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol,
@@ -156,7 +156,7 @@ def plan(
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    return _plan(model, _axes(mesh), example_inputs, example_kwargs, None, options).plan
+    return plan_result(model, _axes(mesh), example_inputs, example_kwargs, None, options).plan
 
 
 def autoshard(
@@ -262,7 +262,7 @@ def autoshard(
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
     proving = _proves(check, model, axes)
-    planned = _plan(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=proving)
+    planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=proving)
     final_plan, captured = planned.plan, planned.captured
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     tp_group = axes.group_name("tp") if axes.has_tp else None
@@ -306,10 +306,11 @@ def _axes(mesh) -> MeshAxes:
 
 
 @dataclasses.dataclass(frozen=True)
-class Planned:
-    """What planning hands to emission: the plan, the captured graph it was made on (nodes
-    and all), the sites and propagation's layouts; ``reference`` is a copy of the graph as
-    captured, before propagation rewrote any of it (kept only for a proof)."""
+class PlanResult:
+    """A plan with what it was made from: the captured graph (nodes and all, normalized), the
+    sites and propagation's layouts. Emission works from it, and so does ``suggest_mesh``
+    (which costs a plan on the graph). ``reference`` is a copy of the graph as captured,
+    before any pass rewrote it (kept only for a proof)."""
 
     plan: Plan
     captured: CapturedGraph
@@ -331,14 +332,16 @@ class Emitted:
 class Checked:
     """One plan, the code emitted for it and its proof: what :mod:`autoshard.testing` reports."""
 
-    planned: Planned
+    planned: PlanResult
     emitted: Emitted
     proof: Proof
 
 
-def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
-          keep_reference: bool = False, captured: CapturedGraph | None = None) -> Planned:
-    """``captured``: a capture of this model (:func:`capture_for`); planning works on a copy."""
+def plan_result(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
+                keep_reference: bool = False, captured: CapturedGraph | None = None) -> PlanResult:
+    """Capture, discover, normalize, propagate and build the plan for ``axes``; ``given`` is a
+    saved plan to apply instead of deciding roles. ``captured``: a capture of this model
+    (:func:`capture_for`) to plan on a copy of instead of capturing again."""
     options = options.for_tp(axes.has_tp)
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
@@ -377,10 +380,10 @@ def _plan(model, axes: MeshAxes, example_inputs, example_kwargs, given, options:
         _check_plan_consistent(given, final)
         if given is not saved:
             check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
-    return Planned(final, captured, sites, layout_plan, reference)
+    return PlanResult(final, captured, sites, layout_plan, reference)
 
 
-def _emit(planned: Planned, axes: MeshAxes, tp_group: str | None, options: PlanOptions,
+def _emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,
           keep_planned: bool = False) -> Emitted:
     """The tp collectives, the rewritten linears and the per-block graphs of a plan.
 

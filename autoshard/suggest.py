@@ -115,7 +115,7 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
     ``example_inputs``/``example_kwargs`` are the *global* batch (dim 0 is split over
     the data-parallel ranks). Prints the ranked table unless ``verbose=False``.
     """
-    from autoshard.api import _plan
+    from autoshard.api import plan_result
 
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
@@ -132,7 +132,7 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
         local_kwargs = _share(example_kwargs or {}, batch // data_parallel)
         options = PlanOptions(mp_policy=mp_policy)
         try:
-            planned = _plan(model, axes_from_sizes(sizes), local, local_kwargs, None, options)
+            planned = plan_result(model, axes_from_sizes(sizes), local, local_kwargs, None, options)
             plan, captured, layout_plan = planned.plan, planned.captured, planned.layout_plan
         except ValueError as err:
             skipped.append(f"{sizes}: {err}")

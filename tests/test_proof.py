@@ -53,7 +53,7 @@ def test_patterns_are_proven(name, tp):
 
 def _emitted(model, inputs, tp=2, options=DEFAULT_OPTIONS):
     axes = api._axes({"tp": tp})
-    planned = api._plan(model, axes, inputs, None, None, options, keep_reference=True)
+    planned = api.plan_result(model, axes, inputs, None, None, options, keep_reference=True)
     return api._emit(planned, axes, "tp", options, keep_planned=True)
 
 
@@ -187,7 +187,7 @@ def test_mixed_precision_is_proven(name):
 
 def test_internal_errors_name_stage_and_node():
     model, inputs = _llama()
-    planned = api._plan(model, api._axes({"tp": 2}), inputs, None, None, PlanOptions())
+    planned = api.plan_result(model, api._axes({"tp": 2}), inputs, None, None, PlanOptions())
     graph = planned.captured.gm.graph
     with pytest.raises(InternalError, match=r"stage 'layouts' at node 'rms_norm' \(rms_norm.default\) at models.py"):
         with in_stage("layouts", graph):
