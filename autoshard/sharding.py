@@ -28,10 +28,22 @@ from collections.abc import Mapping
 from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, dp_choice
 
 
-class Role(str, enum.Enum):
-    """How tp treats a parameter (see :mod:`autoshard.plan` for each role's storage).
+class _Spelled(str, enum.Enum):
+    """A ``str`` enum: equal to its value, and printed, formatted and serialized as it (Python
+    3.10 has no ``StrEnum``), so messages and plans read as their JSON does."""
 
-    A ``str`` enum: equal to its value, and printed as it (Python 3.10 has no ``StrEnum``)."""
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Role(_Spelled):
+    """How tp treats a parameter (see :mod:`autoshard.plan` for each role's storage)."""
 
     COLWISE = "colwise"
     ROWWISE = "rowwise"
@@ -40,15 +52,6 @@ class Role(str, enum.Enum):
     VOCAB_PARALLEL = "vocab_parallel"
     SHARDED = "sharded"  # the tp dim is given per parameter (its placement): norms, expert weights
     REPLICATE = "replicate"
-
-    def __repr__(self) -> str:
-        return repr(self.value)  # messages and reprs read as the plan's JSON does
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 # The stored dim tp cuts, per role: every linear weight and embedding table is an
@@ -266,7 +269,7 @@ GATHER_SCATTER = "all-gather+reduce-scatter"  # sequence parallel: all-gather fo
 TAKE_SHARD = "take-shard"  # a local cut forward, an all-gather of the gradient backward
 NO_COLLECTIVE = "none"  # a sharded output left sharded (loss parallel)
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, GATHER_SCATTER, TAKE_SHARD, NO_COLLECTIVE)
-class Wire(str, enum.Enum):
+class Wire(_Spelled):
     """A collective as it runs on the wire, named as torch names it: what
     :class:`~autoshard.comm_stats.CollectiveCounter` counts and ``predicted_comm`` predicts."""
 
@@ -274,15 +277,6 @@ class Wire(str, enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 # What each plan kind puts on the wire in one training step, as torch names the collectives
