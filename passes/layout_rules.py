@@ -14,6 +14,7 @@ local size by dividing the sharded entry by ``tp``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 
 import sympy
@@ -22,10 +23,18 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-# The layout of a value that is a sum over tp ranks: each rank holds a summand.
-PARTIAL = "partial"
-# ... and of a value that is the mean over tp ranks (a mean over the sharded dim).
-PARTIAL_AVG = "partial_avg"
+class Partial(enum.Enum):
+    """The layout of a value each tp rank holds a share of: a summand of its sum over ranks
+    (``SUM``), or of its mean (``AVG``: a mean over the sharded dim)."""
+
+    SUM = "partial"
+    AVG = "partial_avg"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PARTIAL, PARTIAL_AVG = Partial.SUM, Partial.AVG
 PARTIALS = (PARTIAL, PARTIAL_AVG)
 
 
@@ -39,6 +48,11 @@ class Strided:
 
     def __str__(self) -> str:
         return f"_S({self.dim}, {self.split_factor})"
+
+
+# The layout of a value over the tp ranks: None (replicated), a dim (sharded on it, in equal
+# contiguous chunks), a Partial share, a Strided dim, or one layout per output of a multi-output op.
+Layout = None | int | Partial | Strided | tuple
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,7 +72,7 @@ from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
-from autoshard.passes.layout_rules import Strided
+from autoshard.passes.layout_rules import Layout, Strided
 from autoshard.sharding import Indivisible, Role, Step
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
@@ -141,7 +141,7 @@ class LayoutPlan:
     """
 
     roles: dict[str, str]
-    layouts: dict[fx.Node, object]
+    layouts: dict[fx.Node, Layout]
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]]
     new_args: dict[fx.Node, tuple]
     tp: int
@@ -270,7 +270,7 @@ class Propagation:
         self.revised = revised or _Revisions()
         self.fixed_roles = roles
         self.roles: dict[str, str] = dict(roles or {})
-        self.layouts: dict[fx.Node, object] = {}
+        self.layouts: dict[fx.Node, Layout] = {}
         self.edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
         self.new_args: dict[fx.Node, tuple] = {}
         self.notes: dict[str, Indivisible | str] = {}
@@ -316,10 +316,10 @@ class Propagation:
 
     # --- layouts as consumers see them ----------------------------------------------------
 
-    def layout(self, value) -> object:
+    def layout(self, value) -> Layout:
         return self.layouts.get(value) if isinstance(value, fx.Node) else None
 
-    def seen(self, value) -> object:
+    def seen(self, value) -> Layout:
         """The layout consumers plan with: a source gathered early reads as replicated,
         an embedding output under sequence parallelism as sequence-sharded."""
         if value in self.stream_entries:

@@ -4,7 +4,7 @@ Each rule case traces a few ops the way public model code writes them and asks t
 planner's rules (autoshard's own, then DTensor's op strategies) for the layout every
 op gives, starting from the given input layouts on tp=2. A broken rule fails here as
 "op X with input layout Y gave Z", not as a parity number in a 4-process test.
-Layouts: ``None`` replicated, ``d`` sharded on dim d, ``"partial"`` a sum over ranks;
+Layouts: ``None`` replicated, ``d`` sharded on dim d, ``P`` (``Partial.SUM``) a sum over ranks;
 ``GATHER`` means some op had no comm-free rule and its sharded input is gathered.
 """
 
