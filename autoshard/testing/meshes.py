@@ -18,6 +18,11 @@ def parse_mesh(mesh) -> dict[str, int]:
     return dict(mesh)
 
 
+def mesh_text(mesh: dict[str, int]) -> str:
+    """A mesh as the plan's header writes it: ``dp=2 x tp=4``."""
+    return " x ".join(f"{axis}={size}" for axis, size in mesh.items())
+
+
 def mesh_id(mesh: dict[str, int]) -> str:
     """The test id of a mesh: ``dp2-tp4``."""
     return "-".join(f"{axis}{size}" for axis, size in mesh.items())

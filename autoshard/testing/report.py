@@ -25,6 +25,7 @@ from autoshard.block_quant import BlockQuant
 from autoshard.options import PlanOptions
 from autoshard.plan import Plan
 from autoshard.proof import Proof, ProofValues
+from autoshard.testing.meshes import mesh_text
 from autoshard.testing.snapshot import snapshot_text
 
 ROOT = "<root>"
@@ -86,11 +87,11 @@ class Report:
         model's. The message names the worst errors and the first diverging node with its
         source line."""
         tolerance = self.proof.tolerance if rtol is None else rtol
-        failing = [(what, err) for what, err in (*self.proof.outputs, *self.proof.gradients) if not err <= tolerance]
+        failing = dataclasses.replace(self.proof, tolerance=tolerance).failures()
         if not failing:
             return
         worst = sorted(failing, key=lambda f: -f[1])[:5]
-        lines = [f"autoshard: {self.model} on {_mesh_text(self.mesh)}: the sharded code differs from the "
+        lines = [f"autoshard: {self.model} on {mesh_text(self.mesh)}: the sharded code differs from the "
                  f"unsharded model beyond rtol {tolerance:.0e} in {len(failing)} of "
                  f"{len(self.proof.outputs) + len(self.proof.gradients)} outputs and gradients",
                  *(f"  {what}: {err:.2e}" for what, err in worst)]
@@ -107,7 +108,7 @@ class Report:
         return snapshot_text(self)
 
     def __str__(self) -> str:
-        return (f"autoshard.testing report: {self.model} on {_mesh_text(self.mesh)} ({self.seconds:.2f} s)\n"
+        return (f"autoshard.testing report: {self.model} on {mesh_text(self.mesh)} ({self.seconds:.2f} s)\n"
                 f"{self.plan}\n\n{self.proof}")
 
 
@@ -164,7 +165,3 @@ def check(
     changed = {k: v for k, v in given.items() if v is not defaults[k].default and v != defaults[k].default}
     return Report(type(model).__name__, dict(axes.to_dict()), changed, checked.proof.plan, code, checked.proof,
                   time.perf_counter() - start, reshard_after_forward)
-
-
-def _mesh_text(mesh: Mapping[str, int]) -> str:
-    return " x ".join(f"{axis}={size}" for axis, size in mesh.items())

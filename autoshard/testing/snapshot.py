@@ -21,12 +21,14 @@ import re
 
 import torch
 
+from autoshard.testing.meshes import mesh_text
+
 _LINE_NUMBER = re.compile(r"(\b[\w.-]+\.py):\d+\b")
 
 
 def snapshot_text(report) -> str:
     """The snapshot of ``report`` (see the module docstring)."""
-    header = [f"autoshard snapshot: {report.model} on {_mesh(report.mesh)}"]
+    header = [f"autoshard snapshot: {report.model} on {mesh_text(report.mesh)}"]
     if report.options:
         header.append("options: " + ", ".join(f"{k}={_option(v)}" for k, v in report.options.items()))
     sections = ["\n".join(header), _section("plan", str(report.plan)),
@@ -61,10 +63,6 @@ def _comm_table(comm: dict[str, dict[str, tuple[int, int]]]) -> str:
     lines = [f"{'axis':<{width}}  {'kind':<14}  {'count':>5}  {'bytes per rank':>14}"]
     lines += [f"{axis:<{width}}  {kind:<14}  {count:>5}  {nbytes:>14,}" for axis, kind, count, nbytes in rows]
     return "\n".join(lines)
-
-
-def _mesh(mesh) -> str:
-    return " x ".join(f"{axis}={size}" for axis, size in mesh.items())
 
 
 def _option(value) -> str:
