@@ -20,13 +20,14 @@ import torch.distributed as dist
 
 from autoshard.passes.capture import InputSignature
 from autoshard.plan import Plan
+from autoshard.sharding import placements_text
 
 
 def summary(plan: Plan, inputs: InputSignature) -> dict:
     """What every rank must agree on: each parameter's role, shape and placements, and
     each input's name, shape and dtype, in order."""
     return {
-        "params": [[fqn, str(p.role), list(p.shape), dict(p.placements)] for fqn, p in plan.params.items()],
+        "params": [[fqn, str(p.role), list(p.shape), placements_text(p.placements)] for fqn, p in plan.params.items()],
         "inputs": [[name, [None if n is None else int(n) for n in shape], str(dtype)]
                    for name, shape, dtype in inputs.tensors],
     }

@@ -39,7 +39,7 @@ from autoshard.passes.verify import verify
 from autoshard.plan import Plan, mixed_precision_of
 from autoshard.proof import Proof, Subject, copy_graph_module, prove, vocabularies
 from autoshard.retarget import retarget
-from autoshard.sharding import REPLICATED, Role, shard_on
+from autoshard.sharding import REPLICATED, Role, placements_text, shard_on
 
 # The largest model (parameter elements) ``autoshard(check="auto")`` proves. The proof runs every
 # tp rank's forward and backward on the example shapes in this process, which costs about one
@@ -464,8 +464,8 @@ def _check_plan_params(given: Plan, param_shapes) -> None:
         allowed = (shard_on(1 if entry.role == Role.VOCAB_PARALLEL else 0), REPLICATED)
         if dp not in (None, *allowed):
             raise ValueError(
-                f"autoshard: plan gives '{fqn}' ({entry.role}) dp placement {dp!r}; expected "
-                f"{' or '.join(repr(a) for a in allowed)}"
+                f"autoshard: plan gives '{fqn}' ({entry.role}) dp placement '{dp}'; expected "
+                f"{' or '.join(repr(str(a)) for a in allowed)}"
             )
 
 
@@ -478,7 +478,7 @@ def _check_plan_consistent(given: Plan, final: Plan) -> None:
         ):
             raise ValueError(
                 f"autoshard: plan entry for '{fqn}' is inconsistent: it says role={got.role!r}, "
-                f"transposed={got.transposed}, placements={dict(got.placements)}; its weight's role "
-                f"implies role={want.role!r}, transposed={want.transposed}, "
-                f"placements={dict(want.placements)}"
+                f"transposed={got.transposed}, placements={placements_text(got.placements)}; its weight's "
+                f"role implies role={want.role!r}, transposed={want.transposed}, "
+                f"placements={placements_text(want.placements)}"
             )

@@ -39,12 +39,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from torch.distributed.tensor.placement_types import Placement
+
 from autoshard.block_quant import BlockQuant, TileQuant
 from autoshard.export import to_hf_tp_plan, to_parallelize_plan
 from autoshard.mesh import axes_from_sizes, dp_choice
 from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
-from autoshard.sharding import Collective, Role, Why, dp_padding, placement_dim
+from autoshard.sharding import Collective, Role, Why, as_placement, dp_padding, placement_dim, placements_text
 
 # 2: collectives are records (kind, direction, subject, cause, sharing); 1 (still loaded): prose
 PLAN_VERSION = 2
@@ -64,18 +66,29 @@ class ParamSharding:
     inserts because of this parameter's linear or embedding. ``sections``
     (a fused q|k|v or gate|up projection) are the output sections the stored
     tp-sharded dim is permuted by, so each rank holds its share of each one.
+
+    ``placements`` are DTensor placements per mesh axis name; an entry built
+    or edited with their text (``"R"``, ``"S(1)"``) or a role's name holds
+    them as ``Placement`` and :class:`Role` all the same.
     """
 
-    role: str
+    role: Role
     shape: tuple[int, ...]
     transposed: bool
-    placements: Mapping[str, str]
+    placements: Mapping[str, Placement]
     unit: str = ""
     collectives: tuple[Collective, ...] = ()
     note: str = ""
     sections: tuple[int, ...] = ()
     gather: TileQuant | None = None  # with a quantized all-gather: its tile and blocks, or why not
     why: Why = Why()  # the decisions ``note`` is rendered from (for this plan's mesh)
+
+    def __post_init__(self):
+        object.__setattr__(self, "placements", {str(a): as_placement(p) for a, p in self.placements.items()})
+        if self.role not in ROLES:
+            known = ", ".join(repr(str(r)) for r in ROLES)
+            raise ValueError(f"autoshard: unknown role {self.role!r}; one of {known}")
+        object.__setattr__(self, "role", Role(self.role))
 
     def sharded_dim(self, axis: str) -> int | None:
         """The stored dim ``axis`` cuts, or None when replicated over it."""
@@ -90,7 +103,7 @@ class ParamSharding:
             "role": self.role,
             "shape": list(self.shape),
             "transposed": self.transposed,
-            "placements": dict(self.placements),
+            "placements": placements_text(self.placements),
             "unit": self.unit,
             "collectives": [c.to_dict() for c in self.collectives],
             "note": self.note,
@@ -105,9 +118,11 @@ class ParamSharding:
         try:
             role = data["role"]
             transposed = bool(data["transposed"])
-            placements = {str(a): str(p) for a, p in data["placements"].items()}
+            placements = {str(a): as_placement(p) for a, p in data["placements"].items()}
         except (KeyError, AttributeError, TypeError) as err:
             raise ValueError(f"autoshard: plan entry for '{fqn}' lacks {err}") from err
+        except ValueError as err:
+            raise ValueError(f"autoshard: plan entry for '{fqn}': {err}") from err
         if role not in ROLES:
             known = ", ".join(repr(str(r)) for r in ROLES)
             raise ValueError(f"autoshard: plan entry for '{fqn}' has unknown role {role!r}; one of {known}")
@@ -247,7 +262,7 @@ class Plan:
             stored = "x".join(map(str, p.stored_shape)) or "scalar"
             stored += " (T)" if p.transposed else ""
             stored += f" [{'|'.join(map(str, p.sections))}]" if p.sections else ""
-            row = [fqn, p.role, stored, *(p.placements.get(a, "-") for a in axes), p.unit or "<root>"]
+            row = [fqn, p.role, stored, *(str(p.placements.get(a, "-")) for a in axes), p.unit or "<root>"]
             if spec:
                 row.append(p.gather.describe(spec) if p.gather is not None else "-")
             rows.append(row + (["; ".join(map(str, p.collectives)) or "-"] if has_tp else []))

@@ -4,19 +4,20 @@ Imported by the planner's passes, the :class:`~autoshard.plan.Plan` and
 retargeting alike, and importing none of them:
 
 * roles (:class:`Role`, a ``str`` enum, so plans print and serialize as
-  before); the placements of a parameter follow from its role, its shape and
-  the mesh (:func:`param_placements`), spelled ``"R"``/``"S(d)"`` as a plan
-  stores them (:func:`shard_on`, :func:`placement_dim`,
-  :func:`to_dtensor_placement`);
+  their JSON); the placements of a parameter, DTensor ``Placement`` objects,
+  follow from its role, its shape and the mesh (:func:`param_placements`);
+  their text ``"R"``/``"S(d)"`` is read back only here (:func:`as_placement`);
 * the redistributions propagation puts on a use (:class:`Step`), the kinds
   of collective a plan records (:class:`Collective`), and what each puts on
   the wire (:class:`Wire`, :data:`WIRE_KINDS`);
 * why a parameter is stored as it is (:class:`Why`), rendered as its note.
 
-Activation layouts are not DTensor placements: propagation's layout of a value
-is ``None`` (replicated), a dim (sharded on it), a partial sum or mean
-(``passes.layout_rules.PARTIAL``/``PARTIAL_AVG``), a ``Strided`` dim (heads
-folded into another dim) or a tuple (a multi-output op).
+Activation layouts (``passes.layout_rules.Layout``) are not DTensor
+placements: a value's layout over the tp axis alone is ``None`` (replicated),
+a dim (sharded on it), a partial sum or mean (``Partial``), a ``Strided`` dim
+(heads folded into another dim) or a tuple (a multi-output op). A dim is an
+``int`` rather than ``Shard(d)`` because propagation does arithmetic on it
+(views move it, reductions drop it) and compares it with ``None`` on every op.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, dp_choice
 
@@ -151,44 +155,39 @@ class Why:
         )
 
 
-# --- placements as a plan spells them -----------------------------------------------------
-# A plan stores DTensor placements per mesh axis as text (its JSON and table show the same):
-# "R" for Replicate(), "S(d)" for Shard(d). Only this module reads or writes that spelling.
+# --- placements ---------------------------------------------------------------------------
+# A plan holds DTensor placements per mesh axis (``Replicate()``, ``Shard(d)``). Its JSON and
+# its table spell them as DTensor prints them, "R" and "S(d)"; only this module reads that
+# spelling back (:func:`as_placement`).
 
-REPLICATED = "R"
-
-
-def shard_on(dim: int) -> str:
-    """The plan's spelling of ``Shard(dim)``."""
-    return f"S({dim})"
+REPLICATED = Replicate()
 
 
-def placement_dim(text: str | None) -> int | None:
-    """The dim a plan placement cuts (``"S(d)"``), or None for ``"R"`` or no placement."""
-    if text is None or text == REPLICATED:
-        return None
-    if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
-        return int(text[2:-1])
-    raise ValueError(f"autoshard: unknown placement {text!r}; expected 'R' or 'S(d)'")
+def shard_on(dim: int) -> Shard:
+    return Shard(dim)
 
 
-def to_dtensor_placement(text: str):
-    """DTensor's placement for a plan placement."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    dim = placement_dim(text)
-    return Replicate() if dim is None else Shard(dim)
-
-
-def placement_text(placement) -> str:
-    """A DTensor placement as a plan spells it (anything else, never planned, by its repr)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if type(placement) is Shard:
-        return shard_on(placement.dim)
-    if type(placement) is Replicate:
+def as_placement(value) -> Placement:
+    """A placement given as a DTensor ``Replicate()``/``Shard(d)`` or as its text, ``"R"``/``"S(d)"``
+    (a plan's JSON, or a plan edited by hand)."""
+    if type(value) in (Replicate, Shard):
+        return value
+    text = str(value) if isinstance(value, str) else None
+    if text == "R":
         return REPLICATED
-    return repr(placement)
+    if text is not None and text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"autoshard: unknown placement {value!r}; expected Replicate(), Shard(d), 'R' or 'S(d)'")
+
+
+def placement_dim(placement: Placement | None) -> int | None:
+    """The dim a placement cuts, or None for ``Replicate()`` or no placement."""
+    return placement.dim if type(placement) is Shard else None
+
+
+def placements_text(placements: Mapping[str, Placement]) -> dict[str, str]:
+    """Placements per axis as a plan's JSON spells them."""
+    return {axis: str(placement) for axis, placement in placements.items()}
 
 
 def sharded_by_fsdp(placements) -> bool:
@@ -196,7 +195,7 @@ def sharded_by_fsdp(placements) -> bool:
     return placement_dim(dp_choice(placements)) is not None
 
 
-def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:
+def default_dp_placement(role: Role, shape, tp_dim: int | None = None) -> Placement:
     """FSDP shards dim 0, except a colwise bias (already cut by tp) and scalars stay
     replicated, a vocabulary-parallel table gives dim 0 to tp and dim 1 to FSDP, and a
     ``sharded`` parameter whose dim 0 tp cuts gives FSDP dim 1."""
@@ -208,8 +207,8 @@ def default_dp_placement(role: str, shape, tp_dim: int | None = None) -> str:
 
 
 def param_placements(
-    role: str, shape, axes: MeshAxes, dp_placement: str | None = None, tp_dim: int | None = None
-) -> dict[str, str]:
+    role: Role, shape, axes: MeshAxes, dp_placement: Placement | None = None, tp_dim: int | None = None
+) -> dict[str, Placement]:
     """Placements per mesh axis of a parameter with ``role`` (``dp_placement`` overrides the FSDP
     shard axis's; ``tp_dim`` is the dim tp cuts for role ``sharded``, fixed by the role otherwise)."""
     placements = {}
@@ -244,14 +243,13 @@ def rank_shape(entry, axes: MeshAxes) -> list[int]:
     """The piece of a plan entry one rank stores: its tp-local shape with FSDP's dim rounded up
     to a multiple of the shard degree and divided (FSDP2 pads the last shard)."""
     shape = tp_local_shape(entry, axes)
-    choice = dp_choice(entry.placements)
-    if choice not in (None, "R"):
-        dim = int(choice[2:-1])
+    dim = placement_dim(dp_choice(entry.placements))
+    if dim is not None:
         shape[dim] = -(-shape[dim] // axes.dp)
     return shape
 
 
-def dp_padding(shape, transposed: bool, dp_placement: str | None, dp: int) -> str:
+def dp_padding(shape, transposed: bool, dp_placement: Placement | None, dp: int) -> str:
     """Say so when FSDP2 must pad: the dp-sharded stored dim does not divide by dp."""
     dim = placement_dim(dp_placement)
     if dim is None or dp <= 1:

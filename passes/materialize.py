@@ -43,7 +43,7 @@ from autoshard.passes.capture import parameters_on_meta
 from autoshard.passes.partition import Partitioned
 from autoshard.plan import Plan, section_order
 from autoshard.quantized_gather import wrap_for_quantized_gather
-from autoshard.sharding import sharded_by_fsdp, to_dtensor_placement
+from autoshard.sharding import sharded_by_fsdp
 from autoshard.state_dict import install_state_dict_hooks
 
 
@@ -122,7 +122,7 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         if sync:
             _broadcast_from_first_rank(stored, axes)
     if axes.has_tp:
-        tp = to_dtensor_placement(entry.placements[TP])
+        tp = entry.placements[TP]
         if axes.has_dp and not sharded_by_fsdp(entry.placements):
             dp_replicated = [Replicate()] * len(axes.dp_axes)
             stored = distribute_tensor(stored, axes.mesh, [*dp_replicated, tp], src_data_rank=None)
@@ -291,7 +291,7 @@ def _apply_fsdp(
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
     dp_dim = {
-        params[fqn]: to_dtensor_placement(dp_choice(entry.placements))
+        params[fqn]: dp_choice(entry.placements)
         for fqn, entry in plan.params.items()
         if sharded_by_fsdp(entry.placements)
     }

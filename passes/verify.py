@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.mesh import MeshAxes
 from autoshard.plan import Plan
-from autoshard.sharding import REPLICATED, placement_text
+from autoshard.sharding import REPLICATED, placements_text
 
 
 def verify(sharded: fx.GraphModule, plan: Plan, axes: MeshAxes) -> None:
@@ -29,14 +29,15 @@ def verify(sharded: fx.GraphModule, plan: Plan, axes: MeshAxes) -> None:
         want = {axis: entry.placements[axis] for axis in axes.names}
         if got != want:
             raise RuntimeError(
-                f"autoshard internal error: '{fqn}' has placements {got}, the plan says {want}"
+                f"autoshard internal error: '{fqn}' has placements {placements_text(got)}, the plan says "
+                f"{placements_text(want)}"
             )
 
 
-def _placements_by_axis(param, axes: MeshAxes) -> dict[str, str]:
-    """``{"dp": "S(0)", "tp": "S(1)"}``; an axis the tensor is not on counts as replicated."""
+def _placements_by_axis(param, axes: MeshAxes) -> dict:
+    """``{"dp": Shard(0), "tp": Shard(1)}``; an axis the tensor is not on counts as replicated."""
     got = {axis: REPLICATED for axis in axes.names}
     if isinstance(param, DTensor):
         for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements, strict=True):
-            got[axis] = placement_text(placement)
+            got[axis] = placement
     return got

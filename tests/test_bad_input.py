@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -81,10 +82,10 @@ def test_plan_reports_the_same_error_without_a_mesh():
 def test_by_default_an_indivisible_weight_is_replicated_and_explained():
     plan = autoshard.plan(Narrow(), {"tp": 4}, example_inputs=(FEATURES,))
     up, down = plan.params["up.weight"], plan.params["down.weight"]
-    assert (up.role, up.placements["tp"]) == ("replicate", "R")
+    assert (up.role, up.placements["tp"]) == ("replicate", Replicate())
     assert up.note == "replicated over tp: its output features (30) do not divide by the tp axis size 4"
     # down's input is then replicated: it is colwise, and its output gathered
-    assert (down.role, down.placements["tp"]) == ("colwise", "S(1)")
+    assert (down.role, down.placements["tp"]) == ("colwise", Shard(1))
 
 
 def test_a_user_plan_asking_for_an_indivisible_layout_is_an_error(fake_world):

@@ -59,7 +59,7 @@ def check_hsdp_3d_parity_placements_and_collectives(ctx):
         assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == HSDP_AXES, fqn
         if fqn in weights:
             assert tuple(param.placements) == BLOCK, (fqn, param.placements)
-        assert plan.params[fqn].placements["dp_replicate"] == "R", fqn
+        assert plan.params[fqn].placements["dp_replicate"] == Replicate(), fqn
     assert "dp_replicate" in str(plan).splitlines()[1]  # a column of the table
     assert json.loads(json.dumps(plan.to_dict()))["mesh"] == plan.mesh
 

@@ -47,7 +47,7 @@ def test_llama_roles_and_placements():
     }
     for fqn, p in plan.params.items():
         if len(p.shape) == 2:
-            assert dict(p.placements) == {"dp": "S(0)", "tp": "S(1)"}, fqn
+            assert dict(p.placements) == {"dp": Shard(0), "tp": Shard(1)}, fqn
             assert p.transposed == (p.role == "colwise" and "embeddings" not in fqn), fqn
     assert plan.params["output.weight"].stored_shape == (64, 256)
     assert plan.params["tok_embeddings.weight"].stored_shape == (256, 64)
@@ -132,13 +132,13 @@ def test_every_linear_spelling_is_discovered():
     plan = autoshard.plan(_Spellings(), {"tp": 2}, example_inputs=(torch.randn(3, 8),))
     got = {fqn: (p.role, p.transposed, p.placements["tp"]) for fqn, p in plan.params.items()}
     assert got == {
-        "lin.weight": ("colwise", True, "S(1)"),
-        "lin.bias": ("colwise_bias", False, "S(0)"),
-        "w_f": ("rowwise", False, "S(1)"),
-        "w_at": ("colwise", False, "S(1)"),
-        "w_mm": ("rowwise", False, "S(1)"),
-        "w_addmm": ("colwise", False, "S(1)"),
-        "b_addmm": ("colwise_bias", False, "S(0)"),
+        "lin.weight": ("colwise", True, Shard(1)),
+        "lin.bias": ("colwise_bias", False, Shard(0)),
+        "w_f": ("rowwise", False, Shard(1)),
+        "w_at": ("colwise", False, Shard(1)),
+        "w_mm": ("rowwise", False, Shard(1)),
+        "w_addmm": ("colwise", False, Shard(1)),
+        "b_addmm": ("colwise_bias", False, Shard(0)),
     }
 
 
@@ -218,7 +218,7 @@ def test_a_block_that_runs_twice_stays_in_the_root_unit(fake_world):
 def test_dims_that_do_not_divide_by_dp_are_padded_and_explained():
     plan = autoshard.plan(MLPStack(dim=30, hidden=60, out=10), {"dp": 4}, example_inputs=(torch.randn(2, 5, 30),))
     fc1 = plan.params["blocks.0.fc1.weight"]
-    assert fc1.placements == {"dp": "S(0)"} and fc1.stored_shape == (30, 60)
+    assert fc1.placements == {"dp": Shard(0)} and fc1.stored_shape == (30, 60)
     assert fc1.note == "stored dim 0 (30) does not divide by dp=4: FSDP2 pads the last shard"
     assert plan.params["blocks.0.fc1.bias"].note == ""  # 60 divides by 4
 
@@ -268,15 +268,15 @@ def test_retargeting_keeps_edited_roles_and_dp_choices():
     moved = Plan.from_dict(plan).for_mesh({"dp": 1, "tp": 4})
     assert moved.mesh == {"dp": 1, "tp": 4}
     assert moved.params["blocks.0.fc2.weight"].role == "replicate"
-    assert moved.params["blocks.0.fc2.weight"].placements == {"dp": "S(0)", "tp": "R"}
-    assert moved.params["blocks.1.fc1.weight"].placements == {"dp": "R", "tp": "S(1)"}
-    assert moved.params["blocks.1.fc2.weight"].placements == {"dp": "S(0)", "tp": "S(1)"}
+    assert moved.params["blocks.0.fc2.weight"].placements == {"dp": Shard(0), "tp": Replicate()}
+    assert moved.params["blocks.1.fc1.weight"].placements == {"dp": Replicate(), "tp": Shard(1)}
+    assert moved.params["blocks.1.fc2.weight"].placements == {"dp": Shard(0), "tp": Shard(1)}
     assert moved.roles() == Plan.from_dict(plan).roles()
     dp_only = Plan.from_dict(plan).for_mesh({"dp": 4})
-    assert dp_only.params["blocks.1.fc1.weight"].placements == {"dp": "R"}
+    assert dp_only.params["blocks.1.fc1.weight"].placements == {"dp": Replicate()}
     hsdp = Plan.from_dict(plan).for_mesh({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
-    assert hsdp.params["blocks.1.fc1.weight"].placements == {"dp_replicate": "R", "dp_shard": "R", "tp": "S(1)"}
-    assert hsdp.params["blocks.0.fc2.weight"].placements == {"dp_replicate": "R", "dp_shard": "S(0)", "tp": "R"}
+    assert hsdp.params["blocks.1.fc1.weight"].placements == {"dp_replicate": Replicate(), "dp_shard": Replicate(), "tp": Shard(1)}
+    assert hsdp.params["blocks.0.fc2.weight"].placements == {"dp_replicate": Replicate(), "dp_shard": Shard(0), "tp": Replicate()}
     assert hsdp.for_mesh({"dp": 2, "tp": 2}) == Plan.from_dict(plan)
     assert all(not p.collectives and not p.sections for p in dp_only.params.values()) and not dp_only.activations
 
@@ -292,7 +292,7 @@ def test_a_dim_that_does_not_divide_by_the_new_tp_is_named():
         "by tp=4; parameter 'blocks.0.fc1.bias' (colwise_bias) has tp-sharded stored dim 0 of size 66"
     ) in message
     assert "(and 6 more)" in message  # fc2 of each block too; the head's 12 divides
-    assert plan.for_mesh({"tp": 6}).params["blocks.0.fc1.weight"].placements == {"tp": "S(1)"}  # 66 = 6 * 11
+    assert plan.for_mesh({"tp": 6}).params["blocks.0.fc1.weight"].placements == {"tp": Shard(1)}  # 66 = 6 * 11
 
 
 def test_a_fused_section_that_does_not_divide_by_the_new_tp_is_named():
@@ -309,7 +309,7 @@ def test_a_weight_replicated_over_tp_stays_replicated_when_retargeted():
     head = plan.params["head.weight"]
     assert head.role == "replicate" and "(6) do not divide by the tp axis size 4" in head.note
     moved = plan.for_mesh({"tp": 2}).params["head.weight"]
-    assert moved.role == "replicate" and moved.placements == {"tp": "R"}
+    assert moved.role == "replicate" and moved.placements == {"tp": Replicate()}
     assert moved.note == (
         "replicated over tp as planned for tp=4: its output features (6) do not divide by 4 "
         "(they do by 2: plan afresh to shard it)"
@@ -415,9 +415,9 @@ def test_an_hsdp_plan_shows_the_replicate_axis():
     plan = autoshard.plan(MLPStack(), {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, example_inputs=(FEATURES,))
     header = str(plan).splitlines()[1].split()
     assert header[3:6] == ["dp_replicate", "dp_shard", "tp"]
-    assert all(p.placements["dp_replicate"] == "R" for p in plan.params.values())
-    assert plan.params["blocks.0.fc1.weight"].placements == {"dp_replicate": "R", "dp_shard": "S(0)", "tp": "S(1)"}
-    assert plan.params["blocks.0.fc1.bias"].placements == {"dp_replicate": "R", "dp_shard": "R", "tp": "S(0)"}
+    assert all(p.placements["dp_replicate"] == Replicate() for p in plan.params.values())
+    assert plan.params["blocks.0.fc1.weight"].placements == {"dp_replicate": Replicate(), "dp_shard": Shard(0), "tp": Shard(1)}
+    assert plan.params["blocks.0.fc1.bias"].placements == {"dp_replicate": Replicate(), "dp_shard": Replicate(), "tp": Shard(0)}
     assert "dp_replicate: HSDP" in str(plan)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 

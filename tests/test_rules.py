@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -150,9 +151,9 @@ def test_moe_plan(name, per_block):
     gate_up = plan.params["layers.0.feed_forward.experts.gate_up_proj"]
     down = plan.params["layers.0.feed_forward.experts.down_proj"]
     router = plan.params["layers.0.feed_forward.router.weight"]
-    assert (gate_up.placements, gate_up.sections) == ({"dp": "S(0)", "tp": "S(1)"}, (128, 128))
+    assert (gate_up.placements, gate_up.sections) == ({"dp": Shard(0), "tp": Shard(1)}, (128, 128))
     assert "experts' colwise weight" in gate_up.note and not gate_up.transposed
-    assert down.placements == {"dp": "S(0)", "tp": "S(2)"} and "experts' rowwise weight" in down.note
+    assert down.placements == {"dp": Shard(0), "tp": Shard(2)} and "experts' rowwise weight" in down.note
     assert router.role == "replicate" and "computed whole" in router.note
     assert not plan.breaks
     assert [plan.num_tp_collectives(b) for b in plan.units[1:]] == [per_block, per_block]
