@@ -6,9 +6,9 @@ import contextlib
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
 from examples.models import Llama, LlamaConfig, MLPStack

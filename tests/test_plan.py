@@ -275,8 +275,10 @@ def test_retargeting_keeps_edited_roles_and_dp_choices():
     dp_only = Plan.from_dict(plan).for_mesh({"dp": 4})
     assert dp_only.params["blocks.1.fc1.weight"].placements == {"dp": Replicate()}
     hsdp = Plan.from_dict(plan).for_mesh({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
-    assert hsdp.params["blocks.1.fc1.weight"].placements == {"dp_replicate": Replicate(), "dp_shard": Replicate(), "tp": Shard(1)}
-    assert hsdp.params["blocks.0.fc2.weight"].placements == {"dp_replicate": Replicate(), "dp_shard": Shard(0), "tp": Replicate()}
+    assert hsdp.params["blocks.1.fc1.weight"].placements == {
+        "dp_replicate": Replicate(), "dp_shard": Replicate(), "tp": Shard(1)}
+    assert hsdp.params["blocks.0.fc2.weight"].placements == {
+        "dp_replicate": Replicate(), "dp_shard": Shard(0), "tp": Replicate()}
     assert hsdp.for_mesh({"dp": 2, "tp": 2}) == Plan.from_dict(plan)
     assert all(not p.collectives and not p.sections for p in dp_only.params.values()) and not dp_only.activations
 
@@ -416,8 +418,10 @@ def test_an_hsdp_plan_shows_the_replicate_axis():
     header = str(plan).splitlines()[1].split()
     assert header[3:6] == ["dp_replicate", "dp_shard", "tp"]
     assert all(p.placements["dp_replicate"] == Replicate() for p in plan.params.values())
-    assert plan.params["blocks.0.fc1.weight"].placements == {"dp_replicate": Replicate(), "dp_shard": Shard(0), "tp": Shard(1)}
-    assert plan.params["blocks.0.fc1.bias"].placements == {"dp_replicate": Replicate(), "dp_shard": Replicate(), "tp": Shard(0)}
+    assert plan.params["blocks.0.fc1.weight"].placements == {
+        "dp_replicate": Replicate(), "dp_shard": Shard(0), "tp": Shard(1)}
+    assert plan.params["blocks.0.fc1.bias"].placements == {
+        "dp_replicate": Replicate(), "dp_shard": Replicate(), "tp": Shard(0)}
     assert "dp_replicate: HSDP" in str(plan)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 

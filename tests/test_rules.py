@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 import autoshard
 from autoshard.passes import layout_rules
