@@ -29,11 +29,14 @@ on transposed shards. The contract instead:
 * The model's own parameters keep their metadata, so guards hold
   and nothing recompiles, but their storage is released: each rank holds only
   its shards. Reading them (running the uncompiled model) is an error.
-* An optimizer built before the first call (from ``model.parameters()``)
-  keeps working: on its next ``step()`` each released parameter in its param
-  groups is replaced by its sharded parameter (a global optimizer step
-  pre-hook). An optimizer that already holds state for a released parameter
-  raises a ``RuntimeError`` naming it.
+* What reads the model's parameters is handed over explicitly, never through
+  process-wide hooks: ``backend.attach(optimizer)`` for an optimizer built
+  from ``model.parameters()`` (before or after the first call: on each
+  ``step()`` it trains the shards instead; one that already holds state for
+  a released parameter raises a ``RuntimeError`` naming it), and
+  ``backend.attach(model)`` for ``model.state_dict()`` and
+  ``model.load_state_dict()``. An optimizer built from
+  ``backend.parameters()`` after the first call needs neither.
 
 Each graph between graph breaks gets its own plan and FSDP root. A graph
 dynamo captures again with the same code over the same parameters (grad mode
@@ -55,7 +58,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.compiled_blocks import compile_blocks
-from autoshard.handover import hand_over, release, sharded_before
+from autoshard.handover import Handover, release
 from autoshard.plan import Plan
 
 _DYNAMO_SELF = "L['self']"
@@ -232,6 +235,7 @@ class AutoshardBackend:
         self.compiler = compiler
         self.options = autoshard_options
         self.sharded: list[fx.GraphModule] = []
+        self.handover = Handover()
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         from autoshard.api import autoshard
@@ -239,7 +243,7 @@ class AutoshardBackend:
         mesh = self.mesh if self.mesh is not None else default_mesh()
         inputs = read_graph_inputs(gm, example_inputs)
         code = gm.code
-        again = sharded_before(inputs, example_inputs, code)
+        again = self.handover.sharded_before(inputs, example_inputs, code)
         if again is not None:  # the same graph captured again (e.g. under torch.no_grad())
             return _ShardedGraph(again, inputs, example_inputs)
         _user_fqn_paths(gm)
@@ -248,7 +252,7 @@ class AutoshardBackend:
         sharded = autoshard(as_module, mesh, example_inputs=user_inputs, **self.options)
         compile_blocks(sharded, self.compiler)
         self.sharded.append(sharded)
-        hand_over(sharded, dict(as_module.named_parameters(remove_duplicate=False)), code, skip=(as_module,))
+        self.handover.take(sharded, dict(as_module.named_parameters(remove_duplicate=False)), code)
         return _ShardedGraph(sharded, inputs, example_inputs)
 
     @property
@@ -265,6 +269,27 @@ class AutoshardBackend:
             plans[0], params=params, units=units, activations=activations, activation_units=activation_units,
             functions=tuple(f for p in plans for f in p.functions), breaks=tuple(b for p in plans for b in p.breaks),
         )
+
+    def attach(self, target):
+        """Hand ``target`` over to the shards and return it.
+
+        Args:
+            target: an optimizer built from ``model.parameters()``: on every
+                ``step()`` it steps the sharded parameters instead of the
+                model's released ones (attach it before or after the first
+                call); or the compiled model itself: ``model.state_dict()``
+                then saves the shards (DTensors in the original layout, under
+                the model's keys) and ``model.load_state_dict()`` loads into
+                them.
+
+        Example::
+
+            backend = autoshard.backend(mesh)
+            compiled = torch.compile(model, backend=backend)
+            optimizer = backend.attach(torch.optim.AdamW(model.parameters()))
+            backend.attach(model)
+        """
+        return self.handover.attach(target)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.sharded:

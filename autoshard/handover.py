@@ -1,29 +1,35 @@
-"""The handover of a model's parameters to the sharded module the compile backend made.
+"""The handover of a model's parameters to the sharded modules one compile backend made.
 
 Dynamo keeps the model's parameter objects (guards check their type and shape
 on every call), so they cannot become the sharded DTensors in place. Once a
-graph is sharded (:func:`hand_over`):
+graph is sharded, :meth:`Handover.take` records, for this backend only, which
+sharded parameter replaces each of the model's parameters, and the model's
+parameters are released: their storage is freed at the graph's first call
+(:func:`release`), their metadata stays, so guards hold.
 
-* the model's parameters are released: their storage is freed at the first
-  call (:func:`release`), their metadata stays, so guards hold;
-* each released parameter maps to its sharded parameter (:data:`SHARDED`):
-  an optimizer built from ``model.parameters()`` before the first call finds
-  the sharded parameters on its next ``step()`` (a global optimizer step
-  pre-hook, installed once), and the modules that own released parameters save
-  and load their shards through ``state_dict`` hooks;
-* a graph dynamo captures again over the same parameters with the same code
-  runs the same sharded module (:func:`sharded_before`).
+Nothing is hooked behind the user's back. What reads the model's parameters
+is handed over explicitly (:meth:`Handover.attach`):
+
+* an optimizer built from ``model.parameters()``: a step pre-hook on *that*
+  optimizer replaces each released parameter in its param groups by its
+  sharded parameter, on every ``step()`` (it may be attached before the first
+  call, when nothing is sharded yet);
+* the model itself: each of its modules that owns parameters saves and loads
+  their shards through its ``state_dict`` hooks, so ``model.state_dict()``
+  and ``model.load_state_dict()`` keep working.
+
+A graph dynamo captures again over the same parameters with the same code runs
+the same sharded module (:meth:`Handover.sharded_before`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
+import functools
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard.quantized_gather import master_values
@@ -34,50 +40,121 @@ from autoshard.state_dict import StoredLayout
 class Sharded:
     """What became of one released model parameter."""
 
-    param: nn.Parameter  # the sharded parameter that replaces it (read by the optimizer hook)
+    param: nn.Parameter  # the sharded parameter that replaces it
+    fqn: str  # its FQN in ``module`` (the model's own)
     code: str  # code of the dynamo graph it was sharded in
     module: fx.GraphModule  # that graph's sharded module
     layout: StoredLayout  # how that module stores it (for the model's own state dict)
 
 
-# released model parameter -> its Sharded
-SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_OPTIMIZER_HOOK = []
+class Handover:
+    """One backend's map from the model's released parameters to their shards."""
 
+    def __init__(self):
+        self._sharded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model parameter -> Sharded
 
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Replace released model parameters in ``optimizer`` by their sharded parameters."""
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, param in enumerate(params):
-            sharded = SHARDED.get(param)
-            if sharded is None:
-                continue
-            replacement = sharded.param
-            if optimizer.state.get(param):
-                raise RuntimeError(
-                    f"autoshard backend: the optimizer holds state for '{replacement.autoshard_fqn}' as it was "
-                    f"before sharding; build the optimizer before the first step or after the first call"
+    def take(self, sharded: fx.GraphModule, originals: dict[str, nn.Parameter], code: str) -> None:
+        """Record that the model's parameters ``originals`` (by FQN) are now ``sharded``'s,
+        the module made from the dynamo graph ``code``."""
+        plan = sharded.autoshard_plan
+        layout = StoredLayout.of(plan, plan.mesh.get("tp", 1))
+        for fqn, param in sharded.named_parameters(remove_duplicate=False):
+            self._sharded[originals[fqn]] = Sharded(param, fqn, code, sharded, layout)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor in self._sharded
+
+    def attach(self, target):
+        """Hand over an optimizer or the model: see the module doc. Returns ``target``."""
+        if isinstance(target, torch.optim.Optimizer):
+            target.register_step_pre_hook(self._repoint_optimizer)
+        elif isinstance(target, nn.Module):
+            for module in target.modules():
+                if module._parameters and not getattr(module, "_autoshard_state_dict_hooked", False):
+                    module._autoshard_state_dict_hooked = True
+                    # partials: torch marks a state-dict hook with an attribute, which a bound method refuses
+                    module.register_state_dict_post_hook(functools.partial(Handover._save_shards, self))
+                    module.register_load_state_dict_pre_hook(functools.partial(Handover._load_shards, self))
+                    module.register_load_state_dict_post_hook(_forget_loaded_shards)
+        else:
+            raise ValueError(
+                f"autoshard backend: attach() takes a torch.optim.Optimizer or the compiled nn.Module, "
+                f"got {type(target).__name__}"
+            )
+        return target
+
+    def sharded_before(self, inputs, example_inputs, code: str) -> fx.GraphModule | None:
+        """The sharded module of an earlier capture of this very graph; None if none of its parameters
+        is sharded.
+
+        Dynamo captures a graph again when a guard fails: grad mode (an evaluation
+        under ``torch.no_grad()``), or new input shapes. The same code over the
+        same parameters is served by the same sharded module; anything else would
+        have to be planned from full weights that are gone, and is refused.
+        """
+        params = [(fqn, value) for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True)
+                  if kind == "parameter"]
+        earlier = [(fqn, self._sharded[value]) for fqn, value in params if value in self._sharded]
+        if not earlier:
+            released = [fqn for fqn, value in params if value.untyped_storage().nbytes() == 0 and value.numel()]
+            if released:
+                raise ValueError(
+                    f"autoshard backend: '{released[0]}' was released by another autoshard backend (its "
+                    f"storage is freed); compile each model with one backend"
                 )
-            params[i] = replacement
+            return None
+        modules = {id(sharded.module) for _, sharded in earlier}
+        if len(earlier) == len(params) and len(modules) == 1 and all(sharded.code == code for _, sharded in earlier):
+            return earlier[0][1].module
+        raise NotImplementedError(
+            f"autoshard backend: '{earlier[0][0]}' was sharded for an earlier graph and dynamo captured a "
+            f"different graph reading it (a graph break with reads of it on both sides, a recompile for new "
+            f"input shapes, or another code path); keep each parameter's reads within one graph and call the "
+            f"compiled model with the input shapes of its first call"
+        )
 
+    def _repoint_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """Replace released model parameters in ``optimizer`` by their sharded parameters."""
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                sharded = self._sharded.get(param)
+                if sharded is None:
+                    continue
+                if optimizer.state.get(param):
+                    raise RuntimeError(
+                        f"autoshard backend: the optimizer holds state for '{sharded.fqn}' as it was "
+                        f"before sharding; build the optimizer before the first step or after the first call"
+                    )
+                params[i] = sharded.param
 
-def _install_optimizer_hook() -> None:
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_repoint_optimizer))
+    def _released(self, module: nn.Module):
+        """(local name, its Sharded) of ``module``'s released parameters."""
+        for name, param in module._parameters.items():
+            sharded = self._sharded.get(param) if param is not None else None
+            if sharded is not None:
+                yield name, sharded
 
+    def _save_shards(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        """Each released parameter's shard in the original layout (a DTensor, as ``autoshard``'s own
+        state dict gives) under the user's key."""
+        for name, sharded in self._released(module):
+            if prefix + name in state_dict:  # else kept out by the module
+                master = master_values(sharded.param.detach())
+                state_dict[prefix + name] = sharded.layout.to_original(sharded.fqn, master)
 
-def hand_over(sharded: fx.GraphModule, originals: dict[str, nn.Parameter], code: str, skip: tuple) -> None:
-    """Map each of the model's parameters (``originals``, by FQN) to its sharded parameter in
-    ``sharded`` (made from the dynamo graph ``code``); hook the optimizer step and the owners'
-    state dicts. ``skip``: modules not to hook (the graph's own stand-in module)."""
-    _install_optimizer_hook()
-    plan = sharded.autoshard_plan
-    layout = StoredLayout.of(plan, plan.mesh.get("tp", 1))
-    for fqn, param in sharded.named_parameters(remove_duplicate=False):
-        param.autoshard_fqn = fqn
-        SHARDED[originals[fqn]] = Sharded(param, code, sharded, layout)
-    _hook_owners_state_dicts({id(p) for p in originals.values()}, skip=skip)
+    def _load_shards(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                     error_msgs):
+        """Send each value of a released parameter to its shard; the freed parameter is left out of
+        the copy (it would write into freed storage)."""
+        loaded = []
+        for name, sharded in self._released(module):
+            value = state_dict.pop(prefix + name, None)
+            if value is None:
+                continue
+            sharded.module.load_state_dict({sharded.fqn: value}, strict=False)
+            loaded.append(prefix + name)
+        module._autoshard_loaded = loaded
 
 
 def release(tensors: list[torch.Tensor]) -> None:
@@ -87,79 +164,6 @@ def release(tensors: list[torch.Tensor]) -> None:
     """
     for tensor in tensors:
         tensor.detach().untyped_storage().resize_(0)
-
-
-def sharded_before(inputs, example_inputs, code: str) -> fx.GraphModule | None:
-    """The sharded module of an earlier capture of this very graph; None if none of its parameters is sharded.
-
-    Dynamo captures a graph again when a guard fails: grad mode (an evaluation
-    under ``torch.no_grad()``), or new input shapes. The same code over the
-    same parameters is served by the same sharded module; anything else would
-    have to be planned from full weights that are gone, and is refused.
-    """
-    params = [(fqn, value) for kind, fqn, value in zip(inputs.kinds, inputs.fqns, example_inputs, strict=True)
-              if kind == "parameter"]
-    earlier = [(fqn, SHARDED[value]) for fqn, value in params if value in SHARDED]
-    if not earlier:
-        return None
-    modules = {id(sharded.module) for _, sharded in earlier}
-    if len(earlier) == len(params) and len(modules) == 1 and all(sharded.code == code for _, sharded in earlier):
-        return earlier[0][1].module
-    raise NotImplementedError(
-        f"autoshard backend: '{earlier[0][0]}' was sharded for an earlier graph and dynamo captured a different "
-        f"graph reading it (a graph break with reads of it on both sides, a recompile for new input shapes, or "
-        f"another code path); keep each parameter's reads within one graph and call the compiled model with "
-        f"the input shapes of its first call"
-    )
-
-
-def _hook_owners_state_dicts(released: set[int], skip: tuple[nn.Module, ...]) -> None:
-    """Make the user's own modules give and take their released parameters' shards.
-
-    After sharding, the model's parameters are released (their storage freed),
-    so ``model.state_dict()`` would return empty tensors and
-    ``model.load_state_dict()`` would write into freed storage. The modules that
-    own those parameters are found once (dynamo hands the backend tensors, not
-    modules), and hooked: saving puts each parameter's shard in the original
-    layout (a DTensor, as ``autoshard``'s own state dict gives) under the
-    user's key; loading sends each value to its shard and keeps the freed
-    parameter out of the copy. Existing checkpoint code keeps working.
-    """
-    for module in gc.get_objects():
-        if not issubclass(type(module), nn.Module) or any(module is m for m in skip):  # type(): no weak proxies
-            continue
-        owns = any(p is not None and id(p) in released for p in module._parameters.values())
-        if owns and not getattr(module, "_autoshard_state_dict_hooked", False):
-            module._autoshard_state_dict_hooked = True
-            module.register_state_dict_post_hook(_save_shards)
-            module.register_load_state_dict_pre_hook(_load_shards)
-            module.register_load_state_dict_post_hook(_forget_loaded_shards)
-
-
-def _released(module: nn.Module):
-    """(local name, its Sharded) of ``module``'s released parameters."""
-    for name, param in module._parameters.items():
-        sharded = SHARDED.get(param) if param is not None else None
-        if sharded is not None:
-            yield name, sharded
-
-
-def _save_shards(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for name, sharded in _released(module):
-        if prefix + name in state_dict:  # else kept out by the module
-            master = master_values(sharded.param.detach())
-            state_dict[prefix + name] = sharded.layout.to_original(sharded.param.autoshard_fqn, master)
-
-
-def _load_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    loaded = []
-    for name, sharded in _released(module):
-        value = state_dict.pop(prefix + name, None)
-        if value is None:
-            continue
-        sharded.module.load_state_dict({sharded.param.autoshard_fqn: value}, strict=False)
-        loaded.append(prefix + name)
-    module._autoshard_loaded = loaded
 
 
 def _forget_loaded_shards(module, incompatible_keys) -> None:

@@ -47,8 +47,8 @@ Method, and why:
   an empty inductor cache directory, so every run pays the full compile
   (nothing is reused from the other variant, an earlier round or run).
 * The compiled autoshard variant's optimizer is built from
-  ``model.parameters()`` before the first call (the backend repoints it to
-  the shards at its first ``step()``); its parameter bytes are measured on
+  ``model.parameters()`` before the first call and attached to the backend
+  (``backend.attach``: each ``step()`` steps the shards); its parameter bytes are measured on
   ``backend.parameters()``, every variant's after the first step.
 * Warmup steps (the first included) are untimed. The last warmup step runs
   inside a ``CollectiveCounter`` (it also counts the collectives
@@ -180,15 +180,16 @@ class Built:
     """A sharded model as the training loop sees it.
 
     The compiled autoshard variant shards at its first call, so what the
-    optimizer is built from (the model's parameters, repointed to the shards
-    at its first step) and what training updates (the backend's shards) are
-    two different sets of tensors; the eager variants have one set.
+    optimizer is built from (the model's parameters, handed over to the
+    shards by ``attach``) and what training updates (the backend's shards)
+    are two different sets of tensors; the eager variants have one set.
     """
 
     step_module: Callable[[torch.Tensor], torch.Tensor]
     optimizer_params: list[torch.nn.Parameter]
     # (original FQN, tensor) of what training updates; valid from the first call on
     trained_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]]
+    attach: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] = lambda optimizer: optimizer
 
 
 def build_variant(variant: str, model: torch.nn.Module, mesh, example_tokens: torch.Tensor, compiler: str) -> Built:
@@ -203,7 +204,8 @@ def build_variant(variant: str, model: torch.nn.Module, mesh, example_tokens: to
         return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
     if variant == "autoshard_compiled":
         backend = autoshard.backend(mesh, compiler=compiler)
-        return Built(torch.compile(model, backend=backend), list(model.parameters()), backend.named_parameters)
+        return Built(torch.compile(model, backend=backend), list(model.parameters()), backend.named_parameters,
+                     backend.attach)
     if variant == "recipe_compiled":
         sharded = compile_recipe_blocks(parallelize_recipe(model, mesh), compiler)
         return Built(sharded, list(sharded.parameters()), sharded.named_parameters)
@@ -389,7 +391,7 @@ def measure_variant(rank: int, world_size: int, variant: str, steps: int, warmup
     tokens, targets = local_batch(0, mesh)
     built = build_variant(variant, model, mesh, tokens, compiler)
     del model
-    optimizer = torch.optim.AdamW(built.optimizer_params, lr=LR)
+    optimizer = built.attach(torch.optim.AdamW(built.optimizer_params, lr=LR))
     groups = {name: mesh.get_group(name) for name in MESH_DIMS}
 
     parity, first_step_s = first_step(built, optimizer, reference, tokens, targets)

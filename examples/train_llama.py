@@ -248,10 +248,10 @@ def main_fn(rank: int, world_size: int, args: argparse.Namespace) -> dict | None
     if args.compile == "none":
         sharded = trained = autoshard.autoshard(model, mesh, example_inputs=example, **options)
         optimizer = torch.optim.AdamW(sharded.parameters(), lr=args.lr)
-    else:  # sharded on the first call; the optimizer is repointed to the shards on its first step
+    else:  # sharded on the first call; the attached optimizer steps the shards
         trained = autoshard.backend(mesh, compiler=args.compile, **options)
         sharded = torch.compile(model, backend=trained)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = trained.attach(torch.optim.AdamW(model.parameters(), lr=args.lr))
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if rank == 0 else None
     progress = Progress(args.steps) if rank == 0 else None
     if rank == 0:

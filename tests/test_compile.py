@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+import torch.optim.optimizer as optimizer_module
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor, Shard
 
@@ -100,12 +101,13 @@ class _LlamaRun:
 
 
 def check_backend_trains_like_eager(ctx):
-    """Optimizer built before the first call from model.parameters(); 5 AdamW steps; no recompiles."""
+    """Optimizer built before the first call from model.parameters() and attached; 5 AdamW steps; no
+    recompiles; nothing hooked process-wide."""
     run = _LlamaRun.start(ctx, Llama, STEPS)
     model, backend, compiled, tokens, targets, mesh = (
         run.model, run.backend, run.compiled, run.tokens, run.targets, run.mesh
     )
-    optimizer = _adamw(model.parameters())
+    optimizer = backend.attach(_adamw(model.parameters()))
     frames = []
     losses = []
     for _ in range(STEPS):
@@ -121,6 +123,9 @@ def check_backend_trains_like_eager(ctx):
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert trained == {id(p) for p in backend.parameters()}
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert not optimizer_module._global_optimizer_pre_hooks, "a process-wide optimizer hook"
+    with pytest.raises(ValueError, match="attach.. takes a torch.optim.Optimizer or the compiled nn.Module"):
+        backend.attach(model.parameters())
     wq = dict(backend.named_parameters())["layers.0.attention.wq.weight"]
     assert isinstance(wq, DTensor) and tuple(wq.placements) == (Shard(0), Shard(1)) and wq.shape == (64, 64)
     assert wq.to_local().shape == (32, 32)
@@ -137,7 +142,8 @@ def check_backend_trains_like_eager(ctx):
 def check_graph_breaks_each_get_the_eager_plan(ctx):
     run = _LlamaRun.start(ctx, BrokenLlama, steps=3)
     backend = run.backend
-    losses = _train(run.compiled, _adamw(run.model.parameters()), run.tokens, run.targets, run.mesh, steps=3)
+    optimizer = backend.attach(_adamw(run.model.parameters()))
+    losses = _train(run.compiled, optimizer, run.tokens, run.targets, run.mesh, steps=3)
     assert len(backend.sharded) == 2, "one sharded module per graph"
     first, second = (set(s.autoshard_plan.params) for s in backend.sharded)
     assert "layers.0.attention.wq.weight" in first and "layers.1.attention.wq.weight" in second
@@ -183,7 +189,9 @@ def check_optimizer_state_from_before_is_refused(ctx):
     model(x).sum().backward()
     optimizer.step()  # state for the full tensors, which sharding cannot carry over
     optimizer.zero_grad()
-    compiled = torch.compile(model, backend=autoshard.backend(mesh, compiler="aot_eager"))
+    backend = autoshard.backend(mesh, compiler="aot_eager")
+    backend.attach(optimizer)
+    compiled = torch.compile(model, backend=backend)
     compiled(x).sum().backward()
     with pytest.raises(RuntimeError, match="optimizer holds state for 'blocks.0.norm.weight'"):
         optimizer.step()
@@ -220,6 +228,7 @@ def check_inductor_backend(ctx):
     backend = autoshard.backend(mesh, compiler="inductor")
     compiled = torch.compile(model, backend=backend)
     opt_c, opt_e = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    backend.attach(opt_c)
     for _ in range(2):
         for module, opt in ((compiled, opt_c), (eager, opt_e)):
             nn.functional.mse_loss(module(x), target).backward()
@@ -234,10 +243,12 @@ def check_inductor_backend(ctx):
 
 def check_the_models_own_state_dict_after_sharding(ctx):
     """``model.state_dict()`` / ``model.load_state_dict()`` on the user's module, after the backend
-    sharded it: the shards in the original layout out, a single-device state dict in."""
+    sharded it and the model was attached: the shards in the original layout out, a single-device
+    state dict in."""
     run = _LlamaRun.start(ctx, Llama, 2)
     model, compiled, tokens, targets, mesh = run.model, run.compiled, run.tokens, run.targets, run.mesh
-    _train(compiled, _adamw(model.parameters()), tokens, targets, mesh, steps=2)
+    _train(compiled, run.backend.attach(_adamw(model.parameters())), tokens, targets, mesh, steps=2)
+    run.backend.attach(model)
     saved = model.state_dict()
     ref_state = run.ref.state_dict()
     assert saved.keys() == ref_state.keys()
@@ -271,7 +282,8 @@ def check_backend_with_mixed_precision(ctx):
     ref_losses = _train(lambda t: eager(t).float(), _adamw(eager.parameters()), tokens, targets, mesh, steps=2)
     backend = autoshard.backend(mesh, compiler="aot_eager", mp_policy=policy)
     compiled = torch.compile(model, backend=backend)
-    losses = _train(lambda t: compiled(t).float(), _adamw(model.parameters()), tokens, targets, mesh, steps=2)
+    losses = _train(lambda t: compiled(t).float(), backend.attach(_adamw(model.parameters())), tokens, targets, mesh,
+                    steps=2)
     for got, want in zip(losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (losses, ref_losses)
     assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(backend.plan)
@@ -290,7 +302,7 @@ def check_backend_with_a_quantized_all_gather(ctx):
     ref_losses = _train(eager, _adamw(eager.parameters()), tokens, targets, mesh, steps=2)
     backend = autoshard.backend(mesh, compiler="aot_eager", all_gather_quant=spec)
     compiled = torch.compile(model, backend=backend)
-    losses = _train(compiled, _adamw(model.parameters()), tokens, targets, mesh, steps=2)
+    losses = _train(compiled, backend.attach(_adamw(model.parameters())), tokens, targets, mesh, steps=2)
     for got, want in zip(losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
     assert "all-gather quantized: fp8 16x16" in str(backend.plan)
