@@ -359,12 +359,28 @@ def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", **aut
     return AutoshardBackend(mesh, compiler, **autoshard_options)
 
 
+_MADE = "_autoshard_backend"  # where the registered name keeps the backend it made, in its options
+
+
 def _registered(gm: fx.GraphModule, example_inputs, options: dict | None = None, **unused):
-    """``torch.compile(model, backend="autoshard", options={"mesh": mesh, "compiler": "aot_eager"})``."""
-    options = dict(options or {})
-    return AutoshardBackend(options.pop("mesh", None), options.pop("compiler", "inductor"), **options)(
-        gm, example_inputs
-    )
+    """``torch.compile(model, backend="autoshard", options={"mesh": mesh, "compiler": "aot_eager",
+    "attach": [optimizer, model]})``.
+
+    ``attach``: what :meth:`AutoshardBackend.attach` hands over. Dynamo passes
+    the same ``options`` dict on every capture of the compiled model, so the
+    backend made at the first capture is kept in it: a graph captured again
+    (an evaluation under ``torch.no_grad()``) finds the shards it made.
+    """
+    options = options if options is not None else {}
+    made = options.get(_MADE)
+    if made is None:
+        settings = {k: v for k, v in options.items() if k != "attach"}
+        made = AutoshardBackend(settings.pop("mesh", None), settings.pop("compiler", "inductor"), **settings)
+        attach = options.get("attach", ())
+        for target in attach if isinstance(attach, (list, tuple)) else (attach,):
+            made.attach(target)
+        options[_MADE] = made
+    return made(gm, example_inputs)
 
 
 def register_backend_name() -> None:

@@ -100,7 +100,8 @@ class Handover:
             if released:
                 raise ValueError(
                     f"autoshard backend: '{released[0]}' was released by another autoshard backend (its "
-                    f"storage is freed); compile each model with one backend"
+                    f"storage is freed); compile each model with one backend object, "
+                    f"torch.compile(model, backend=autoshard.backend(mesh))"
                 )
             return None
         modules = {id(sharded.module) for _, sharded in earlier}

@@ -168,8 +168,15 @@ def check_registered_backend_name(ctx):
     model = MLPStack()
     x = torch.randn(2, 5, 32)
     eager = autoshard.autoshard(copy.deepcopy(model), mesh, example_inputs=(x,))
-    compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, "compiler": "aot_eager"})
-    torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    opt_c, opt_e = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    options = {"mesh": mesh, "compiler": "aot_eager", "attach": [opt_c]}
+    compiled = torch.compile(model, backend="autoshard", options=options)
+    for module, opt in ((compiled, opt_c), (eager, opt_e)):
+        module(x).square().mean().backward()
+        opt.step()
+    # the attached optimizer stepped the shards; no_grad captures again and finds them
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
 
 
 def check_default_mesh(ctx):
