@@ -33,7 +33,7 @@ from autoshard.passes.materialize import materialize
 from autoshard.passes.normalize import normalize
 from autoshard.passes.partition import Partitioned, partition
 from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import PARTIAL, ROWWISE, SEQ_DIM, LayoutPlan, propagate
+from autoshard.passes.propagate import LayoutPlan, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan, mixed_precision_of
@@ -396,13 +396,8 @@ def _emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: Pl
     if tp_group is not None:
         with in_stage("layouts", gm.graph):
             insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
-    scatter = frozenset(
-        s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == SEQ_DIM and layout_plan.roles[
-            s.weight_fqn] == ROWWISE
-    )
-    partial = frozenset(s.weight_fqn for s in sites.linears if layout_plan.layouts.get(s.output) == PARTIAL)
     with in_stage("transpose", gm.graph):
-        rewrite_linears(gm, sites, layout_plan.roles, tp_group, axes.tp, scatter, partial, reduce_dtype)
+        rewrite_linears(gm, sites, layout_plan, tp_group, axes.tp, reduce_dtype)
     with in_stage("partition", gm.graph):
         parts = partition(gm, planned.captured.block_fqns)
     if not keep_planned:

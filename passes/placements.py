@@ -26,9 +26,9 @@ from autoshard.passes.propagate import (
     PARTIALS,
     REPLICATE,
     ROWWISE,
-    SEQ_DIM,
     VOCAB_PARALLEL,
     LayoutPlan,
+    RowwiseExit,
 )
 from autoshard.plan import ParamSharding, Plan
 from autoshard.sharding import (
@@ -219,12 +219,10 @@ class _Records:
         """A rowwise output's all-reduce (or reduce-scatter under sequence parallelism), unless its
         partial sum travels on (recorded at the reduce edge it reaches)."""
         for site in self.sites.linears:
-            if self.lp.roles[site.weight_fqn] != ROWWISE:
+            exit_ = self.lp.rowwise_exit(site)
+            if exit_ in (None, RowwiseExit.PARTIAL):
                 continue
-            layout = self.lp.layouts.get(site.output)
-            if layout in PARTIALS:
-                continue
-            if layout == SEQ_DIM:
+            if exit_ is RowwiseExit.REDUCE_SCATTER:
                 self.add(site.weight_fqn, _sized(
                     Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True), site.output))
                 if site.bias_node is not None and site.output is site.node:  # added to this rank's rows only

@@ -62,6 +62,7 @@ wrong result.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 import torch.fx as fx
@@ -128,6 +129,15 @@ def _module_of(node: fx.Node) -> str:
     return next(reversed(stack.values()))[0] if stack else ""
 
 
+class RowwiseExit(enum.Enum):
+    """How a rowwise linear's partial product leaves it; decided once, by :meth:`LayoutPlan.rowwise_exit`,
+    and read by the rewrite that emits it and by the plan that records it."""
+
+    ALL_REDUCE = enum.auto()  # the total, all-reduced at once
+    REDUCE_SCATTER = enum.auto()  # sequence parallelism: reduce-scattered over the sequence
+    PARTIAL = enum.auto()  # left a partial sum, reduced where a consumer needs the total (possibly shared)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayoutPlan:
     """Roles of the sites and the tp layouts of every value (internal, holds nodes).
@@ -155,6 +165,16 @@ class LayoutPlan:
     # parameters that are no linear's weight but are read sharded by one op (a norm's weight over
     # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
     sharded_params: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def rowwise_exit(self, site: LinearSite) -> RowwiseExit | None:
+        """How ``site``'s output leaves it, if its weight is rowwise: propagation left its output
+        partial (a later reduce sums it), sharded over the sequence, or whole."""
+        if self.roles[site.weight_fqn] != ROWWISE:
+            return None
+        layout = self.layouts.get(site.output)
+        if layout in PARTIALS:
+            return RowwiseExit.PARTIAL
+        return RowwiseExit.REDUCE_SCATTER if layout == SEQ_DIM else RowwiseExit.ALL_REDUCE
 
     def take_shard_buckets(self) -> tuple[TakeShardBucket, ...]:
         """Replicated values cut on the same dim for consumers in one module (k and v of one

@@ -27,7 +27,7 @@ from autoshard import collectives
 from autoshard.errors import describe
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import made_like
-from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL
+from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL, LayoutPlan, RowwiseExit
 
 aten = torch.ops.aten
 
@@ -35,23 +35,23 @@ aten = torch.ops.aten
 def rewrite_linears(
     gm: fx.GraphModule,
     sites: Sites,
-    roles: dict[str, str],
+    layout_plan: LayoutPlan,
     tp_group: str | None,
     tp: int = 1,
-    scatter_sequence: frozenset[str] = frozenset(),
-    partial: frozenset[str] = frozenset(),
     reduce_dtype: torch.dtype | None = None,
 ) -> None:
-    """``scatter_sequence``: rowwise weights whose output is reduce-scattered over the
-    sequence (sequence parallelism) instead of all-reduced. ``partial``: rowwise weights
-    whose output leaves as a partial sum, reduced where a consumer needs the total (the
-    ``reduce`` edges of :mod:`passes.layouts`), so two of them may share one all-reduce.
-    ``reduce_dtype``: the dtype every sum of partial values is taken in (mixed precision)."""
+    """Each rowwise output leaves as ``layout_plan.rowwise_exit`` says: all-reduced,
+    reduce-scattered over the sequence (sequence parallelism), or a partial sum reduced where a
+    consumer needs the total (the ``reduce`` edges of :mod:`passes.layouts`, so two of them
+    may share one all-reduce). ``reduce_dtype``: the dtype every sum of partial values is
+    taken in (mixed precision)."""
+    roles = layout_plan.roles
     for site in sites.linears:
         role = roles[site.weight_fqn]
         if role in (COLWISE, ROWWISE, VOCAB_PARALLEL):
-            group = None if site.weight_fqn in partial else tp_group
-            _rewrite(gm.graph, site, role, group, site.weight_fqn in scatter_sequence, reduce_dtype)
+            exit_ = layout_plan.rowwise_exit(site)
+            group = None if exit_ is RowwiseExit.PARTIAL else tp_group
+            _rewrite(gm.graph, site, role, group, exit_ is RowwiseExit.REDUCE_SCATTER, reduce_dtype)
     if tp_group is not None:
         for site in sites.embeddings:
             if roles[site.weight_fqn] == VOCAB_PARALLEL:
