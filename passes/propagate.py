@@ -228,10 +228,7 @@ def propagate(
     """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
-    revised = _Revisions()
-    narrowing = {
-        s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
-    }
+    revised = Revisions(sites, may_replicate=roles is None)
     while True:
         plan = Propagation(gm, sites, tp, roles, options, carries_grad, revised).run()
         norms = _norms_over_sharded_width(plan, sites)
@@ -240,31 +237,120 @@ def propagate(
                 decompose_norm(gm.graph, norm)
             carries_grad = _carries_grad(gm)
             continue
-        idle = {s: why for s, why in _idle_sources(plan, sites).items() if s not in revised.gathered_early}
-        early = _partials_cheaper_reduced_early(plan, sites) - revised.reduced_early
-        if not idle and not early:
+        if not revised.learn(plan):
             return dataclasses.replace(plan, gathered_early=revised.gathered_early)
-        for source, why in idle.items():
-            if source in narrowing and roles is None:
-                revised.replicated[narrowing[source].weight_fqn] = why
-            else:
-                revised.gathered_early[source] = why
-        revised.reduced_early |= early
 
 
-@dataclasses.dataclass
-class _Revisions:
-    """What one propagation learns for the next (each only grows, so reruns end).
+@dataclasses.dataclass(frozen=True)
+class RegionCost:
+    """The tp collectives one region of a walk costs as it is (``kept``) and revised (``revised``).
 
-    ``gathered_early``: colwise sources of idle regions, gathered right after the matmul (->
-    where their region would have ended). ``replicated``: narrowing linears (fewer outputs than
-    inputs, a router) of idle regions, computed whole instead (FQN -> where). ``reduced_early``:
-    partial products all-reduced where they are made (see ``_partials_cheaper_reduced_early``).
+    A revision changes only the uses inside its region and at its border, so the difference of
+    these two counts is the difference of the whole block's tp collective totals (what
+    ``predicted_comm`` would count for the two plans), without planning both.
     """
 
-    gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
-    replicated: dict[str, str] = dataclasses.field(default_factory=dict)
-    reduced_early: set[fx.Node] = dataclasses.field(default_factory=set)
+    kept: int
+    revised: int
+
+    @property
+    def cheaper(self) -> bool:
+        return self.revised < self.kept
+
+    @property
+    def no_dearer(self) -> bool:
+        return self.revised <= self.kept
+
+
+class Revisions:
+    """What one walk learns for the next, by comparing costs on its finished :class:`LayoutPlan`.
+
+    Each revision is a method that reads the plan and returns what it would change, each
+    change paid for by a :class:`RegionCost`:
+
+    * :meth:`idle_sources`: a colwise output whose sharded region reaches no rowwise linear
+      is gathered right after the matmul (``gathered_early``: source -> where its region
+      would have ended), or, for a narrowing linear (fewer outputs than inputs, a router),
+      computed whole (``replicated``: FQN -> where);
+    * :meth:`partials_reduced_early`: partial products all-reduced where they are made
+      (``reduced_early``).
+
+    What is learned only grows, so the walks end.
+    """
+
+    def __init__(self, sites: Sites, may_replicate: bool = True):
+        self.sites = sites
+        self.may_replicate = may_replicate  # False under a user plan: its roles are kept
+        self.narrowing = {
+            s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
+        }
+        self.gathered_early: dict[fx.Node, str] = {}
+        self.replicated: dict[str, str] = {}
+        self.reduced_early: set[fx.Node] = set()
+
+    def learn(self, plan: LayoutPlan) -> bool:
+        """Take every revision that pays on ``plan``; whether anything new was learned."""
+        idle = {s: why for s, why in self.idle_sources(plan).items() if s not in self.gathered_early}
+        early = self.partials_reduced_early(plan) - self.reduced_early
+        for source, why in idle.items():
+            if source in self.narrowing and self.may_replicate:
+                self.replicated[self.narrowing[source].weight_fqn] = why
+            else:
+                self.gathered_early[source] = why
+        self.reduced_early |= early
+        return bool(idle or early)
+
+    def idle_sources(self, plan: LayoutPlan) -> dict[fx.Node, str]:
+        """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once, each
+        with the first place its region met the replicated world.
+
+        Kept, a region costs a collective wherever it meets the replicated world (a gather out
+        of it, a replicated input entering it); revised, one gather per source."""
+        sites = self.sites
+        useful = _useful(plan, sites)
+        sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
+        if not plan.sequence_parallel:  # under sequence parallelism embeddings feed the sharded stream
+            sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
+        idle = {}
+        position: dict[fx.Node, int] = {}
+        for region in _regions(plan, useful):
+            region_sources = region & sources
+            cost = RegionCost(kept=_exit_cost(plan, region), revised=len(region_sources))
+            if not region_sources or not cost.no_dearer:  # a tie gathers early: sharding bought nothing
+                continue
+            exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
+            if exits and not position:
+                position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
+            first = min(exits, key=position.__getitem__, default=None)
+            why = describe(first) if first is not None else "nowhere"
+            idle.update({source: why for source in region_sources})
+        return idle
+
+    def partials_reduced_early(self, plan: LayoutPlan) -> set[fx.Node]:
+        """Rowwise products whose partial sums should be all-reduced where they are made.
+
+        A partial sum kept partial is reduced once, where a consumer needs the total, and two
+        of them added first share that reduction (a parallel block). But a partial multiplied by
+        a replicated value that carries a gradient (MoE routing weights) makes that value's
+        gradient partial too: one more all-reduce, in backward. Per connected region of partial
+        values, kept costs its reductions plus those ``enter_tp``s; revised, one all-reduce per
+        product. Counted in collectives: reducing early may move more bytes (a top-k MoE reduces
+        its k outputs per token before they are weighted and summed)."""
+        sites = self.sites
+        products = {s.node for s in sites.linears} | {s.node for s in sites.experts}
+        partial = {n for n, lay in plan.layouts.items() if lay in PARTIALS}
+        reduced_values = {v for (v, _), steps in plan.edges.items() if steps and steps[0].kind == REDUCE}
+        entered_pairs = [(v, c) for (v, c), steps in plan.edges.items() if any(s.kind == ENTER_TP for s in steps)]
+        early: set[fx.Node] = set()
+        for region in _components(partial, lambda value, user: (value, user) not in plan.edges):
+            sources = {n for n in region if not any(i in region for i in n.all_input_nodes)}
+            if not sources <= products:
+                continue
+            entered = {v for v, c in entered_pairs if c in region and v not in region}
+            cost = RegionCost(kept=len(reduced_values & region) + len(entered), revised=len(sources))
+            if entered and cost.cheaper:  # a tie keeps the region partial
+                early |= sources
+        return early
 
 
 class Propagation:
@@ -279,15 +365,15 @@ class Propagation:
     :class:`LayoutPlan`.
 
     ``roles`` fixes the sites' roles (a user plan); ``carries_grad`` are the values a gradient
-    flows back through; ``revised`` is what earlier walks learned (:class:`_Revisions`).
+    flows back through; ``revised`` is what earlier walks learned (:class:`Revisions`).
     """
 
     def __init__(self, gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, str] | None = None,
                  options: PlanOptions = DEFAULT_OPTIONS, carries_grad: frozenset[fx.Node] = frozenset(),
-                 revised: _Revisions | None = None):
+                 revised: Revisions | None = None):
         self.gm, self.sites, self.tp, self.options = gm, sites, tp, options
         self.carries_grad = carries_grad
-        self.revised = revised or _Revisions()
+        self.revised = revised or Revisions(sites)
         self.fixed_roles = roles
         self.roles: dict[str, str] = dict(roles or {})
         self.layouts: dict[fx.Node, Layout] = {}
@@ -707,54 +793,6 @@ def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
         for user in top.users:
             edges[(top, user)] = _ENTER
         done.add(top)
-
-
-def _partials_cheaper_reduced_early(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
-    """Rowwise products whose partial sums should be all-reduced where they are made.
-
-    A partial sum kept partial is reduced once, where a consumer needs the total, and two
-    of them added first share that reduction (a parallel block). But a partial multiplied by
-    a replicated value that carries a gradient (MoE routing weights) makes that value's
-    gradient partial too: one more all-reduce, in backward. Per connected region of partial
-    values, keeping it costs its reductions plus those ``enter_tp``s; reducing each product
-    right away costs one all-reduce per product. The cheaper wins; a tie keeps the region
-    partial. Counted in collectives: reducing early may move more bytes (a top-k MoE reduces
-    its k outputs per token before they are weighted and summed)."""
-    products = {s.node for s in sites.linears} | {s.node for s in sites.experts}
-    partial = {n for n, lay in plan.layouts.items() if lay in PARTIALS}
-    reduced_values = {v for (v, _), steps in plan.edges.items() if steps and steps[0].kind == REDUCE}
-    entered_pairs = [(v, c) for (v, c), steps in plan.edges.items() if any(s.kind == ENTER_TP for s in steps)]
-    early: set[fx.Node] = set()
-    for region in _components(partial, lambda value, user: (value, user) not in plan.edges):
-        sources = {n for n in region if not any(i in region for i in n.all_input_nodes)}
-        if not sources <= products:
-            continue
-        reduced = reduced_values & region
-        entered = {v for v, c in entered_pairs if c in region and v not in region}
-        if entered and len(sources) < len(reduced) + len(entered):
-            early |= sources
-    return early
-
-
-def _idle_sources(plan: LayoutPlan, sites: Sites) -> dict[fx.Node, str]:
-    """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once,
-    each with the first place its region met the replicated world."""
-    useful = _useful(plan, sites)
-    sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
-    if not plan.sequence_parallel:  # under sequence parallelism embeddings feed the sharded stream
-        sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
-    idle = {}
-    position: dict[fx.Node, int] = {}
-    for region in _regions(plan, useful):
-        region_sources = region & sources
-        if region_sources and len(region_sources) <= _exit_cost(plan, region):
-            exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
-            if exits and not position:
-                position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
-            first = min(exits, key=position.__getitem__, default=None)
-            why = describe(first) if first is not None else "nowhere"
-            idle.update({source: why for source in region_sources})
-    return idle
 
 
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
