@@ -24,7 +24,7 @@ from autoshard.carry import check_activations_carry
 from autoshard.errors import in_stage
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
-from autoshard.passes.capture import CapturedGraph, capture, parameters_on_meta
+from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module, parameters_on_meta
 from autoshard.passes.checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.passes.checkpointing import apply_activation_checkpointing
 from autoshard.passes.discover import Sites, find_sites
@@ -37,7 +37,7 @@ from autoshard.passes.propagate import LayoutPlan, propagate
 from autoshard.passes.transpose import rewrite_linears
 from autoshard.passes.verify import verify
 from autoshard.plan import Plan, mixed_precision_of
-from autoshard.proof import Proof, Subject, copy_graph_module, prove, vocabularies
+from autoshard.proof import Proof, Subject, prove, vocabularies
 from autoshard.retarget import retarget
 from autoshard.sharding import REPLICATED, Role, placements_text, shard_on
 

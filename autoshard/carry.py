@@ -8,16 +8,17 @@ was made for and compared with the new mesh's result.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 from autoshard.options import PlanOptions
+from autoshard.passes.capture import copy_graph_module
 from autoshard.passes.discover import find_sites
 from autoshard.passes.normalize import normalize
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import propagate
 from autoshard.plan import ParamSharding, Plan
 from autoshard.retarget import mesh_axes, mesh_text
+from autoshard.sharding import Role
 
 
 def check_activations_carry(
@@ -25,7 +26,7 @@ def check_activations_carry(
     final: Plan,
     captured,
     sites,
-    roles: dict[str, str],
+    roles: dict[str, Role],
     dp_placements: dict[str, str],
     options: PlanOptions,
 ) -> None:
@@ -41,9 +42,10 @@ def check_activations_carry(
     new = mesh_axes(final.mesh)
     if not (old.has_tp and new.has_tp) or old.tp == new.tp:
         return
-    # on a copy: propagation may rewrite the graph (norms over a sharded width), and the
-    # graph of ``final`` is the one the pipeline goes on to shard
-    twin = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
+    # on a copy of the graph (its weights shared): normalizing and propagating rewrite it for a
+    # tp size (kv heads expanded where tp cuts finer, a norm over a sharded width written
+    # out), and the graph of ``final`` is the one the pipeline goes on to shard
+    twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     twin_sites = find_sites(twin.gm, twin.param_shapes)
     normalize(twin.gm, twin_sites, old.tp)
     layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, options.strict())

@@ -28,7 +28,6 @@ those.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -242,19 +241,6 @@ def _rounding_noise(subject: Subject, inputs: list, weights: dict, buffers: dict
 
 
 # --- inputs and weights ----------------------------------------------------------------------
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph (same node names, shared attributes)."""
-    graph = fx.Graph()
-    output, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
-    graph.output(output).meta = copy.copy(old_output.meta)
-    graph._codegen = gm.graph._codegen  # the calling convention, shared (it is never written)
-    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for attr in ("_in_spec", "_out_spec"):
-        if hasattr(gm, attr):
-            setattr(copied, attr, getattr(gm, attr))
-    return copied
 
 
 def vocabularies(sites) -> dict[str, tuple[int, int | None]]:

@@ -387,3 +387,16 @@ def _path_name(path, arg_names: tuple[str, ...]) -> str:
 def _first_lines(text: str, n: int = 6) -> str:
     lines = text.strip().splitlines()
     return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (same node names, shared attributes)."""
+    graph = fx.Graph()
+    output, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(output).meta = copy.copy(old_output.meta)
+    graph._codegen = gm.graph._codegen  # the calling convention, shared (it is never written)
+    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(copied, attr, getattr(gm, attr))
+    return copied

@@ -74,7 +74,7 @@ def build_plan(
     )
 
 
-def _expert_note(site, role: str, tp_dim: int) -> str:
+def _expert_note(site, role: Role, tp_dim: int) -> str:
     """Why an expert weight is cut where it is: which matmul reads it, and as what."""
     dims = "output" if role == COLWISE else "input"
     return (
@@ -111,7 +111,7 @@ _VOCAB_PARALLEL_NOTE = (
 )
 
 
-def _role_of(fqn: str, site, roles: dict[str, str]):
+def _role_of(fqn: str, site, roles: dict[str, Role]):
     """(role, transposed, note); the tp-sharded dim follows from the role (``TP_DIM_BY_ROLE``)."""
     if site is None:
         return REPLICATE, False, ""

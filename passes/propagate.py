@@ -150,7 +150,7 @@ class LayoutPlan:
     size.
     """
 
-    roles: dict[str, str]
+    roles: dict[str, Role]
     layouts: dict[fx.Node, Layout]
     edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]]
     new_args: dict[fx.Node, tuple]
@@ -206,7 +206,7 @@ def propagate(
     gm: fx.GraphModule,
     sites: Sites,
     tp: int,
-    roles: dict[str, str] | None = None,
+    roles: dict[str, Role] | None = None,
     options: PlanOptions = DEFAULT_OPTIONS,
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts, on a graph :func:`~autoshard.passes.
@@ -368,14 +368,14 @@ class Propagation:
     flows back through; ``revised`` is what earlier walks learned (:class:`Revisions`).
     """
 
-    def __init__(self, gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, str] | None = None,
+    def __init__(self, gm: fx.GraphModule, sites: Sites, tp: int, roles: dict[str, Role] | None = None,
                  options: PlanOptions = DEFAULT_OPTIONS, carries_grad: frozenset[fx.Node] = frozenset(),
                  revised: Revisions | None = None):
         self.gm, self.sites, self.tp, self.options = gm, sites, tp, options
         self.carries_grad = carries_grad
         self.revised = revised or Revisions(sites)
         self.fixed_roles = roles
-        self.roles: dict[str, str] = dict(roles or {})
+        self.roles: dict[str, Role] = dict(roles or {})
         self.layouts: dict[fx.Node, Layout] = {}
         self.edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
         self.new_args: dict[fx.Node, tuple] = {}
@@ -466,7 +466,7 @@ class Propagation:
 
     # --- roles ----------------------------------------------------------------------------
 
-    def divisible_role(self, site, role: str) -> str:
+    def divisible_role(self, site, role: Role) -> Role:
         """``role``, or replicate (noted) when a dim does not divide by tp and the plan is ours."""
         indivisible = _indivisible(site, role, self.tp)
         if indivisible is None:
@@ -854,7 +854,7 @@ def _ndim(node: fx.Node) -> int:
     return node.meta["val"].dim()
 
 
-def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool) -> str:
+def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool) -> Role:
     if fixed_roles is not None:
         role = fixed_roles.get(site.weight_fqn)
         allowed = (VOCAB_PARALLEL, REPLICATE) if tied else (COLWISE, ROWWISE, REPLICATE)
@@ -869,7 +869,7 @@ def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool)
     return ROWWISE if input_layout == _ndim(site.input) - 1 else COLWISE
 
 
-def _indivisible(site, role: str, tp: int) -> Indivisible | None:
+def _indivisible(site, role: Role, tp: int) -> Indivisible | None:
     """Why ``site`` cannot take ``role`` on ``tp`` ranks (a dim that does not divide), or None."""
     if role == REPLICATE or tp == 1:
         return None

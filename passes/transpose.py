@@ -28,6 +28,7 @@ from autoshard.errors import describe
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL, LayoutPlan, RowwiseExit
+from autoshard.sharding import Role
 
 aten = torch.ops.aten
 
@@ -61,7 +62,7 @@ def rewrite_linears(
 
 
 def _rewrite(
-    graph: fx.Graph, site: LinearSite, role: str, tp_group: str | None, scatter: bool = False, reduce_dtype=None
+    graph: fx.Graph, site: LinearSite, role: Role, tp_group: str | None, scatter: bool = False, reduce_dtype=None
 ) -> None:
     sums = (reduce_dtype,) if reduce_dtype is not None else ()
     node = site.node
