@@ -150,9 +150,26 @@ def plan(
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
-    ``mesh`` may also be a mapping of axis sizes (``{"dp": 2, "tp": 2}``) to
-    plan for a mesh that does not exist in this process. The other options are
-    :func:`autoshard`'s.
+    One process, no process group: the model is captured on its example inputs
+    and planned; nothing is sharded or run.
+
+    Args:
+        model: the single-device model (left untouched).
+        mesh: a ``DeviceMesh``, or a mapping of axis sizes (``{"dp": 2, "tp": 4}``)
+            to plan for a mesh that does not exist in this process.
+
+    Keyword Args:
+        example_inputs, example_kwargs, on_indivisible, loss_parallel, dynamic_shapes,
+        sequence_parallel, mp_policy, all_gather_quant, trace_blocks_once: as
+        :func:`autoshard`'s.
+
+    Returns:
+        The :class:`~autoshard.plan.Plan` :func:`autoshard` would apply.
+
+    Example::
+
+        plan = autoshard.plan(model, {"dp": 2, "tp": 4}, example_inputs=(tokens,))
+        print(plan)
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)

@@ -352,9 +352,25 @@ def default_mesh() -> DeviceMesh:
 def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", **autoshard_options) -> AutoshardBackend:
     """A backend for ``torch.compile(model, backend=autoshard.backend(mesh))``.
 
-    ``mesh`` defaults to :func:`default_mesh`. ``compiler`` compiles the
-    sharded blocks (``"inductor"`` or ``"aot_eager"``); other keywords are
-    :func:`autoshard.autoshard`'s.
+    Args:
+        mesh: the ``dp x tp`` mesh; defaults to :func:`default_mesh`.
+
+    Keyword Args:
+        compiler: the dynamo backend each sharded FSDP block is compiled with
+            (``"inductor"``, ``"aot_eager"``, ``"eager"``).
+        autoshard_options: :func:`autoshard.autoshard`'s keywords (not
+            ``example_inputs``, which come from dynamo, nor ``plan``).
+
+    Returns:
+        The :class:`AutoshardBackend`: after the compiled model's first call it
+        holds ``plan``, ``parameters()`` and ``state_dict()``;
+        :meth:`~AutoshardBackend.attach` hands an optimizer or the model over.
+
+    Example::
+
+        backend = autoshard.backend(mesh)
+        compiled = torch.compile(model, backend=backend)
+        optimizer = backend.attach(torch.optim.AdamW(model.parameters()))
     """
     return AutoshardBackend(mesh, compiler, **autoshard_options)
 

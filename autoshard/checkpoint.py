@@ -58,6 +58,9 @@ def full_state_dict(sharded: nn.Module) -> OrderedDict:
     ``torch.save(full_state_dict(sharded), f)`` writes the bytes
     ``torch.save(model.state_dict(), f)`` would. For models too large for one
     rank, save with DCP (:func:`save_checkpoint`) instead.
+
+    Args:
+        sharded: the module :func:`autoshard.autoshard` returned.
     """
     state = sharded.state_dict()
     full = OrderedDict()
@@ -194,6 +197,13 @@ def save_checkpoint(
     ``directory`` must be one filesystem every rank sees. ``process_group``
     is the ranks that hold ``sharded`` (default: every rank of the job); give
     it when the module's mesh covers only part of the job, as DCP's own.
+
+    Args:
+        directory: the checkpoint root, seen by every rank.
+        step: the training step (``>= 0``), the step directory's name.
+        sharded: the module :func:`autoshard.autoshard` returned.
+        optimizer: its optimizer, saved with it (its state in the original layout).
+        process_group: see above.
     """
     if step < 0:
         raise ValueError(f"autoshard: checkpoint step must be >= 0, got {step}")
@@ -236,6 +246,12 @@ def load_latest(directory: str | os.PathLike, sharded: nn.Module,
     Step directories without a valid commit marker (torn by a failure during
     save) are skipped with a warning. Rank 0 chooses, so every rank loads the
     same checkpoint.
+
+    Args:
+        directory: the checkpoint root :func:`save_checkpoint` wrote to.
+        sharded: the module to load into (any mesh: DCP reshards).
+        optimizer: its optimizer, loaded too when given.
+        process_group: the ranks that hold ``sharded``, as for :func:`save_checkpoint`.
     """
     choice = [latest_checkpoint(directory) if _rank(process_group) == 0 else None]
     if _distributed():

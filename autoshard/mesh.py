@@ -137,6 +137,9 @@ def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
     Ranks that differ only in ``tp`` take the same batch; under HSDP the index
     runs over ``(dp_replicate, dp_shard)`` coordinates, replicate outer. A
     tp-only mesh has one batch.
+
+    Args:
+        mesh: the mesh the model is sharded over (as given to :func:`autoshard.autoshard`).
     """
     axes = read_mesh(mesh)
     index = 0

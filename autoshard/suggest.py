@@ -112,8 +112,24 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
                  verbose: bool = True) -> MeshSuggestion:
     """Rank the meshes ``world_size`` ranks can form for ``model`` (see the module docstring).
 
-    ``example_inputs``/``example_kwargs`` are the *global* batch (dim 0 is split over
-    the data-parallel ranks). Prints the ranked table unless ``verbose=False``.
+    Args:
+        model: the single-device model (left untouched).
+        world_size: the number of ranks to arrange.
+
+    Keyword Args:
+        example_inputs, example_kwargs: the *global* batch (dim 0 is split over the
+            data-parallel ranks of each candidate).
+        memory_per_rank: bytes a rank may hold; a mesh that needs more is kept in the
+            table, marked, and ranked last.
+        links: link bandwidths and latencies (:class:`Links`; default: one probe on the
+            current process group).
+        flops_per_second: one rank's compute rate (default: a short fp32 matmul here).
+        mp_policy: FSDP2's mixed-precision policy, as for :func:`autoshard.autoshard`.
+        optimizer_states: tensors the optimizer keeps per parameter (2 for Adam).
+        verbose: print the ranked table.
+
+    Returns:
+        A :class:`MeshSuggestion`: the candidates ranked by predicted step time.
     """
     from autoshard.api import plan_result
 
