@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import torch.nn as nn
 
-from autoshard.sharding import ALL_GATHER, Role
+from autoshard.sharding import ALL_GATHER, FWD, Role
 
 LINEAR, EMBEDDING = "linear", "embedding"
 
@@ -115,7 +115,7 @@ def to_parallelize_plan(plan, model: nn.Module | None = None) -> ParallelizePlan
 
 def _gathered(entry) -> bool:
     """Whether the plan all-gathers this colwise weight's output right away (no rowwise reads it)."""
-    return any(c.kind == ALL_GATHER and c.subject == "output" and c.direction == "fwd" for c in entry.collectives)
+    return any(c.kind == ALL_GATHER and c.subject == "output" and c.direction == FWD for c in entry.collectives)
 
 
 _HF_STYLE = {

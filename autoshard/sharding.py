@@ -323,6 +323,16 @@ class Step(enum.Enum):
 _PAST = {ALL_REDUCE: "all-reduced", ALL_GATHER: "all-gathered", REDUCE_SCATTER: "reduce-scattered"}
 
 
+class Direction(_Spelled):
+    """When a collective runs in a training step."""
+
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+
+
+FWD, BWD = Direction.FORWARD, Direction.BACKWARD
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective of a training step on mesh axis ``axis``, as the plan records it.
@@ -337,7 +347,7 @@ class Collective:
     """
 
     kind: str
-    direction: str
+    direction: Direction | str  # a version-1 plan's record keeps the first word of its prose
     subject: str
     cause: str = ""
     shared_by: tuple[str, ...] = ()
@@ -365,7 +375,7 @@ class Collective:
         if self.kind == NO_COLLECTIVE:
             return f"{self.subject} returned sharded over the vocabulary (loss parallel), not gathered"
         if self.kind == TAKE_SHARD:
-            return f"take shard of {self.subject} on dim {self.dim}{cause} (bwd all-gather)"
+            return f"take shard of {self.subject} on dim {self.dim}{cause} ({BWD} {ALL_GATHER})"
         if not self.counted:
             first = _short(self.shared_by[0])
             if self.kind == GATHER_SCATTER:
@@ -375,7 +385,7 @@ class Collective:
         if len(self.shared_by) > 1:
             shared = f" (shared by {len(self.shared_by)}: {', '.join(_short(n) for n in self.shared_by)})"
         if self.kind == GATHER_SCATTER:
-            return f"fwd all-gather {self.subject}{over}, bwd reduce-scatter its grad{cause}{shared}"
+            return f"{FWD} {ALL_GATHER} {self.subject}{over}, {BWD} {REDUCE_SCATTER} its grad{cause}{shared}"
         return f"{self.direction} {self.kind} {self.subject}{over}{cause}{shared}"
 
     def to_dict(self) -> dict:
@@ -390,7 +400,7 @@ class Collective:
     def from_dict(cls, data) -> Collective:
         """A version-2 record, or a version-1 string (kept as prose; counted as version 1 did)."""
         if isinstance(data, str):
-            runs = data.startswith(("fwd", "bwd all-reduce"))
+            runs = data.startswith((FWD, f"{BWD} {ALL_REDUCE}"))
             kind = next((k for k in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER) if k in data), NO_COLLECTIVE)
             return cls(kind, data.split(" ", 1)[0], "", counted=runs, legacy_text=data)
         if "text" in data:
@@ -401,6 +411,10 @@ class Collective:
             raise ValueError(f"autoshard: plan collective {dict(data)!r} has unknown fields or kind")
         values = {k: data[k] for k in known if k in data}
         values["shared_by"] = tuple(values.get("shared_by", ()))
+        try:
+            values["direction"] = Direction(values.get("direction"))
+        except ValueError as err:
+            raise ValueError(f"autoshard: plan collective {dict(data)!r} has an unknown direction") from err
         return cls(**values)
 
 

@@ -33,6 +33,8 @@ from autoshard.passes.propagate import (
 from autoshard.plan import ParamSharding, Plan
 from autoshard.sharding import (
     ALL_REDUCE,
+    BWD,
+    FWD,
     GATHER_SCATTER,
     REDUCE_SCATTER,
     Collective,
@@ -224,12 +226,12 @@ class _Records:
                 continue
             if exit_ is RowwiseExit.REDUCE_SCATTER:
                 self.add(site.weight_fqn, _sized(
-                    Collective(REDUCE_SCATTER, "fwd", "output", over_sequence=True), site.output))
+                    Collective(REDUCE_SCATTER, FWD, "output", over_sequence=True), site.output))
                 if site.bias_node is not None and site.output is site.node:  # added to this rank's rows only
                     self.add(site.bias_node.target, _sized(
-                        Collective(ALL_REDUCE, "bwd", "grad", cause="its rows of the sequence only"), site.bias_node))
+                        Collective(ALL_REDUCE, BWD, "grad", cause="its rows of the sequence only"), site.bias_node))
             else:
-                self.add(site.weight_fqn, _sized(Collective(ALL_REDUCE, "fwd", "output"), site.output))
+                self.add(site.weight_fqn, _sized(Collective(ALL_REDUCE, FWD, "output"), site.output))
 
     def colwise_groups(self) -> None:
         """Colwise linears reading one input share its input-gradient all-reduce (or its
@@ -242,17 +244,17 @@ class _Records:
             names = tuple(s.weight_fqn for s in group)
             steps = self.lp.edges.get((group[0].input, group[0].node), ())
             if any(step.kind is Step.GATHER_FOR_COLWISE for step in steps):
-                first = Collective(GATHER_SCATTER, "fwd", "input", over_sequence=True, shared_by=names)
+                first = Collective(GATHER_SCATTER, FWD, "input", over_sequence=True, shared_by=names)
             elif group[0].input not in self.lp.carries_grad:
                 continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
             else:
-                first = Collective(ALL_REDUCE, "bwd", "input grad", shared_by=names)
+                first = Collective(ALL_REDUCE, BWD, "input grad", shared_by=names)
             _add_shared(self.by_weight, _sized(first, group[0].input))
 
     def embeddings(self) -> None:
         for site in self.sites.embeddings:
             if self.lp.roles[site.weight_fqn] == VOCAB_PARALLEL:
-                self.add(site.weight_fqn, _sized(Collective(ALL_REDUCE, "fwd", "embedding output"), site.node))
+                self.add(site.weight_fqn, _sized(Collective(ALL_REDUCE, FWD, "embedding output"), site.node))
 
     def edges(self) -> None:
         """Every redistribution propagation put on a use, once per value and step (a colwise
@@ -273,33 +275,33 @@ class _Records:
         if step.kind is Step.ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
             cause = f"sharded {describe(consumer)}"
             if value.op == "get_attr":
-                self.record(value.target, Collective(kind, "bwd", "grad", cause=cause), node, value)
+                self.record(value.target, Collective(kind, BWD, "grad", cause=cause), node, value)
             else:
-                self.record(None, Collective(kind, "bwd", f"grad of '{value.name}'", cause), node, value)
+                self.record(None, Collective(kind, BWD, f"grad of '{value.name}'", cause), node, value)
         elif step.kind is Step.GATHER:
             if value in self.origin:
-                collective = Collective(kind, "fwd", "output")
+                collective = Collective(kind, FWD, "output")
             else:
-                collective = Collective(kind, "fwd", f"'{value.name}'", describe(consumer))
+                collective = Collective(kind, FWD, f"'{value.name}'", describe(consumer))
             self.record(_region_origin(value, self.lp, self.origin), collective, node, value)
         elif step.kind is Step.GATHER_FOR_COLWISE:
-            collective = Collective(kind, "fwd", f"'{value.name}'", f"sharded {describe(consumer)}", over_sequence=True)
+            collective = Collective(kind, FWD, f"'{value.name}'", f"sharded {describe(consumer)}", over_sequence=True)
             self.record(None, collective, node, value)
         elif step.kind is Step.SHARDED_OUTPUT:
-            self.record(_region_origin(value, self.lp, self.origin), Collective(kind, "fwd", "output"), node, value)
+            self.record(_region_origin(value, self.lp, self.origin), Collective(kind, FWD, "output"), node, value)
         elif step.kind is Step.REDUCE:
             weights = tuple(_partial_origins(value, self.lp, self.origin))
             if not weights:
-                collective = Collective(kind, "fwd", f"partial sum '{value.name}'", describe(consumer))
+                collective = Collective(kind, FWD, f"partial sum '{value.name}'", describe(consumer))
                 self.record(None, collective, node, value)
             else:
-                _add_shared(self.by_weight, _sized(Collective(kind, "fwd", "output", shared_by=weights), value))
+                _add_shared(self.by_weight, _sized(Collective(kind, FWD, "output", shared_by=weights), value))
         elif step.kind is Step.TAKE_SHARD and value in self.lp.carries_grad:  # forward: no communication
             bucket = self.buckets.get(value, (value,))
             if value is not bucket[0]:
                 return  # one all-gather for the bucket, recorded with its first value
             subject = ", ".join(f"'{v.name}'" for v in bucket)
-            take = Collective(kind, "bwd", subject, describe(consumer), dim=step.dim)
+            take = Collective(kind, BWD, subject, describe(consumer), dim=step.dim)
             self.record(None, take, node, value, also=bucket[1:])
 
 
