@@ -93,7 +93,8 @@ class Why:
     parameter. The tp decisions (rendered only on a mesh with tp): ``indivisible`` (replicated,
     a dim does not divide), ``computed_whole`` (replicated: why a narrowing linear is computed
     whole), ``gathered_early_at`` (colwise output all-gathered right away; where its sharded
-    region would have ended).
+    region would have ended), ``read_whole`` (a block's table or scale no matmul reads, kept
+    whole over tp by choice: its reader and what that costs).
     """
 
     about: str = ""
@@ -101,6 +102,7 @@ class Why:
     indivisible: Indivisible | None = None
     computed_whole: str = ""
     gathered_early_at: str = ""
+    read_whole: str = ""
 
     def note(self, tp: int | None, padding: str = "") -> str:
         """The note on a mesh with tp axis size ``tp`` (None: no tp axis); ``padding`` is FSDP's."""
@@ -110,7 +112,9 @@ class Why:
             main = self._indivisible_note(tp)
         elif tp is not None and self.computed_whole:
             main = f"replicated over tp: {self.computed_whole}"
-        elif self.indivisible is not None or self.computed_whole:
+        elif tp is not None and self.read_whole:
+            main = f"replicated over tp: {self.read_whole}"
+        elif self.indivisible is not None or self.computed_whole or self.read_whole:
             main = ""
         parts += [main] if main else []
         if tp is not None and self.gathered_early_at:
@@ -123,7 +127,7 @@ class Why:
         """These decisions carried to a mesh with tp axis size ``tp`` (None: no tp axis): without tp
         the tp decisions go; a dim that still does not divide is stated for the new size."""
         if tp is None:
-            return dataclasses.replace(self, indivisible=None, computed_whole="", gathered_early_at="")
+            return dataclasses.replace(self, indivisible=None, computed_whole="", gathered_early_at="", read_whole="")
         if self.indivisible is not None and self.indivisible.size % tp:
             return dataclasses.replace(self, indivisible=dataclasses.replace(self.indivisible, tp=tp))
         return self
@@ -137,7 +141,7 @@ class Why:
 
     def to_dict(self) -> dict:
         data = {"about": self.about, "tied_with": list(self.tied_with), "computed_whole": self.computed_whole,
-                "gathered_early_at": self.gathered_early_at}
+                "gathered_early_at": self.gathered_early_at, "read_whole": self.read_whole}
         if self.indivisible is not None:
             data["indivisible"] = dataclasses.asdict(self.indivisible)
         return {k: v for k, v in data.items() if v}
@@ -152,6 +156,7 @@ class Why:
             if indivisible else None,
             computed_whole=str(data.get("computed_whole", "")),
             gathered_early_at=str(data.get("gathered_early_at", "")),
+            read_whole=str(data.get("read_whole", "")),
         )
 
 

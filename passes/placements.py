@@ -10,13 +10,14 @@ way. No parameter ever has two mesh axes on one dim (no ``_StridedShard``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoshard.errors import describe, source_line
-from autoshard.mesh import MeshAxes, dp_choice
+from autoshard.mesh import TP, MeshAxes, dp_choice
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import owner_block, unit_of_node
@@ -65,6 +66,10 @@ def build_plan(
                           (dp_placements or {}).get(fqn), collectives.get(fqn, ()) if axes.has_tp else ())
         for fqn, shape in captured.param_shapes.items()
     }
+    breaks = ()
+    if axes.has_tp:
+        entries, whole = _whole_weights(entries, captured, axes)
+        breaks = _breaks(layout_plan, captured.block_fqns, whole)
     return Plan(
         mesh=axes.to_dict(),
         params=entries,
@@ -72,8 +77,73 @@ def build_plan(
         activations=tuple(activations) if axes.has_tp else (),
         activation_units=tuple(unit_of_node(n, captured.block_fqns) for n in activation_nodes) if axes.has_tp else (),
         functions=tuple(str(f) for f in captured.functions),
-        breaks=_breaks(layout_plan, captured.block_fqns) if axes.has_tp else (),
+        breaks=breaks,
     )
+
+
+# Ops that multiply by a weight: a weight they read whole over tp is a block's bulk compute left
+# unsharded. Other readers (a table indexed, a scale multiplied elementwise) are cheap to keep whole.
+_MATMUL_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_grouped_mm", "einsum",
+                 "_scaled_mm")
+    if hasattr(torch.ops.aten, name)
+)
+# Ops a weight passes through on its way to the op that uses it: views and casts.
+_PASS_THROUGH = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("t", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze", "_to_copy", "clone",
+                 "contiguous", "alias", "_unsafe_view")
+    if hasattr(torch.ops.aten, name)
+) | {torch.ops.aten.transpose.int, torch.ops.aten.to.dtype}
+
+
+def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, axes: MeshAxes):
+    """Every block parameter of 2 or more dims left whole over tp is accounted for.
+
+    Replicated by choice (a narrowing linear computed whole, a table or scale no matmul
+    reads) it says so in its note, with what it costs; replicated against the plan's aim
+    (a matmul reads it whole: its dims do not divide, or no rule shards its reader) it is
+    a break of its block, returned as ``(unit, where)`` so ``plan.breaks`` lists it.
+    Returns the entries (with the by-choice notes) and those breaks.
+    """
+    readers = _readers(captured.gm.graph)
+    out, whole = dict(entries), []
+    for fqn, entry in entries.items():
+        if not entry.unit or len(entry.shape) < 2 or entry.sharded_dim(TP) is not None or entry.why.computed_whole:
+            continue
+        matmuls = [r for r in readers.get(fqn, ()) if r.target in _MATMUL_OPS]
+        if entry.why.indivisible is not None or matmuls:
+            why = entry.why.indivisible.reason() if entry.why.indivisible is not None else (
+                f"read whole by {describe(matmuls[0])}")
+            whole.append((entry.unit, f"'{fqn}' replicated over tp: {why}"))
+            continue
+        first = next(iter(readers.get(fqn, ())), None)
+        reader = describe(first) if first is not None else "nothing in the graph"
+        why = dataclasses.replace(entry.why, read_whole=(
+            f"read by {reader}, no matmul: {math.prod(entry.shape)} elements kept whole on every tp rank"))
+        padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
+        out[fqn] = dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
+    return out, tuple(whole)
+
+
+def _readers(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Parameter FQN -> the ops that use it, past views and casts, in graph order."""
+    readers: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        frontier, seen = list(node.users), set()
+        while frontier:
+            user = frontier.pop(0)
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target in _PASS_THROUGH:
+                frontier += list(user.users)
+            else:
+                readers.setdefault(node.target, []).append(user)
+    return readers
 
 
 def _expert_note(site, role: Role, tp_dim: int) -> str:
@@ -85,11 +155,11 @@ def _expert_note(site, role: Role, tp_dim: int) -> str:
     )
 
 
-def _breaks(lp: LayoutPlan, block_fqns) -> tuple[tuple[str, str], ...]:
+def _breaks(lp: LayoutPlan, block_fqns, whole: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
     """Where a block's tp sharding ends before a rowwise linear: sharded values gathered
-    inside a block, and colwise outputs gathered at once (at the op that would have
-    ended their region)."""
-    found: dict[tuple[str, str], None] = {}
+    inside a block, colwise outputs gathered at once (at the op that would have ended
+    their region), and ``whole``: a block's weights a matmul reads whole over tp."""
+    found: dict[tuple[str, str], None] = dict.fromkeys(whole)
     for source, where in lp.gathered_early.items():
         unit = unit_of_node(source, block_fqns)
         if unit:

@@ -355,6 +355,28 @@ class LoopExperts(Experts):
         return out
 
 
+class GroupedExperts(Experts):
+    """torchtitan's ``GroupedExperts``: the (token, choice) rows sorted by expert, then one
+    ``torch._grouped_mm`` per weight over each expert's run of rows (``offs``: where each run
+    ends), in bf16 as the kernel requires."""
+
+    def forward(self, x, top_idx, top_w):
+        tokens, k = top_idx.shape
+        ids = top_idx.reshape(-1)
+        order = ids.argsort(stable=True)
+        rows = x.repeat_interleave(k, dim=0)[order]
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add(
+            0, ids, torch.ones_like(ids))
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(rows.bfloat16(), self.gate_up_proj.bfloat16().transpose(-2, -1), offs=offsets)
+        gate, up = h.float().chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        out = torch._grouped_mm(h.bfloat16(), self.down_proj.bfloat16().transpose(-2, -1), offs=offsets).float()
+        out = torch.empty_like(out).index_copy(0, order, out)  # back to (token, choice) order
+        out = out * top_w.reshape(-1, 1)
+        return out.view(tokens, k, -1).sum(dim=1)
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: Config, experts: type[Experts], num_experts: int = 4, top_k: int = 2):
         super().__init__()
@@ -372,8 +394,8 @@ class MoEFeedForward(nn.Module):
 
 
 class ExpertsMoE(Decoder):
-    def __init__(self, cfg: Config = Config(), loop: bool = False):
-        experts = LoopExperts if loop else IndexedExperts
+    def __init__(self, cfg: Config = Config(), loop: bool = False, experts: type[Experts] | None = None):
+        experts = experts or (LoopExperts if loop else IndexedExperts)
         super().__init__(cfg, lambda c: Block(c, QKVAttention, lambda c2: MoEFeedForward(c2, experts)))
 
 
@@ -574,6 +596,7 @@ PATTERNS = {
     "custom_function": CustomFunctionMLP,
     "moe_indexed": ExpertsMoE,
     "moe_loop": lambda: ExpertsMoE(loop=True),
+    "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,

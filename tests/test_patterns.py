@@ -18,6 +18,7 @@ from autoshard.comm_stats import CollectiveCounter
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, lm_loss, train_both
 from tests.pattern_models import PATTERNS, VOCAB
+from tests.plan_invariants import assert_breaks_complete
 
 # tp collectives per block per training step (forward + backward), the analytic minimum:
 # a sequential block 2 + 2 (attention output and MLP output all-reduced forward, one input
@@ -59,6 +60,7 @@ def test_pattern_is_proven_at_its_minimum(name, mesh):
     assert proof.ok, str(proof)
     plan = proof.plan
     assert not plan.breaks, f"{name}: tp stops inside blocks: {plan.breaks_line()}"
+    assert_breaks_complete(plan)
     if name == "custom_function":
         assert len(plan.functions) == 1 and "SiLUFunction" in plan.functions[0], plan.functions
     # fewer kv heads than tp: k and v are computed whole and cut per q head; their gradients

@@ -481,3 +481,56 @@ def test_why_a_weight_is_replicated_is_data_rendered_per_mesh():
     # a plan saved before decisions were kept as data keeps its note's text
     del data["params"]["up.weight"]["why"]
     assert Plan.from_dict(data).params["up.weight"].why.about == plan.params["up.weight"].note
+
+
+class _WholeWeightsBlock(nn.Module):
+    """A block with three weights tp leaves whole: a linear whose 6 outputs do not divide by 4,
+    a relative-position table read by indexing (as Swin's), and a stacked weight read by
+    ``torch._grouped_mm``."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.up = nn.Linear(dim, 32)
+        self.down = nn.Linear(32, dim)
+        self.odd = nn.Linear(dim, 6)
+        self.rel_table = nn.Parameter(torch.randn(9, 2))
+        self.experts = nn.Parameter(torch.randn(2, dim, dim) / 4)
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x)))
+        offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        h = h + torch._grouped_mm(x.bfloat16(), self.experts.bfloat16(), offs=offsets).float()
+        return x + h + self.odd(h).sum(-1, keepdim=True) + self.rel_table[3, 1]
+
+
+class _WholeWeightsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_WholeWeightsBlock(), _WholeWeightsBlock()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_never_claims_no_break_while_a_weight_of_it_is_whole_over_tp():
+    """Every block weight of 2+ dims replicated over tp is a break (a matmul reads it whole) or a
+    choice with its cost in the note (no matmul reads it); the proof holds either way."""
+    from tests.plan_invariants import assert_breaks_complete
+
+    proof = autoshard.check(_WholeWeightsNet(), {"dp": 2, "tp": 4}, example_inputs=(torch.randn(8, 16),))
+    assert proof.ok, str(proof)
+    plan = proof.plan
+    assert_breaks_complete(plan)
+    assert plan.breaks_line().startswith("tp breaks: 2 of 2 blocks")
+    for block in ("blocks.0", "blocks.1"):
+        where = {w.split("'")[1]: w for unit, w in plan.breaks if unit == block and w.startswith("'")}
+        assert set(where) == {f"{block}.experts", f"{block}.odd.weight"}, plan.breaks
+        assert "read whole by node '_grouped_mm" in where[f"{block}.experts"]
+        assert "output features (6) do not divide by the tp axis size 4" in where[f"{block}.odd.weight"]
+        table = plan.params[f"{block}.rel_table"]
+        assert table.why.read_whole.endswith("no matmul: 18 elements kept whole on every tp rank"), table.note
+        assert "(select.int)" in table.note
+    assert Plan.from_dict(plan.to_dict()) == plan  # the choice survives JSON
+    assert not plan.for_mesh({"dp": 8}).params["blocks.0.rel_table"].note.startswith("replicated over tp")

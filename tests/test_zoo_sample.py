@@ -17,6 +17,7 @@ import torch
 
 from autoshard import api
 from autoshard.options import DEFAULT_OPTIONS
+from tests.plan_invariants import assert_breaks_complete
 from tests.zoo import ZooCase
 
 SAMPLE = [
@@ -54,6 +55,7 @@ def test_zoo_family_is_proven(case):
         proof = api.prove_on(model, axes, args, kwargs, DEFAULT_OPTIONS, captured=captured)
         assert proof.ok, f"{case.family} on {name}: {proof}"
         assert proof.tp_collectives == proof.plan.predicted_comm().get("tp", {}), (case.family, name)
+        assert_breaks_complete(proof.plan)
         if name == "2x4" and case.kind != "encoder-decoder":  # whose encoder and decoder blocks differ
             blocks = [u for u in proof.plan.units if u]
             per_block = {proof.plan.num_tp_collectives(b) for b in blocks}
