@@ -251,6 +251,9 @@ def _reshape(node, layouts, tp):
         return None
     value, dim = found
     out_dim = _map_reshape(_shape(value), _shape(node), dim, tp)
+    sections = None
+    if out_dim is None:
+        out_dim, sections = _fused_reshape(_shape(value), _shape(node), dim, tp)
     if out_dim is None:
         return None
     args = None
@@ -266,7 +269,45 @@ def _reshape(node, layouts, tp):
             if sizes is None:
                 return None
             args = (value, node.args[1], sizes)
-    return Decision(out_dim, {value: dim}, args)
+    if sections is not None and args is None:
+        return None
+    return Decision(out_dim, {value: dim}, args, sections)
+
+
+def _fused_reshape(in_shape, out_shape, dim, tp) -> tuple[int | None, tuple[int, ...] | None]:
+    """A fused projection's sharded output dim unflattened into ``(sections, heads, ...)``, as
+    vision code splits q|k|v: ``qkv(x).reshape(B, N, 3, H, hd)``.
+
+    The sharded dim ``S`` must map alone to output dims ``(k, h, d, ...)`` with ``k >= 2``
+    sections of ``S / k`` and ``h`` dividing by tp. With the projection's columns stored
+    section by section per rank (its fused sections, as for a ``split``), each rank's
+    ``S / tp`` columns are ``k`` runs of ``S / (k * tp)``: locally ``(k, h / tp, ...)``.
+    Returns the output dim tp then cuts (``h``'s) and the sections, or ``(None, None)``.
+    """
+    size = in_shape[dim]
+    if not size.is_Integer:
+        return None, None
+    before = sympy.Mul(*in_shape[:dim])
+    j, product = 0, sympy.Integer(1)
+    while j < len(out_shape) and product != before:
+        product *= out_shape[j]
+        j += 1
+    if sympy.simplify(product - before) != 0:
+        return None, None
+    run, product = [], sympy.Integer(1)
+    while j < len(out_shape) and product != size:
+        product *= out_shape[j]
+        run.append(j)
+        j += 1
+    dims = [d for d in run if out_shape[d] != 1]
+    # (sections, heads, head_dim) at least: a plain (heads, head_dim) view is not a fusion, and
+    # cutting the head dim of kv heads fewer than tp would spread heads over ranks
+    if product != size or len(dims) < 3 or not out_shape[dims[0]].is_Integer:
+        return None, None
+    k, heads = int(out_shape[dims[0]]), dims[1]
+    if k < 2 or not divides(out_shape[heads], tp) or (int(size) // k) % tp:
+        return None, None
+    return heads, (int(size) // k,) * k
 
 
 def _complex_view(node, layouts, tp):

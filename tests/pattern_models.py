@@ -585,6 +585,42 @@ class ExpandAsMask(Decoder):
         return ((tokens % 7) != 0).long(),  # a padding mask of the ids
 
 
+# --- q|k|v fused the vision way: one reshape to (3, heads, head_dim), permute, unbind ----------
+
+
+class VisionQKVAttention(nn.Module):
+    """timm's ``Attention`` (ViT, DeiT, ...): ``qkv = Linear(dim, 3 * dim)`` with a bias,
+    ``qkv(x).reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)``, SDPA, ``proj``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.num_heads = cfg.heads
+        self.qkv = nn.Linear(cfg.dim, cfg.dim * 3)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+class VisionMlp(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.dim, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class VisionFusedQKV(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, VisionQKVAttention, VisionMlp))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -597,6 +633,7 @@ PATTERNS = {
     "moe_indexed": ExpertsMoE,
     "moe_loop": lambda: ExpertsMoE(loop=True),
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
+    "vision_fused_qkv": VisionFusedQKV,
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,

@@ -45,9 +45,11 @@ MINIMUM = {
     "arange_rope": 4,
     "fused_qkv_hooks": 4,
     "expand_as_mask": 4,
+    "vision_fused_qkv": 4,
 }
-# trained end to end on real gloo ranks: a dense block, the partial-sum regrouping, experts
-END_TO_END = ("interleaved_rope", "wide_qk_norm", "moe_loop")
+# trained end to end on real gloo ranks: a dense block, the partial-sum regrouping, experts, and
+# q|k|v fused the vision way
+END_TO_END = ("interleaved_rope", "wide_qk_norm", "moe_loop", "vision_fused_qkv")
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
