@@ -445,15 +445,23 @@ def _fused_slice(node, value, dim, size, tp):
 
 
 def _cat(node, layouts, tp):
-    tensors = node.args[0]
-    lays = [layouts.get(t) for t in tensors]
-    if any(lay is None or isinstance(lay, tuple) for lay in lays) or len(set(lays)) != 1:
+    """A cat along another dim than the sharded one stays sharded. Inputs replicated next to
+    sharded ones are read cut on that dim: a broadcast over it (MLA's shared rotary key,
+    ``k_pe.expand(-1, -1, H, -1)``) expands to the local size, anything else takes its shard."""
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    lays = {layouts.get(t) for t in tensors}
+    if any(isinstance(lay, tuple) for lay in lays):
         return None
-    dim = lays[0]
+    sharded = lays - {None}
+    if len(sharded) != 1:
+        return None
+    dim = next(iter(sharded))
+    if None in lays and not isinstance(dim, int):
+        return None  # partial sums and folded heads: only with every input alike
     along = _norm(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
     if along == dim:
         return None
-    return Decision(dim, dict(layouts))
+    return Decision(dim, {t: dim for t in tensors})
 
 
 # --- reductions and normalizations ---------------------------------------------

@@ -617,6 +617,9 @@ class Propagation:
         size, or a parameter read by this op alone, stored sharded over tp (see
         ``LayoutPlan.sharded_params``)."""
         if _shrink_broadcast(value, wanted, self.tp, self.new_args, self.layouts):
+            source = value.args[0]
+            if source in self.carries_grad:  # each rank's expand sums its gradient over local copies only
+                self.edges[(source, value)] = (Redistribute(ENTER_TP),)
             return True
         if value.op == "get_attr" and value.target in self.param_fqns and len(value.users) == 1 and isinstance(
                 wanted, int):

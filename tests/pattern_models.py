@@ -621,6 +621,44 @@ class VisionFusedQKV(Decoder):
         super().__init__(cfg, lambda c: Block(c, VisionQKVAttention, VisionMlp))
 
 
+# --- multi-head latent attention (DeepSeek-V2/V3) ------------------------------------------------
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek-V3's MLA as its reference code writes it: keys and values from a compressed
+    latent (``wkv_a`` -> norm -> ``wkv_b``), and one rotary key part shared by every head,
+    ``k = torch.cat([k_nope, k_pe.expand(-1, -1, H, -1)], dim=-1)``."""
+
+    def __init__(self, cfg: Config, kv_lora: int = 32, nope: int = 16, rope: int = 8, v_dim: int = 16):
+        super().__init__()
+        self.heads, self.kv_lora, self.nope, self.rope, self.v_dim = cfg.heads, kv_lora, nope, rope, v_dim
+        self.wq = nn.Linear(cfg.dim, cfg.heads * (nope + rope), bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, kv_lora + rope, bias=False)
+        self.kv_norm = nn.RMSNorm(kv_lora)
+        self.wkv_b = nn.Linear(kv_lora, cfg.heads * (nope + v_dim), bias=False)
+        self.wo = nn.Linear(cfg.heads * v_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.nope + self.rope)
+        q_nope, q_pe = torch.split(q, [self.nope, self.rope], dim=-1)
+        kv = self.wkv_a(x)
+        kv, k_pe = torch.split(kv, [self.kv_lora, self.rope], dim=-1)
+        cos = torch.cos(torch.arange(s, dtype=x.dtype))[None, :, None, None]
+        q_pe, k_pe = q_pe * cos, k_pe.unsqueeze(2) * cos  # a stand-in for the rotary embedding
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv)).view(b, s, self.heads, self.nope + self.v_dim)
+        k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LatentAttentionModel(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, LatentAttention))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -634,6 +672,7 @@ PATTERNS = {
     "moe_loop": lambda: ExpertsMoE(loop=True),
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
     "vision_fused_qkv": VisionFusedQKV,
+    "latent_attention": LatentAttentionModel,
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,

@@ -46,10 +46,13 @@ MINIMUM = {
     "fused_qkv_hooks": 4,
     "expand_as_mask": 4,
     "vision_fused_qkv": 4,
+    # the latent path (wkv_a, narrowing) is computed whole: the gradients of the latent and of the
+    # rotary key shared by all heads are each all-reduced in backward (2 more than a dense block)
+    "latent_attention": 6,
 }
 # trained end to end on real gloo ranks: a dense block, the partial-sum regrouping, experts, and
-# q|k|v fused the vision way
-END_TO_END = ("interleaved_rope", "wide_qk_norm", "moe_loop", "vision_fused_qkv")
+# q|k|v fused the vision way, and latent attention
+END_TO_END = ("interleaved_rope", "wide_qk_norm", "moe_loop", "vision_fused_qkv", "latent_attention")
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
