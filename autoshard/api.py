@@ -24,6 +24,7 @@ from autoshard.carry import check_activations_carry
 from autoshard.errors import in_stage
 from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
+from autoshard.passes.alternatives import settle
 from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module, parameters_on_meta
 from autoshard.passes.checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.passes.checkpointing import apply_activation_checkpointing
@@ -385,6 +386,9 @@ def plan_result(model, axes: MeshAxes, example_inputs, example_kwargs, given, op
         normalize(captured.gm, sites, axes.tp)
     with in_stage("propagate", captured.gm.graph):
         layout_plan = propagate(captured.gm, sites, axes.tp, roles, options)
+    if roles is None and axes.has_tp:
+        with in_stage("alternatives", captured.gm.graph):
+            layout_plan = settle(captured, sites, axes, options, layout_plan)
     with in_stage("plan", captured.gm.graph):
         final = build_plan(captured, sites, layout_plan, axes, dp_placements)
     if options.mp_policy is not None:

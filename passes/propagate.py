@@ -208,9 +208,11 @@ def propagate(
     tp: int,
     roles: dict[str, Role] | None = None,
     options: PlanOptions = DEFAULT_OPTIONS,
+    whole: dict[str, str] | None = None,
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts, on a graph :func:`~autoshard.passes.
-    normalize.normalize` has rewritten.
+    normalize.normalize` has rewritten. ``whole``: linears to compute whole over tp (weight FQN
+    -> why), as :mod:`autoshard.passes.alternatives` decides by comparing plans.
 
     Propagation reads the graph and rewrites one thing only: a norm over a width it shards
     (a q/k norm over all heads) is written out in ops that reduce over the sharded dim
@@ -228,7 +230,7 @@ def propagate(
     """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
-    revised = Revisions(sites, may_replicate=roles is None)
+    revised = Revisions(sites, may_replicate=roles is None, whole=whole)
     while True:
         plan = Propagation(gm, sites, tp, roles, options, carries_grad, revised).run()
         norms = _norms_over_sharded_width(plan, sites)
@@ -271,21 +273,21 @@ class Revisions:
     * :meth:`idle_sources`: a colwise output whose sharded region reaches no rowwise linear
       is gathered right after the matmul (``gathered_early``: source -> where its region
       would have ended), or, for a narrowing linear (fewer outputs than inputs, a router),
-      computed whole (``replicated``: FQN -> where);
+      computed whole (``replicated``: FQN -> why, as its note says it);
     * :meth:`partials_reduced_early`: partial products all-reduced where they are made
       (``reduced_early``).
 
     What is learned only grows, so the walks end.
     """
 
-    def __init__(self, sites: Sites, may_replicate: bool = True):
+    def __init__(self, sites: Sites, may_replicate: bool = True, whole: dict[str, str] | None = None):
         self.sites = sites
         self.may_replicate = may_replicate  # False under a user plan: its roles are kept
         self.narrowing = {
             s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
         }
         self.gathered_early: dict[fx.Node, str] = {}
-        self.replicated: dict[str, str] = {}
+        self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
         self.reduced_early: set[fx.Node] = set()
 
     def learn(self, plan: LayoutPlan) -> bool:
@@ -294,7 +296,10 @@ class Revisions:
         early = self.partials_reduced_early(plan) - self.reduced_early
         for source, why in idle.items():
             if source in self.narrowing and self.may_replicate:
-                self.replicated[self.narrowing[source].weight_fqn] = why
+                site = self.narrowing[source]
+                self.replicated[site.weight_fqn] = (
+                    f"its {site.out_features} outputs (fewer than its {site.in_features} inputs) feed no rowwise "
+                    f"linear (its sharded region ends at {why}); computed whole, it needs no collective")
             else:
                 self.gathered_early[source] = why
         self.reduced_early |= early
@@ -487,11 +492,7 @@ class Propagation:
         role = self.divisible_role(site, role)
         if site.weight_fqn in self.revised.replicated and self.fixed_roles is None:
             role = REPLICATE
-            self.notes[site.weight_fqn] = (
-                f"its {site.out_features} outputs (fewer than its {site.in_features} "
-                f"inputs) feed no rowwise linear (its sharded region ends at "
-                f"{self.revised.replicated[site.weight_fqn]}); computed whole, it needs no collective"
-            )
+            self.notes[site.weight_fqn] = self.revised.replicated[site.weight_fqn]
         self.roles[site.weight_fqn] = role
         if role in COLWISE_LIKE:
             # A gathered input still needs enter_tp: colwise input-gradients are partial.

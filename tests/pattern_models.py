@@ -659,6 +659,45 @@ class LatentAttentionModel(Decoder):
         super().__init__(cfg, lambda c: Block(c, LatentAttention))
 
 
+# --- adaLN-Zero modulation (DiT, SD3, Flux): per-sample shift, scale and gate from a condition -----
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class AdaLNBlock(nn.Module):
+    """DiT's block: ``adaLN_modulation = Sequential(SiLU(), Linear(dim, 6 * dim))`` on the
+    condition, chunked into shift/scale/gate for attention and MLP around affine-free norms."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.attn = VisionQKVAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.mlp = VisionMlp(cfg)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class AdaLNDecoder(Decoder):
+    """Blocks conditioned on a timestep embedding (sinusoids -> Linear -> SiLU -> Linear), the
+    timestep read from the first token so the model takes token ids like the others."""
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, AdaLNBlock)
+        self.t_embedder = nn.Sequential(nn.Linear(32, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+
+    def extra(self, tokens):
+        t = (tokens[:, :1] % 10).float()
+        freqs = torch.exp(-torch.arange(16, dtype=torch.float32) / 16)
+        return self.t_embedder(torch.cat([torch.cos(t * freqs), torch.sin(t * freqs)], dim=-1)),
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -673,6 +712,7 @@ PATTERNS = {
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
+    "adaln_modulation": AdaLNDecoder,
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,

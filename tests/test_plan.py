@@ -534,3 +534,21 @@ def test_a_block_never_claims_no_break_while_a_weight_of_it_is_whole_over_tp():
         assert "(select.int)" in table.note
     assert Plan.from_dict(plan.to_dict()) == plan  # the choice survives JSON
     assert not plan.for_mesh({"dp": 8}).params["blocks.0.rel_table"].note.startswith("replicated over tp")
+
+
+def test_a_per_sample_modulation_is_computed_whole_when_the_plan_costs_less():
+    """adaLN: sharding the modulation would cut the normalized stream and turn attention and MLP
+    the other way round; computed whole, each block costs the dense minimum, and the note says
+    why with both totals. Attention projections (every token) are never tried whole."""
+    from tests.pattern_models import PATTERNS, VOCAB
+
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = autoshard.plan(PATTERNS["adaln_modulation"](), {"tp": 4}, example_inputs=(tokens,))
+    modulation = plan.params["layers.0.adaLN_modulation.1.weight"]
+    assert modulation.placements["tp"] == Replicate()
+    assert "computed whole, the plan's tp collectives are" in modulation.note, modulation.note
+    kept, was = (int(n) for n in modulation.note.split("are ")[1].split(" instead of "))
+    assert kept == plan.num_tp_collectives() < was
+    assert plan.params["layers.0.attn.qkv.weight"].role == "colwise"
+    assert plan.params["layers.0.attn.proj.weight"].role == "rowwise"
+    assert not plan.breaks

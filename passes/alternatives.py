@@ -1,0 +1,163 @@
+"""Alternatives: choices one propagation walk cannot judge, settled by comparing whole plans.
+
+A walk decides each linear from its input's layout and revises regions by local counts
+(:class:`~autoshard.passes.propagate.Revisions`). Some choices change the roles of every linear
+downstream, so only the whole block's bill can judge them.
+
+The one such choice here: a colwise linear whose sharded output meets a replicated activation
+that carries a gradient, so that activation is cut to match (``take_shard``), and from there
+the block is sharded the other way round. The canonical case is adaLN modulation in diffusion
+transformers: ``shift, scale, gate = adaLN(silu(c)).chunk(...)``, then
+``norm(x) * (1 + scale) + shift``. Sharding the modulation turns the normalized stream
+tp-sharded, so attention's q/k/v become rowwise, its output projection colwise and gathered,
+and the block pays 9 tp collectives and 2 gathers instead of 4. Computed whole, the modulation
+is a ``[batch, 6 * dim]`` product, small next to the block's ``[tokens, dim]`` ones.
+
+So every such linear is tried computed whole, all at once (one more walk, not one per block),
+and the result is kept if the plan's tp collectives are fewer (tp wire bytes settle a tie).
+Computing a linear whole adds work on every rank, so only linears that together add at most
+:data:`COMPUTE_BUDGET` of their block's matmul work per rank (a root linear: of the model's)
+are tried: a per-sample modulation or a narrow input embedding, not an attention projection
+run on every token. The decision
+and both totals go into each weight's note.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from autoshard.mesh import TP, MeshAxes
+from autoshard.options import PlanOptions
+from autoshard.passes.capture import CapturedGraph
+from autoshard.passes.discover import Sites
+from autoshard.passes.partition import unit_of_node
+from autoshard.passes.placements import build_plan
+from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, propagate
+from autoshard.plan import Plan
+from autoshard.sharding import Step
+
+# A linear computed whole adds (1 - 1/tp) of its matmul work to every rank; all that one plan
+# computes whole this way may add at most this share of the model's matmul work per rank.
+COMPUTE_BUDGET = 1 / 8
+
+
+def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
+           layout_plan: LayoutPlan) -> LayoutPlan:
+    """``layout_plan``, or the plan with pulling linears computed whole while that costs less.
+
+    Each round tries every linear pulling on the current plan at once; a round that does not
+    lower the cost ends the search (so at most one walk per round is wasted, and rounds end:
+    the cost falls each time)."""
+    whole: dict[str, str] = {}
+    cost = None
+    budget = _Budget(layout_plan, sites, axes.tp, captured.block_fqns)
+    while True:
+        pulling = [fqn for fqn in _pulling_linears(layout_plan, sites) if fqn not in whole]
+        pulling = budget.affordable(pulling)
+        if not pulling:
+            return layout_plan
+        cost = cost or _cost(build_plan(captured, sites, layout_plan, axes))
+        trial = propagate(captured.gm, sites, axes.tp, None, options, whole=whole | dict.fromkeys(pulling, ""))
+        revised = _cost(build_plan(captured, sites, trial, axes))
+        if revised >= cost:
+            return layout_plan
+        why = (f"its sharded output would cut the replicated stream it meets and turn the linears after "
+               f"it; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}")
+        whole |= dict.fromkeys(pulling, why)
+        budget.spend(pulling)
+        layout_plan, cost = propagate(captured.gm, sites, axes.tp, None, options, whole=whole), revised
+
+
+class _Budget:
+    """Matmul work each FSDP unit may add per rank by computing linears whole.
+
+    A block's linear is weighed against its block's work per rank; a root linear (an input
+    embedding, a head) runs once on the stream every block reads, so against the model's.
+    Measured on the walk's first plan and spent across rounds, so rounds cannot raise it.
+    """
+
+    def __init__(self, plan: LayoutPlan, sites: Sites, tp: int, block_fqns):
+        self.tp = tp
+        self.flops = {s.weight_fqn: _matmul_flops(s) for s in sites.linears}
+        self.unit = {s.weight_fqn: unit_of_node(s.node, block_fqns) for s in sites.linears}
+        self.left: dict[str, float] = {}
+        if any(f is None for f in self.flops.values()):
+            return  # symbolic sizes: nothing is affordable
+        for fqn, flops in self.flops.items():
+            work = flops / (tp if plan.roles[fqn] in (COLWISE, ROWWISE) else 1)
+            for unit in {self.unit[fqn], ""}:
+                self.left[unit] = self.left.get(unit, 0.0) + COMPUTE_BUDGET * work
+
+    def affordable(self, pulling: list[str]) -> list[str]:
+        """The pulling linears this budget still pays for (smallest first); not yet spent."""
+        left, chosen = dict(self.left), []
+        for fqn in sorted(pulling, key=lambda f: self.flops[f] or 0):
+            extra = (self.flops[fqn] or 0) * (1 - 1 / self.tp)
+            unit = self.unit[fqn]
+            if unit in left and extra <= left[unit]:
+                left[unit] -= extra
+                chosen.append(fqn)
+        return chosen
+
+    def spend(self, chosen: list[str]) -> None:
+        for fqn in chosen:
+            self.left[self.unit[fqn]] -= self.flops[fqn] * (1 - 1 / self.tp)
+
+
+def _matmul_flops(site) -> int | None:
+    """2 x rows x in x out of a linear site, or None when its input's size is symbolic."""
+    val = site.input.meta.get("val")
+    numel = getattr(val, "numel", lambda: None)()
+    if not isinstance(numel, int):
+        return None
+    return 2 * (numel // site.in_features) * site.in_features * site.out_features
+
+
+def _pulling_linears(plan: LayoutPlan, sites: Sites) -> list[str]:
+    """Colwise linears whose sharded region cuts a replicated, gradient-carrying activation."""
+    cut_into = {consumer for (value, consumer), steps in plan.edges.items()
+                if value.op != "get_attr" and value in plan.carries_grad
+                and any(step.kind is Step.TAKE_SHARD for step in steps)}
+    if not cut_into:
+        return []
+    found = []
+    for site in sites.linears:
+        if plan.roles[site.weight_fqn] == COLWISE and _region(plan, site.output) & cut_into:
+            found.append(site.weight_fqn)
+    return found
+
+
+def _region(plan: LayoutPlan, source: fx.Node) -> set[fx.Node]:
+    """Values and ops reached from ``source`` through uses that keep it sharded."""
+    region, expanded, frontier = {source}, set(), [source]
+    while frontier:
+        node = frontier.pop()
+        if node in expanded:
+            continue
+        expanded.add(node)
+        for user in node.users:
+            steps = plan.edges.get((node, user), ())
+            if any(step.kind in (Step.GATHER, Step.GATHER_FOR_COLWISE) for step in steps):
+                continue
+            region.add(user)  # an op reading the sharded value, whatever it makes
+            layout = _layout(plan, user)
+            if layout is not None and layout not in PARTIALS:
+                frontier.append(user)
+    return region
+
+
+def _layout(plan: LayoutPlan, node: fx.Node):
+    """A node's layout; one output of a multi-output op (``getitem``) has its own."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        whole = plan.layouts.get(node.args[0])
+        if isinstance(whole, tuple) and isinstance(node.args[1], int) and node.args[1] < len(whole):
+            return whole[node.args[1]]
+    return plan.layouts.get(node)
+
+
+def _cost(plan: Plan) -> tuple[int, int]:
+    """(tp collectives per training step, tp wire bytes per rank)."""
+    wire = plan.predicted_comm().get(TP, {})
+    return plan.num_tp_collectives(), sum(bytes_ for _, bytes_ in wire.values())
