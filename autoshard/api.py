@@ -1,6 +1,6 @@
 """``autoshard()`` and ``plan()``: the only place the pipeline runs.
 
-capture -> discover -> normalize -> propagate -> placements (the plan) -> [ranks agree] -> layouts -> transpose
+capture -> discover -> normalize -> propagate -> alternatives -> placements (the plan) -> [ranks agree] -> layouts -> transpose
 -> partition -> [proof] -> materialize -> activation checkpointing -> verify
 
 ``_plan`` runs the stages up to the plan, ``_emit`` those that write the sharded code, and
@@ -357,7 +357,7 @@ class Checked:
 
 def plan_result(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
                 keep_reference: bool = False, captured: CapturedGraph | None = None) -> PlanResult:
-    """Capture, discover, normalize, propagate and build the plan for ``axes``; ``given`` is a
+    """Capture, discover, normalize, propagate, settle the alternatives and build the plan for ``axes``; ``given`` is a
     saved plan to apply instead of deciding roles. ``captured``: a capture of this model
     (:func:`capture_for`) to plan on a copy of instead of capturing again."""
     options = options.for_tp(axes.has_tp)
