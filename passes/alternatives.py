@@ -24,14 +24,15 @@ and both totals go into each weight's note.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch.fx as fx
 
 from autoshard.mesh import TP, MeshAxes
 from autoshard.options import PlanOptions
-from autoshard.passes.capture import CapturedGraph
-from autoshard.passes.discover import Sites
+from autoshard.passes.capture import CapturedGraph, copy_graph_module
+from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.partition import unit_of_node
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, propagate
@@ -59,8 +60,11 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         if not pulling:
             return layout_plan
         cost = cost or _cost(build_plan(captured, sites, layout_plan, axes))
-        trial = propagate(captured.gm, sites, axes.tp, None, options, whole=whole | dict.fromkeys(pulling, ""))
-        revised = _cost(build_plan(captured, sites, trial, axes))
+        # on a copy: a walk may write out a norm, and the plan kept must match its graph
+        twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
+        twin_sites = find_sites(twin.gm, twin.param_shapes)
+        trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole | dict.fromkeys(pulling, ""))
+        revised = _cost(build_plan(twin, twin_sites, trial, axes))
         if revised >= cost:
             return layout_plan
         why = (f"its sharded output would cut the replicated stream it meets and turn the linears after "
