@@ -189,6 +189,8 @@ def _role_of(fqn: str, site, roles: dict[str, Role]):
         return REPLICATE, False, ""
     role = roles[site.weight_fqn]
     if role == VOCAB_PARALLEL:
+        if isinstance(site, LinearSite) and fqn == site.bias_fqn:  # the head's bias, cut over the vocabulary
+            return Role.COLWISE_BIAS, False, ""
         return VOCAB_PARALLEL, False, _VOCAB_PARALLEL_NOTE
     if isinstance(site, EmbeddingSite):
         if role == COLWISE:

@@ -552,3 +552,30 @@ def test_a_per_sample_modulation_is_computed_whole_when_the_plan_costs_less():
     assert plan.params["layers.0.attn.qkv.weight"].role == "colwise"
     assert plan.params["layers.0.attn.proj.weight"].role == "rowwise"
     assert not plan.breaks
+
+
+class _TiedHeadWithBias(nn.Module):
+    """An LM head tied to the embedding and carrying its own bias (ELECTRA's generator head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.head = nn.Linear(32, 64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h + self.fc2(torch.relu(self.fc1(h))))
+
+
+def test_a_vocabulary_parallel_head_keeps_its_bias_a_colwise_bias():
+    """The table is cut over the vocabulary (tp) and dim 1 (FSDP); the head's 1-D bias is cut over
+    the vocabulary by tp only (FSDP cannot cut a 1-D tensor on dim 1)."""
+    proof = autoshard.check(_TiedHeadWithBias(), {"dp": 2, "tp": 2}, example_inputs=(torch.randint(0, 64, (2, 8)),))
+    assert proof.ok, str(proof)
+    plan = proof.plan
+    assert plan.params["emb.weight"].role == "vocab_parallel"
+    bias = plan.params["head.bias"]
+    assert (bias.role, bias.placements) == ("colwise_bias", {"dp": Replicate(), "tp": Shard(0)})
+    assert plan.predicted_comm()["tp"]  # sized on every entry's rank shape
