@@ -445,9 +445,10 @@ def _fused_slice(node, value, dim, size, tp):
 
 
 def _cat(node, layouts, tp):
-    """A cat along another dim than the sharded one stays sharded. Inputs replicated next to
-    sharded ones are read cut on that dim: a broadcast over it (MLA's shared rotary key,
-    ``k_pe.expand(-1, -1, H, -1)``) expands to the local size, anything else takes its shard."""
+    """A cat along another dim than the sharded one stays sharded. A replicated input next to
+    sharded ones must be a broadcast over that dim (MLA's shared rotary key,
+    ``k_pe.expand(-1, -1, H, -1)``): it expands to the local size. Any other replicated input
+    gathers the sharded ones (a key cache concatenated with new keys stays whole)."""
     tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
     lays = {layouts.get(t) for t in tensors}
     if any(isinstance(lay, tuple) for lay in lays):
@@ -461,10 +462,21 @@ def _cat(node, layouts, tp):
     along = _norm(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
     if along == dim:
         return None
+    if any(layouts.get(t) is None and not _broadcasts_over(t, dim) for t in tensors):
+        return None
     return Decision(dim, {t: dim for t in tensors})
 
 
 # --- reductions and normalizations ---------------------------------------------
+
+
+def _broadcasts_over(value: fx.Node, dim: int) -> bool:
+    """``value`` is an ``expand`` of a size-1 dim to ``dim`` of its output."""
+    if value.target != aten.expand.default or not isinstance(value.args[0], fx.Node):
+        return False
+    source = _shape(value.args[0])
+    src_dim = dim - (_ndim(value) - len(source))
+    return src_dim < 0 or source[src_dim] == 1
 
 
 def _reduce(node, layouts, tp):
