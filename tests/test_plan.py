@@ -495,11 +495,13 @@ class _WholeWeightsBlock(nn.Module):
         self.odd = nn.Linear(dim, 6)
         self.rel_table = nn.Parameter(torch.randn(9, 2))
         self.experts = nn.Parameter(torch.randn(2, dim, dim) / 4)
+        self.mix = nn.Conv1d(dim, dim, 3, padding=1)  # a token mixer, as ConvNeXt-style blocks have
 
     def forward(self, x):
         h = self.down(torch.relu(self.up(x)))
         offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
         h = h + torch._grouped_mm(x.bfloat16(), self.experts.bfloat16(), offs=offsets).float()
+        h = h + self.mix(h.t().unsqueeze(0)).squeeze(0).t()
         return x + h + self.odd(h).sum(-1, keepdim=True) + self.rel_table[3, 1]
 
 
@@ -526,7 +528,8 @@ def test_a_block_never_claims_no_break_while_a_weight_of_it_is_whole_over_tp():
     assert plan.breaks_line().startswith("tp breaks: 2 of 2 blocks")
     for block in ("blocks.0", "blocks.1"):
         where = {w.split("'")[1]: w for unit, w in plan.breaks if unit == block and w.startswith("'")}
-        assert set(where) == {f"{block}.experts", f"{block}.odd.weight"}, plan.breaks
+        assert set(where) == {f"{block}.experts", f"{block}.odd.weight", f"{block}.mix.weight"}, plan.breaks
+        assert "read whole by node 'conv1d" in where[f"{block}.mix.weight"]
         assert "read whole by node '_grouped_mm" in where[f"{block}.experts"]
         assert "output features (6) do not divide by the tp axis size 4" in where[f"{block}.odd.weight"]
         table = plan.params[f"{block}.rel_table"]
