@@ -39,8 +39,9 @@ from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, p
 from autoshard.plan import Plan
 from autoshard.sharding import Step
 
-# A linear computed whole adds (1 - 1/tp) of its matmul work to every rank; all that one plan
-# computes whole this way may add at most this share of the model's matmul work per rank.
+# A linear computed whole adds (1 - 1/tp) of its matmul work to every rank; the linears one plan
+# computes whole this way may add at most this share of their block's matmul work per rank (a
+# root linear: of the model's; see _Budget).
 COMPUTE_BUDGET = 1 / 8
 
 
@@ -59,7 +60,8 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         pulling = budget.affordable(pulling)
         if not pulling:
             return layout_plan
-        cost = cost or _cost(build_plan(captured, sites, layout_plan, axes))
+        if cost is None:
+            cost = _cost(build_plan(captured, sites, layout_plan, axes))
         # on a copy: a walk may write out a norm, and the plan kept must match its graph
         twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
         twin_sites = find_sites(twin.gm, twin.param_shapes)
