@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.errors import describe
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
+from autoshard.passes.placements import multiplies
 from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator
 from autoshard.plan import Plan, section_order
 from autoshard.sharding import REPLICATED, shard_on
@@ -171,10 +172,10 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         try:
             sim = _run_emitted(subject.root, subject, inputs, weights, buffers, ref.cotangents)
         except EmittedCodeError as err:
-            tolerance = rtol if rtol is not None else _TOLERANCE.get(_compute_dtype(weights), 1e-4)
+            tolerance = rtol if rtol is not None else _TOLERANCE.get(_compute_dtype(weights, subject.reference), 1e-4)
             return Proof(subject.tp, tolerance, (("emitted code", float("inf")),), (), str(err).splitlines()[0],
                          time.perf_counter() - start)
-    dtype = _compute_dtype(weights)
+    dtype = _compute_dtype(weights, subject.reference)
     tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)
     outputs, gradients = _errors(subject, sim, ref, {}, tolerance)
     if any(e > tolerance for _, e in (*outputs, *gradients)):
@@ -335,8 +336,13 @@ def stored_shards(entry, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [c.contiguous() for c in torch.chunk(stored, tp, dim=dim)]
 
 
-def _compute_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+def _compute_dtype(weights: dict[str, torch.Tensor], graph: fx.GraphModule) -> torch.dtype:
+    """The narrowest float dtype the model multiplies in: its weights', or a matmul's the code casts
+    down to (a float32 model whose experts run ``_grouped_mm`` in bfloat16). A sharded sum rounds
+    its partial products in that dtype, so it bounds how far the sharded run may differ."""
     floating = [w.dtype for w in weights.values() if w.is_floating_point()]
+    floating += [val.dtype for node in graph.graph.nodes if multiplies(node)
+                 for val in (node.meta.get("val"),) if isinstance(val, torch.Tensor) and val.is_floating_point()]
     return min(floating, key=lambda d: torch.finfo(d).bits) if floating else torch.float32
 
 

@@ -73,14 +73,24 @@ TP_DIM_BY_ROLE: dict[Role, int | None] = {
 @dataclasses.dataclass(frozen=True)
 class Indivisible:
     """A weight replicated over tp because its ``what`` (``size``) do not divide by the ``tp``
-    it was planned for."""
+    it was planned for, or each rank's share is not a multiple of ``multiple`` elements, as
+    ``kernel`` needs (``_grouped_mm`` reads rows 16-byte aligned)."""
 
     what: str  # "vocabulary rows", "output features", ...
     size: int
     tp: int
+    multiple: int = 1
+    kernel: str = ""
+
+    def fits(self, tp: int) -> bool:
+        """Whether ``tp`` ranks could share the dim after all."""
+        return self.size % tp == 0 and (self.size // tp) % self.multiple == 0
 
     def reason(self) -> str:
-        return f"its {self.what} ({self.size}) do not divide by the tp axis size {self.tp}"
+        if self.size % self.tp:
+            return f"its {self.what} ({self.size}) do not divide by the tp axis size {self.tp}"
+        return (f"its {self.what} ({self.size}) cut {self.tp} ways leave {self.size // self.tp} per rank, not a "
+                f"multiple of the {self.multiple} elements {self.kernel} needs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,22 +138,25 @@ class Why:
         the tp decisions go; a dim that still does not divide is stated for the new size."""
         if tp is None:
             return dataclasses.replace(self, indivisible=None, computed_whole="", gathered_early_at="", read_whole="")
-        if self.indivisible is not None and self.indivisible.size % tp:
+        if self.indivisible is not None and not self.indivisible.fits(tp):
             return dataclasses.replace(self, indivisible=dataclasses.replace(self.indivisible, tp=tp))
         return self
 
     def _indivisible_note(self, tp: int) -> str:
         planned = self.indivisible
-        if planned.size % tp or tp == planned.tp:
+        if not planned.fits(tp) or tp == planned.tp:
             return f"replicated over tp: {dataclasses.replace(planned, tp=tp).reason()}"
-        return (f"replicated over tp as planned for tp={planned.tp}: its {planned.what} ({planned.size}) do not "
-                f"divide by {planned.tp} (they do by {tp}: plan afresh to shard it)")
+        if planned.size % planned.tp:
+            return (f"replicated over tp as planned for tp={planned.tp}: its {planned.what} ({planned.size}) do not "
+                    f"divide by {planned.tp} (they do by {tp}: plan afresh to shard it)")
+        return f"replicated over tp as planned for tp={planned.tp}: {planned.reason()} (not on {tp}: plan afresh)"
 
     def to_dict(self) -> dict:
         data = {"about": self.about, "tied_with": list(self.tied_with), "computed_whole": self.computed_whole,
                 "gathered_early_at": self.gathered_early_at, "read_whole": self.read_whole}
         if self.indivisible is not None:
-            data["indivisible"] = dataclasses.asdict(self.indivisible)
+            data["indivisible"] = {k: v for k, v in dataclasses.asdict(self.indivisible).items()
+                                   if k not in ("multiple", "kernel") or v not in (1, "")}
         return {k: v for k, v in data.items() if v}
 
     @classmethod
@@ -152,7 +165,8 @@ class Why:
         return cls(
             about=str(data.get("about", "")),
             tied_with=tuple(str(n) for n in data.get("tied_with", ())),
-            indivisible=Indivisible(str(indivisible["what"]), int(indivisible["size"]), int(indivisible["tp"]))
+            indivisible=Indivisible(str(indivisible["what"]), int(indivisible["size"]), int(indivisible["tp"]),
+                                    int(indivisible.get("multiple", 1)), str(indivisible.get("kernel", "")))
             if indivisible else None,
             computed_whole=str(data.get("computed_whole", "")),
             gathered_early_at=str(data.get("gathered_early_at", "")),

@@ -23,22 +23,20 @@ if ROOT not in sys.path:
 
 import autoshard  # noqa: E402
 from tests.cases import MODELS  # noqa: E402
+from tests.pattern_models import MINIMUM as PATTERN_MINIMUM  # noqa: E402
 from tests.pattern_models import PATTERNS  # noqa: E402
 
 # Analytic minimum of tp collectives per block per training step (forward + backward):
 # 2 + 2 for a sequential attention + MLP block, 1 + 1 for a parallel block, plus 2 per
 # norm over a tp-sharded width (its statistics, forward and backward) and 2 for Qwen3's
 # replicated q/k-norm weights on sharded heads (their gradients). An MoE block costs what a
-# dense one does, plus 1 for a loop over experts whose routing weights multiply each expert's
-# partial output (their gradient is a sum over the sharded width; see tests/test_patterns.py).
+# dense one does. The public-code patterns' minimums, with their reasons, are
+# tests/pattern_models.py's MINIMUM.
 MINIMUM = {
     "llama": 4, "mlp_stack": 2, "raw_linear": None,
     "hf_llama": 4, "hf_llama_tied": 4, "hf_mistral": 4, "hf_qwen2": 4, "hf_qwen3": 6, "hf_qwen3_moe": 6, "hf_phi3": 4,
     "hf_gpt2": 4, "hf_bert": 4,
-    "interleaved_rope": 4, "repeat_interleave_gqa": 4, "alibi_bias": 4, "sdpa_bias_mask": 4,
-    "baddbmm_attention": 4, "wide_qk_norm": 8, "parallel_block": 2, "custom_function": 4,
-    "moe_indexed": 4, "moe_loop": 5,
-}
+} | {name: sorted(set(m.values())) if isinstance(m, dict) else m for name, m in PATTERN_MINIMUM.items()}
 
 
 def _cases():
@@ -65,15 +63,22 @@ def main() -> None:
         start = time.perf_counter()
         plan = autoshard.plan(build(), {"dp": 2, "tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
         seconds = time.perf_counter() - start
-        blocks = [u for u in plan.units if u]
+        blocks = [u for u in plan.units if u.startswith("layers.")] if name in PATTERN_MINIMUM else [
+            u for u in plan.units if u]
         per_block = sorted({plan.num_tp_collectives(b) for b in blocks})
         broken = {u for u, _ in plan.breaks}
         minimum = MINIMUM.get(name)
         first = plan.breaks[0][1][:70] if plan.breaks else "-"
         print(
-            f"{name:<24}{'/'.join(map(str, per_block)):>16}{minimum if minimum is not None else '-':>9}"
+            f"{name:<24}{'/'.join(map(str, per_block)):>16}{_shown(minimum):>9}"
             f"{f'{len(broken)} of {len(blocks)}':>15}  {seconds:7.2f}  {first}"
         )
+
+
+def _shown(minimum) -> str:
+    if minimum is None:
+        return "-"
+    return "/".join(map(str, minimum)) if isinstance(minimum, list) else str(minimum)
 
 
 if __name__ == "__main__":

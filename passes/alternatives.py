@@ -16,9 +16,10 @@ is a ``[batch, 6 * dim]`` product, small next to the block's ``[tokens, dim]`` o
 So every such linear is tried computed whole, all at once (one more walk, not one per block),
 and the result is kept if the plan's tp collectives are fewer (tp wire bytes settle a tie).
 Computing a linear whole adds work on every rank, so only linears that together add at most
-:data:`COMPUTE_BUDGET` of their block's matmul work per rank (a root linear: of the model's)
-are tried: a per-sample modulation or a narrow input embedding, not an attention projection
-run on every token. The decision
+:data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run once per step, in
+the root or in a unit of its own such as a final layer's modulation: of the model's) are
+tried: a per-sample modulation or a narrow input embedding, not an attention projection run
+on every token. The decision
 and both totals go into each weight's note.
 """
 
@@ -54,7 +55,7 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
     the cost falls each time)."""
     whole: dict[str, str] = {}
     cost = None
-    budget = _Budget(layout_plan, sites, axes.tp, captured.block_fqns)
+    budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
     while True:
         pulling = [fqn for fqn in _pulling_linears(layout_plan, sites) if fqn not in whole]
         pulling = budget.affordable(pulling)
@@ -76,18 +77,38 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         layout_plan, cost = propagate(captured.gm, sites, axes.tp, None, options, whole=whole), revised
 
 
+def _stacked_blocks(captured: CapturedGraph) -> tuple[str, ...]:
+    """The blocks with a twin in their container (same parameter names and shapes): a stack's
+    layers. A lone unit (``final_layer.adaLN_modulation.1``, one linear of a small
+    ``nn.Sequential``) runs once per step like the root."""
+    signature: dict[str, tuple] = {}
+    for fqn in captured.block_fqns:
+        prefix = fqn + "."
+        params = sorted((name[len(prefix):], tuple(shape)) for name, shape in captured.param_shapes.items()
+                        if name.startswith(prefix))
+        signature[fqn] = (fqn.rpartition(".")[0], tuple(params))
+    counts: dict[tuple, int] = {}
+    for sig in signature.values():
+        counts[sig] = counts.get(sig, 0) + 1
+    return tuple(fqn for fqn, sig in signature.items() if counts[sig] > 1)
+
+
 class _Budget:
     """Matmul work each FSDP unit may add per rank by computing linears whole.
 
-    A block's linear is weighed against its block's work per rank; a root linear (an input
-    embedding, a head) runs once on the stream every block reads, so against the model's.
-    Measured on the walk's first plan and spent across rounds, so rounds cannot raise it.
+    A block's linear is weighed against its block's work per rank. A linear run once per step
+    (in the root: an input embedding, a head; or in a lone unit) is weighed against the model's:
+    it runs once on the stream every block reads. Measured on the walk's first plan and spent
+    across rounds, so rounds cannot raise it.
     """
 
-    def __init__(self, plan: LayoutPlan, sites: Sites, tp: int, block_fqns):
+    def __init__(self, plan: LayoutPlan, sites: Sites, tp: int, stacked_blocks: tuple[str, ...]):
         self.tp = tp
-        self.flops = {s.weight_fqn: _matmul_flops(s) for s in sites.linears}
-        self.unit = {s.weight_fqn: unit_of_node(s.node, block_fqns) for s in sites.linears}
+        self.flops: dict[str, int | None] = {}
+        for site in sites.linears:  # a shared weight: the work of all its reads
+            flops, seen = _matmul_flops(site), self.flops.get(site.weight_fqn, 0)
+            self.flops[site.weight_fqn] = None if flops is None or seen is None else seen + flops
+        self.unit = {s.weight_fqn: unit_of_node(s.node, stacked_blocks) for s in sites.linears}
         self.left: dict[str, float] = {}
         if any(f is None for f in self.flops.values()):
             return  # symbolic sizes: nothing is affordable
@@ -128,11 +149,11 @@ def _pulling_linears(plan: LayoutPlan, sites: Sites) -> list[str]:
                 and any(step.kind is Step.TAKE_SHARD for step in steps)}
     if not cut_into:
         return []
-    found = []
+    found = {}
     for site in sites.linears:
         if plan.roles[site.weight_fqn] == COLWISE and _region(plan, site.output) & cut_into:
-            found.append(site.weight_fqn)
-    return found
+            found[site.weight_fqn] = None
+    return list(found)
 
 
 def _region(plan: LayoutPlan, source: fx.Node) -> set[fx.Node]:

@@ -83,7 +83,10 @@ class Sites:
     """All sites of a graph, in graph order.
 
     ``tied`` are the weights read by one embedding and one linear (an input
-    embedding tied to the LM head): one tensor, two uses, one layout.
+    embedding tied to the LM head): one tensor, two uses, one layout. ``shared``
+    are the weights several linear sites read alike (a module called twice: DiT's
+    timestep embedder reused by its output head, ALBERT's one layer run N times):
+    one colwise/rowwise decision, made at the first read and kept at the others.
     """
 
     linears: tuple[LinearSite, ...]
@@ -91,6 +94,7 @@ class Sites:
     tied: frozenset[str] = frozenset()
     # matmuls reading one expert of a stacked [E, ...] parameter (see passes.experts)
     experts: tuple[ExpertSite, ...] = ()
+    shared: frozenset[str] = frozenset()
 
     @property
     def all(self) -> tuple[Site, ...]:
@@ -195,17 +199,21 @@ def find_embedding_sites(gm: fx.GraphModule, param_shapes) -> tuple[EmbeddingSit
 
 
 def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> Sites:
-    """All sites. A parameter may feed one site, or be an embedding table shared by lookups and
-    at most one bias-free ``[out, in]`` linear (tied to the LM head when there is one); any other
-    sharing of a sharded weight has no single layout valid for all its uses and is an error."""
+    """All sites. A parameter may feed one site, several linears that read it alike (same
+    orientation, same bias), or be an embedding table shared by lookups and at most one bias-free
+    ``[out, in]`` linear (tied to the LM head when there is one); any other sharing of a sharded
+    weight has no single layout valid for all its uses and is an error."""
     linears, embeddings = find_linear_sites(gm, param_shapes), find_embedding_sites(gm, param_shapes)
     owners: dict[str, list[Site]] = defaultdict(list)
     for site in (*linears, *embeddings):
         for fqn in site.param_fqns:
             owners[fqn].append(site)
-    tied = set()
+    tied, shared = set(), set()
     for fqn, users in owners.items():
         if len(users) == 1:
+            continue
+        if _read_alike(users):
+            shared.update(users[0].param_fqns)
             continue
         if _is_tied_pair(fqn, users):
             if any(isinstance(u, LinearSite) for u in users):
@@ -215,10 +223,20 @@ def find_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> 
         raise NotImplementedError(
             f"autoshard: parameter '{fqn}' (shape {list(param_shapes[fqn])}) is used by "
             f"{len(users)} linear/embedding ops ({where}); only an embedding table shared by lookups "
-            f"and at most one linear (an LM head) can share a weight"
+            f"and at most one linear (an LM head), or linears reading the weight and its bias alike, can share a weight"
         )
     _check_params_used_only_by_their_site(gm, owners)
-    return Sites(linears, embeddings, frozenset(tied), find_expert_sites(gm, param_shapes))
+    return Sites(linears, embeddings, frozenset(tied), find_expert_sites(gm, param_shapes), frozenset(shared))
+
+
+def _read_alike(users: list) -> bool:
+    """Linear sites reading one weight the same way: the same orientation and the same bias (or
+    none), so one role, one stored layout and one bias placement serve every read."""
+    if not all(isinstance(u, LinearSite) for u in users):
+        return False
+    first = users[0]
+    return all((u.weight_fqn, u.orientation, u.bias_fqn) == (first.weight_fqn, first.orientation, first.bias_fqn)
+               for u in users)
 
 
 def _is_tied_pair(fqn: str, users: list) -> bool:

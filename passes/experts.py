@@ -7,6 +7,9 @@ and read them per token or per expert:
 * ``torch.bmm(W[ids], x.unsqueeze(-1))``   -> ``aten.index.Tensor(W, [ids])`` then ``aten.bmm``
 * ``F.linear(x, W[e])`` in a loop          -> ``aten.select.int(W, 0, e)`` then ``aten.linear``
 * ``x @ W[e]`` / ``x @ W[e].T``            -> ``select`` (``transpose``) then ``aten.matmul``
+* ``torch._grouped_mm(rows, W.transpose(-2, -1), offs=offsets)``, rows sorted by expert
+  (torchtitan's ``GroupedExperts``, transformers' grouped experts) -> ``aten._grouped_mm``
+  on the whole stack, every expert at once: no pick is needed, the chain may be empty
 
 An :class:`ExpertSite` is one such matmul. Its weight operand is reached from the
 parameter through a chain of single-use ops that pick experts (index or select on
@@ -30,6 +33,9 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
+# _grouped_mm reads each operand's rows at 16-byte aligned strides: a rank's share of a cut dim
+# must be a multiple of 16 bytes (8 bf16 elements)
+_GROUPED_MM_ALIGNMENT = 16
 _CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten.clone.default)
 
 
@@ -58,6 +64,8 @@ class ExpertSite:
     output_dim: int
     out_features: int
     in_features: int
+    multiple: int = 1  # each rank's share of the cut dim must be a multiple of this many elements
+    kernel: str = ""  # the op that needs it
 
     @property
     def output(self) -> fx.Node:
@@ -131,9 +139,13 @@ def _dims_after(node: fx.Node, operand: fx.Node, dims: tuple) -> tuple | None:
 
 def _matmul_site(param, node, operand, dims, chain, chain_dims, shape) -> ExpertSite | None:
     """The site if ``node`` multiplies the expert weight ``operand`` (parameter dims ``dims``)."""
-    if node.op != "call_function" or not chain:
-        return None  # the whole parameter read by a matmul is no expert pick
+    if node.op != "call_function":
+        return None
     args = node.args
+    if node.target == aten._grouped_mm.default:
+        return _grouped_site(param, node, operand, dims, chain, chain_dims, shape)
+    if not chain:
+        return None  # the whole parameter read by a plain matmul is no expert pick
     if node.target == aten.linear.default and len(dims) == 2 and args[1] is operand and args[0] is not operand:
         if len(args) > 2 and args[2] is not None:
             return None  # an expert bias: not handled, the weight stays replicated
@@ -147,6 +159,28 @@ def _matmul_site(param, node, operand, dims, chain, chain_dims, shape) -> Expert
             return None
     else:
         return None
+    return _site(param, node, x, operand, dims, chain, chain_dims, shape, (out_dim, in_dim, input_dim, output_dim))
+
+
+def _grouped_site(param, node, operand, dims, chain, chain_dims, shape) -> ExpertSite | None:
+    """``_grouped_mm(rows [M, in], W [E, in, out], offs)``: expert ``e`` multiplies its run of
+    rows. Only the 2-D x 3-D form is an expert site (the other forms group both operands, or
+    group by ``offs`` over the contracted dim); the offsets and the rows' order stay replicated."""
+    rows = node.args[0]
+    if len(node.args) < 2 or node.args[1] is not operand or rows is operand or len(dims) != 3 or dims[0] != 0:
+        return None
+    if not isinstance(rows, fx.Node) or rows.meta["val"].dim() != 2:
+        return None
+    if len(node.args) > 3 and node.args[3] is not None or node.kwargs.get("bias") is not None:
+        return None  # an expert bias: not handled, the weight stays replicated
+    site = _site(param, node, rows, operand, dims, chain, chain_dims, shape, (dims[2], dims[1], -1, -1))
+    itemsize = operand.meta["val"].dtype.itemsize
+    return site and dataclasses.replace(site, multiple=max(1, _GROUPED_MM_ALIGNMENT // itemsize), kernel="_grouped_mm")
+
+
+def _site(param, node, x, operand, dims, chain, chain_dims, shape, where) -> ExpertSite | None:
+    """The site once the matmul's form told ``where``: (out_dim, in_dim, input_dim, output_dim)."""
+    out_dim, in_dim, input_dim, output_dim = where
     if not isinstance(x, fx.Node) or out_dim in (None, 0) or in_dim in (None, 0):
         return None
     x_ndim, out_ndim = x.meta["val"].dim(), node.meta["val"].dim()

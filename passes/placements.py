@@ -83,13 +83,20 @@ def build_plan(
 
 # Ops that multiply by a weight: a weight they read whole over tp is a block's bulk compute left
 # unsharded. Other readers (a table indexed, a scale multiplied elementwise) are cheap to keep whole.
-_MATMUL_OPS = frozenset(  # op packets: every overload (conv_transpose2d has no .default)
+MATMUL_OPS = frozenset(  # op packets: every overload (conv_transpose2d has no .default)
     getattr(torch.ops.aten, name)
     for name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm", "einsum", "_scaled_mm",
                  "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
                  "conv_transpose2d", "conv_transpose3d")
     if hasattr(torch.ops.aten, name)
 )
+
+
+def multiplies(node: fx.Node) -> bool:
+    """Whether ``node`` is a matmul or a convolution (any overload)."""
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in MATMUL_OPS
+
+
 # Ops a weight passes through on its way to the op that uses it: views and casts.
 _PASS_THROUGH = frozenset(
     getattr(torch.ops.aten, name).default
@@ -113,7 +120,7 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
     for fqn, entry in entries.items():
         if not entry.unit or len(entry.shape) < 2 or entry.sharded_dim(TP) is not None or entry.why.computed_whole:
             continue
-        matmuls = [r for r in readers.get(fqn, ()) if getattr(r.target, "overloadpacket", None) in _MATMUL_OPS]
+        matmuls = [r for r in readers.get(fqn, ()) if getattr(r.target, "overloadpacket", None) in MATMUL_OPS]
         if entry.why.indivisible is not None or matmuls:
             why = entry.why.indivisible.reason() if entry.why.indivisible is not None else (
                 f"read whole by {describe(matmuls[0])}")

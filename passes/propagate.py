@@ -488,8 +488,10 @@ class Propagation:
         input_layout = self.seen(site.input)
         if input_layout is not None and not self.from_colwise(site.input):
             input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
-        role = _linear_role(site, input_layout, self.roles, self.fixed_roles, site.weight_fqn in self.sites.tied)
-        role = self.divisible_role(site, role)
+        role = self.roles.get(site.weight_fqn) if site.weight_fqn in self.sites.shared else None
+        if role is None:  # a shared weight's first read decides for all (its input is redistributed)
+            role = _linear_role(site, input_layout, self.roles, self.fixed_roles, site.weight_fqn in self.sites.tied)
+            role = self.divisible_role(site, role)
         if site.weight_fqn in self.revised.replicated and self.fixed_roles is None:
             role = REPLICATE
             self.notes[site.weight_fqn] = self.revised.replicated[site.weight_fqn]
@@ -874,7 +876,8 @@ def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool)
 
 
 def _indivisible(site, role: Role, tp: int) -> Indivisible | None:
-    """Why ``site`` cannot take ``role`` on ``tp`` ranks (a dim that does not divide), or None."""
+    """Why ``site`` cannot take ``role`` on ``tp`` ranks (a dim that does not divide, or a share
+    its kernel cannot read), or None."""
     if role == REPLICATE or tp == 1:
         return None
     if isinstance(site, EmbeddingSite) and role == VOCAB_PARALLEL:
@@ -885,7 +888,9 @@ def _indivisible(site, role: Role, tp: int) -> Indivisible | None:
         size, what = site.out_features, "output features"
     else:
         size, what = site.in_features, "input features"
-    return None if size % tp == 0 else Indivisible(what, size, tp)
+    multiple, kernel = (site.multiple, site.kernel) if isinstance(site, ExpertSite) else (1, "")
+    indivisible = Indivisible(what, size, tp, multiple, kernel)
+    return None if indivisible.fits(tp) else indivisible
 
 
 def _check_roles_cover_sites(fixed_roles, sites: Sites) -> None:

@@ -698,6 +698,47 @@ class AdaLNDecoder(Decoder):
         return self.t_embedder(torch.cat([torch.cos(t * freqs), torch.sin(t * freqs)], dim=-1)),
 
 
+# --- one weight read by several linears ------------------------------------------------------
+
+
+class ReusedEmbedderDiT(Decoder):
+    """DiT's wiring: block 0 holds the timestep embedder, and the output head calls it again
+    for its own adaLN shift and scale on the final affine-free norm."""
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, AdaLNBlock)
+        self.layers[0].t_embedder = nn.Sequential(nn.Linear(32, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        self.norm = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.final_modulation = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 2 * cfg.dim))
+
+    def timestep(self, tokens):
+        t = (tokens[:, :1] % 10).float()
+        freqs = torch.exp(-torch.arange(16, dtype=torch.float32) / 16)
+        return self.layers[0].t_embedder(torch.cat([torch.cos(t * freqs), torch.sin(t * freqs)], dim=-1))
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        c = self.timestep(tokens)
+        for layer in self.layers:
+            h = layer(h, c)
+        shift, scale = self.final_modulation(self.timestep(tokens)).chunk(2, dim=1)
+        return self.output(modulate(self.norm(h), shift, scale))
+
+
+class SharedLayerDecoder(Decoder):
+    """ALBERT's cross-layer sharing: one block's weights run at every depth."""
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(dataclasses.replace(cfg, layers=1), lambda c: Block(c, QKVAttention))
+        self.depth = cfg.layers
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for _ in range(self.depth):
+            h = self.layers[0](h)
+        return self.output(self.norm(h))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -713,9 +754,57 @@ PATTERNS = {
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
     "adaln_modulation": AdaLNDecoder,
+    "reused_embedder": ReusedEmbedderDiT,
+    "shared_layer": SharedLayerDecoder,
     "reference_llama": ReferenceLlama,
     "arange_rope": ArangeRope,
     "fused_qkv_hooks": FusedQKV,
     "slice_filled_keys": SliceFilledKeys,
     "expand_as_mask": ExpandAsMask,
 }
+
+
+# tp collectives per block (each ``layers.*`` unit) per training step, forward + backward: the
+# analytic minimum. A sequential block 2 + 2 (attention output and MLP output all-reduced forward,
+# one input gradient per colwise group backward); a parallel block 1 + 1 (one normed input, one
+# sum of partial outputs); a norm over a sharded width adds its statistics all-reduce, forward
+# and backward (wide q/k norms: 2 norms x 2). A mixture-of-experts block: its experts' gate|up
+# (colwise) and down (rowwise) cost what a dense MLP does, 1 + 1, with a narrow router computed
+# whole, whether the experts are picked per token (bmm) or run as one grouped GEMM. Top-k
+# outputs gathered per (token, choice) are reduced before their routing weights multiply them;
+# a loop over experts multiplies each expert's partial output by its routing weight instead, so
+# the routing weights' gradient is a sum over the tp-sharded width: one more all-reduce, in
+# backward (reducing each expert's output first would cost one per expert).
+MINIMUM: dict[str, int | dict[str, int]] = {
+    "interleaved_rope": 4,
+    "repeat_interleave_gqa": 4,
+    "alibi_bias": 4,
+    "sdpa_bias_mask": 4,
+    "baddbmm_attention": 4,
+    "wide_qk_norm": 8,
+    "parallel_block": 2,
+    "custom_function": 4,
+    "moe_indexed": 4,
+    "moe_loop": 5,
+    "moe_grouped_mm": 4,
+    "reference_llama": 4,
+    "arange_rope": 4,
+    "fused_qkv_hooks": 4,
+    "expand_as_mask": 4,
+    "vision_fused_qkv": 4,
+    # the latent path (wkv_a, narrowing) is computed whole: the gradients of the latent and of the
+    # rotary key shared by all heads are each all-reduced in backward (2 more than a dense block)
+    "latent_attention": 6,
+    "adaln_modulation": 4,  # the per-sample modulation computed whole (passes/alternatives.py)
+    # block 0 also holds the timestep embedder, run twice (for the blocks and for the head), each
+    # run colwise then rowwise: one forward all-reduce per run (its sinusoid input has no gradient)
+    "reused_embedder": {"layers.0": 6, "layers.1": 4},
+    "shared_layer": {"layers.0": 8},  # one block's weights run twice: 4 per run
+}
+
+
+def block_minimum(name: str, block: str) -> int:
+    """The minimum of ``MINIMUM`` for one ``layers.*`` block of pattern ``name``."""
+    minimum = MINIMUM[name]
+    return minimum[block] if isinstance(minimum, dict) else minimum
+
