@@ -82,6 +82,18 @@ def test_a_weight_read_by_two_linears_is_one_decision_kept_at_both_reads(mesh):
     assert proof.plan.num_tp_collectives() == 3  # the second read's input gathered, its gradient summed back
 
 
+def test_a_final_modulation_in_a_unit_of_its_own_is_computed_whole_as_in_the_root():
+    """DiT's final layer modulates the last norm with ``Sequential(SiLU(), Linear(dim, 2 * dim))``,
+    its own FSDP unit. It runs once per step, so its extra work is weighed against the model's,
+    not against its own: computed whole, the head stays colwise and no logits are all-reduced."""
+    plan = autoshard.plan(PATTERNS["reused_embedder"](), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    assert "final_modulation.1" in plan.units
+    assert plan.params["final_modulation.1.weight"].role == Role.REPLICATE
+    assert "computed whole, the plan's tp collectives are" in plan.params["final_modulation.1.weight"].note
+    assert plan.params["output.weight"].role == Role.COLWISE
+    assert plan.num_tp_collectives("final_modulation.1") == 0
+
+
 def _make_check(name: str, mesh_name: str):
     def check(ctx):
         mesh = getattr(ctx, f"mesh_{mesh_name}")
