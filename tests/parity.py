@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import autoshard
 
@@ -131,22 +135,87 @@ def assert_parity(run: ParityRun, *, loss_tol: float, param_tol: float | None) -
 
 
 def held_for_backward(module, *inputs) -> int:
-    """Bytes a forward leaves allocated for backward: the profiler's net CPU allocation over
-    the forward with autograd, minus that of the same forward without (outputs, parameters
-    kept gathered). Counted on the calling thread only: gloo's threads allocate too.
-    Saved-tensor hooks cannot count this: checkpointing keeps its inputs and saved outputs
-    outside them."""
+    """Bytes a forward leaves alive for backward: the storages the forward with autograd
+    creates and keeps alive to its end, minus those of the same forward without (outputs).
 
-    def net(grad: bool) -> int:
-        with torch.set_grad_enabled(grad), torch.profiler.profile(profile_memory=True) as prof:
-            out = module(*inputs)
-        del out
-        events = prof.events()
-        main = max({e.thread for e in events}, key=[e.thread for e in events].count)
-        return sum(e.self_cpu_memory_usage for e in events if e.thread == main)
-
-    net(True)  # the first call allocates once-only state (FSDP's buffers)
-    held = net(True) - net(False)
+    Liveness is read from weak references to the storages, not from the profiler's
+    allocation events: a collective's buffer is also referenced by the gloo work that
+    sent it, and when gloo's worker thread drops the last reference the profiler
+    records no free (it records on the profiling thread only), so a net of its events
+    counts such buffers as held, at random per rank and run (and a free of memory
+    gathered before the forward, a root resharded after a forward without autograd,
+    as negative). Checkpointing's kept inputs and saved outputs are created by the
+    forward and stay alive, so they count."""
+    alive_bytes(module, *inputs, grad=True)  # the first call allocates once-only state (FSDP's buffers)
+    held = alive_bytes(module, *inputs, grad=True) - alive_bytes(module, *inputs, grad=False)
     for p in module.parameters():
         p.grad = None
     return held
+
+
+def alive_bytes(module, *inputs, grad: bool) -> int:
+    """Bytes of the storages created during ``module(*inputs)`` that are alive when it returns."""
+    with torch.set_grad_enabled(grad), _NewStorages() as created:
+        out = module(*inputs)
+    total = _settled(created.alive_bytes)
+    del out
+    return total
+
+
+def _settled(read, interval_s: float = 0.002, stable_reads: int = 5, timeout_s: float = 1.0) -> int:
+    """``read()`` once it returns the same value ``stable_reads`` times in a row.
+
+    A collective's buffers stay alive until the backend's worker thread lets go of
+    the work that sent them, a moment after the caller has its result; the last
+    collectives of a forward may still be held when it returns."""
+    value, same, deadline = read(), 1, time.monotonic() + timeout_s
+    while same < stable_reads and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        latest = read()
+        same = same + 1 if latest == value else 1
+        value = latest
+    return value
+
+
+class _NewStorages(TorchDispatchMode):
+    """Weak references to every storage an op returns that none of its inputs holds.
+
+    Weak, so watching keeps nothing alive; an op's inputs' storages are excluded, so
+    views, in-place ops and ``out=`` writes into existing buffers (parameters, FSDP's
+    gathered weights) are not counted as created. Tensor subclasses (DTensor, an
+    ``AsyncCollectiveTensor``) are read through to the plain tensors holding data.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.created: dict[StorageWeakRef, None] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {s._cdata for s in _storages((args, kwargs))}
+        for storage in _storages(out):
+            if storage._cdata not in given:
+                self.created.setdefault(StorageWeakRef(storage), None)
+        return out
+
+    def alive_bytes(self) -> int:
+        alive = (torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in self.created if not ref.expired())
+        return sum(storage.nbytes() for storage in alive)
+
+
+def _storages(tree) -> list[torch.UntypedStorage]:
+    """The untyped storages holding the data of the tensors in ``tree``."""
+    found = []
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            found.extend(_data_storages(leaf))
+    return found
+
+
+def _data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """A wrapper subclass holds no data of its own: its inner tensors do."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = (getattr(tensor, name) for name in names)
+        return [s for t in inner if isinstance(t, torch.Tensor) for s in _data_storages(t)]
+    return [tensor.untyped_storage()]
