@@ -388,10 +388,11 @@ class CollectiveLog(CollectiveCounter):
                            if isinstance(m, torch.fx.GraphModule)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """Defer ops on tensor subclasses (DTensor) to the subclass, so that the collectives DTensor
-        issues inside an op (a redistribution its sharding rule needs, loss parallelism's sums) reach
-        this mode as ops on plain tensors instead of running below it unseen."""
-        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
+        """Defer ops on DTensors to DTensor, so that the collectives it issues inside an op (a
+        redistribution its sharding rule needs, loss parallelism's sums) reach this mode as ops on
+        plain tensors instead of running below it unseen. Other subclasses (the FakeTensors of
+        DTensor's sharding propagation) are handled as before."""
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         return super().__torch_dispatch__(func, types, args, kwargs)
 
