@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-quant bench-meshes bench-check zoo golden clean
+.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check zoo golden clean
 
 install: $(STAMP)
 
@@ -29,6 +29,17 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_2d.py
 	$(PY) benchmarks/coverage.py
+
+# torchtitan 0.3.0's own Llama-3 under its own parallelize_llama next to autoshard (2x2 and tp=4, fp32 and bf16).
+# torchtitan comes without its dependencies (the `bench` extra's pins; see benchmarks/bench_titan.py).
+TITAN_STAMP := $(VENV)/.titan-stamp
+
+$(TITAN_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps torchtitan==0.3.0 spmd_types==0.3.1
+	touch $(TITAN_STAMP)
+
+bench-titan: $(TITAN_STAMP)
+	$(PY) benchmarks/bench_titan.py
 
 # The block-quantized all-gather: wire bytes and step time, loss curves, 128x128 alignment on Llama-3 shapes.
 bench-quant: $(STAMP)
