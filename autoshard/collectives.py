@@ -36,15 +36,23 @@ convention), so the ops carry no Python objects and trace cleanly.
 
 Every op that sums partial values (``enter_tp``'s backward, ``reduce_partial``,
 ``reduce_scatter_partial``, ``gather_for_colwise``'s backward) takes an optional
-``reduce_dtype``: under a mixed-precision policy activations travel in bf16, but
-these sums are taken in ``reduce_dtype`` (upcast, reduce, cast back), as FSDP2
-does for gradients. Gathers and cuts move values unchanged and need none.
+``reduce_dtype``: under a mixed-precision policy activations are bf16, and these
+sums are taken in ``reduce_dtype`` as FSDP2 does for gradients, yet the values
+travel in bf16. Each rank's partial sum is already a bf16 value, so sending it
+as is loses nothing; only the adding must be wide. A reduce-scatter is one
+all-to-all of the bf16 chunks, each rank adding the chunks it receives in
+``reduce_dtype``; an all-reduce is that, then an all-gather of the bf16 sums
+(on two ranks a plain bf16 all-reduce: its one addition rounds once either
+way). The result is the fp32 sum rounded once, as upcasting and reducing in
+fp32 gives, at half the wire bytes. Gathers and cuts move values unchanged and
+need none.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 _LIB = "autoshard"
@@ -59,10 +67,30 @@ def _group_rank(group_name: str) -> int:
 
 
 def _all_reduce_sum(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Sum over ranks, in ``reduce_dtype`` when given (upcast, reduce, cast back)."""
-    wire = x if reduce_dtype is None else x.to(reduce_dtype)  # .to is a no-op in the same dtype
-    out = torch.ops._c10d_functional.all_reduce(wire.contiguous(), "sum", group_name)
-    return torch.ops._c10d_functional.wait_tensor(out).to(x.dtype)
+    """Sum over ranks; added in ``reduce_dtype`` when it is wider than ``x``, sent as ``x``."""
+    size = _group_size(group_name)
+    if not _widens(x, reduce_dtype) or size <= 2:
+        out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+    flat = x.contiguous().view(-1)
+    pad = -flat.numel() % size
+    mine = _added_chunks(F.pad(flat, (0, pad)) if pad else flat, size, group_name, reduce_dtype)
+    full = torch.ops._c10d_functional.all_gather_into_tensor(mine, size, group_name)
+    full = torch.ops._c10d_functional.wait_tensor(full)
+    return full[: flat.numel()].view(x.shape)
+
+
+def _widens(x: torch.Tensor, reduce_dtype: torch.dtype | None) -> bool:
+    return reduce_dtype is not None and reduce_dtype.itemsize > x.dtype.itemsize and x.is_floating_point()
+
+
+def _added_chunks(stacked: torch.Tensor, size: int, group_name: str, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``r``'s chunk of the sum: the ``size`` equal chunks of ``stacked`` (flat, chunk ``r``
+    for rank ``r``) exchanged as they are, then added here in ``reduce_dtype``."""
+    chunk = stacked.numel() // size
+    parts = torch.ops._c10d_functional.all_to_all_single(stacked, [chunk] * size, [chunk] * size, group_name)
+    parts = torch.ops._c10d_functional.wait_tensor(parts)
+    return parts.view(size, chunk).to(reduce_dtype).sum(0).to(stacked.dtype)
 
 
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
@@ -77,12 +105,15 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 def _reduce_scatter(
     x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Sum over ranks, keep this rank's chunk along ``dim`` (summed in ``reduce_dtype`` when given)."""
+    """Sum over ranks, keep this rank's chunk along ``dim`` (added in ``reduce_dtype`` when it
+    is wider than ``x``: the chunks exchanged as they are, then added here)."""
     size = _group_size(group_name)
-    wire = x if reduce_dtype is None else x.to(reduce_dtype)
-    stacked = torch.cat(torch.chunk(wire, size, dim=dim), dim=0).contiguous()
+    stacked = torch.cat(torch.chunk(x, size, dim=dim), dim=0).contiguous()
+    if _widens(x, reduce_dtype):
+        shape = _chunk_shape(x, dim, group_name)
+        return _added_chunks(stacked.view(-1), size, group_name, reduce_dtype).view(shape)
     out = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", size, group_name)
-    return torch.ops._c10d_functional.wait_tensor(out).to(x.dtype)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:

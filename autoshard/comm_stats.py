@@ -141,10 +141,9 @@ class CollectiveCounter(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
             kind, group_index = _AUTOSHARD[packet]
-            # a sum taken in the op's reduce_dtype (mixed precision) travels in that dtype
-            reduce_dtype = args[group_index + 1] if len(args) > group_index + 1 else kwargs.get("reduce_dtype")
+            # a sum added in the op's reduce_dtype (mixed precision) still travels in its own dtype
             payload = out if kind == Wire.ALL_GATHER else args[0]
-            self._record(kind, args[group_index], payload, reduce_dtype if kind != Wire.ALL_GATHER else None)
+            self._record(kind, args[group_index], payload)
         elif packet in _FUNCTIONAL:
             kind, group_index = _FUNCTIONAL[packet]
             payload = out if kind == Wire.ALL_GATHER else args[0]

@@ -7,9 +7,9 @@ counts a running step (ring-model wire bytes per rank), without running anything
 
 * **tp**: every collective the plan records (its kind, direction and the
   elements and dtype of the tensor it moves, kept in the record), shared ones
-  once. Sums of partial values travel in the policy's ``reduce_dtype``, other
-  activations in the dtype they were captured in (``param_dtype`` under mixed
-  precision, or what the model casts them to).
+  once. Every activation travels in the dtype it was captured in (``param_dtype``
+  under mixed precision, or what the model casts them to); sums of partial values
+  too, only their adding is in the policy's ``reduce_dtype``.
 * **FSDP** (``dp`` or ``dp_shard``): per FSDP unit, one all-gather before
   forward and, for a block that reshards after forward, one before backward;
   one reduce-scatter of its gradients. Each parameter counts its local shard
@@ -71,7 +71,7 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
     param_dtype, reduce_dtype = _policy_dtypes(plan)
     tally = Tally()
     if axes.has_tp:
-        for sends in _tp_sends(plan, reduce_dtype).values():
+        for sends in _tp_sends(plan).values():
             for kind, nbytes in sends:
                 tally.add(TP, kind, nbytes, axes.tp)
     if axes.has_dp:
@@ -86,7 +86,7 @@ def tp_traffic_by_unit(plan) -> dict[str, tuple[int, int]] | None:
     if not axes.has_tp:
         return None
     try:
-        sends_by_unit = _tp_sends(plan, _policy_dtypes(plan)[1])
+        sends_by_unit = _tp_sends(plan)
     except ValueError:
         return None
     traffic = {}
@@ -107,7 +107,7 @@ def _policy_dtypes(plan) -> tuple[torch.dtype | None, torch.dtype | None]:
     return param_dtype, reduce_dtype
 
 
-def _tp_sends(plan, reduce_dtype) -> dict[str, list[tuple[str, int]]]:
+def _tp_sends(plan) -> dict[str, list[tuple[str, int]]]:
     """Per FSDP unit, each tp collective a step runs: ``(kind, bytes of the tensor it moves)``."""
     records = [(entry.unit, c) for entry in plan.params.values() for c in entry.collectives]
     records += [(plan.unit_of_activation(i), a) for i, a in enumerate(plan.activations)]
@@ -120,10 +120,10 @@ def _tp_sends(plan, reduce_dtype) -> dict[str, list[tuple[str, int]]]:
                 "autoshard: predicted_comm needs each collective's size, which this plan does not record "
                 "(a version-1 plan, or symbolic shapes); plan again with static example inputs"
             )
-        moved = getattr(torch, record.dtype)  # captured in param_dtype under mixed precision
-        summed = reduce_dtype if reduce_dtype is not None and moved.is_floating_point else moved
-        sends[unit] += [(kind, record.numel * (summed if sums else moved).itemsize)
-                        for kind, sums in WIRE_KINDS[record.kind]]
+        # captured in param_dtype under mixed precision; sums travel in it too (only their
+        # adding is in reduce_dtype: autoshard.collectives)
+        moved = getattr(torch, record.dtype)
+        sends[unit] += [(kind, record.numel * moved.itemsize) for kind, _ in WIRE_KINDS[record.kind]]
     return sends
 
 

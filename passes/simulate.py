@@ -113,13 +113,14 @@ def _across(forward: Callable, backward: Callable, xs: list[torch.Tensor]) -> Pe
     return PerRank(_AcrossRanks.apply(forward, backward, *xs))
 
 
-def _wire(tensors: list[torch.Tensor], reduce_dtype=None) -> int:
-    """Bytes of what one rank puts on the wire (summed values travel in ``reduce_dtype``)."""
-    return sum(t.numel() * (reduce_dtype or t.dtype).itemsize for t in tensors)
+def _wire(tensors: list[torch.Tensor]) -> int:
+    """Bytes of what one rank puts on the wire: partial sums travel in their own dtype, only
+    their adding is wide (see autoshard.collectives)."""
+    return sum(t.numel() * t.dtype.itemsize for t in tensors)
 
 
 def _summed(tally: Tally, xs, reduce_dtype=None, scattered: bool = False):
-    tally.add(TP, Wire.REDUCE_SCATTER if scattered else Wire.ALL_REDUCE, _wire(xs[:1], reduce_dtype), len(xs))
+    tally.add(TP, Wire.REDUCE_SCATTER if scattered else Wire.ALL_REDUCE, _wire(xs[:1]), len(xs))
     return _sum(xs, reduce_dtype)
 
 

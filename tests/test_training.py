@@ -47,7 +47,8 @@ def _one_step(sharded, mesh, tokens, targets) -> CollectiveCounter:
 
 def check_bf16_mixed_precision(ctx):
     """10 AdamW steps in bf16 follow the fp32 single-device losses within 3e-2; master
-    weights stay fp32; FSDP all-gathers half the bytes; every tp partial sum is fp32."""
+    weights stay fp32; FSDP all-gathers half the bytes, and so do the tp sums (they travel in
+    bf16 and are added in fp32)."""
     mesh = ctx.mesh_2d
     tokens, targets = _batch()
     torch.manual_seed(0)
@@ -67,8 +68,32 @@ def check_bf16_mixed_precision(ctx):
     ratio = bf16.wire_bytes("dp", "all_gather") / fp32.wire_bytes("dp", "all_gather")
     assert ratio <= 0.55, ratio
     sums = {key: n for key, n in bf16.dtypes("tp").items() if key[0] in ("all_reduce", "reduce_scatter")}
-    assert sums and all(dtype == "float32" for _, dtype in sums), bf16.dtypes("tp")
+    assert sums and all(dtype == "bfloat16" for _, dtype in sums), bf16.dtypes("tp")
     assert bf16.count("tp") == fp32.count("tp") == sharded.autoshard_plan.num_tp_collectives()
+    assert bf16.wire_bytes("tp", "all_reduce") * 2 == fp32.wire_bytes("tp", "all_reduce")
+    predicted = sharded.autoshard_plan.predicted_comm()["tp"]
+    assert predicted["all_reduce"][1] == bf16.wire_bytes("tp", "all_reduce"), (predicted, bf16.stats())
+
+
+def check_bf16_partial_sums_are_added_in_fp32(ctx):
+    """A bf16 partial sum is reduced as the fp32 sum rounded once to bf16 (the result of
+    upcasting and all-reducing in fp32), on 2 and 4 tp ranks, whole and scattered."""
+    for mesh in (ctx.mesh_2d, ctx.mesh_tp):
+        group = mesh.get_group("tp")
+        name, size, rank = group.group_name, dist.get_world_size(group), dist.get_rank(group)
+        gen = torch.Generator().manual_seed(100 + rank)
+        mine = (torch.randn(6, 8, 8, generator=gen) * 3).bfloat16()
+        everyone = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(everyone, mine, group=group)
+        exact = torch.stack([t.double() for t in everyone]).sum(0)  # bf16 values: fp32 adds them exactly
+        want = exact.bfloat16()
+        got = torch.ops.autoshard.reduce_partial(mine, name, torch.float32)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (size, (got.float() - want.float()).abs().max())
+        scattered = torch.ops.autoshard.reduce_scatter_partial(mine, 1, name, torch.float32)
+        assert torch.equal(scattered, want.chunk(size, dim=1)[rank].contiguous()), size
+        odd = mine[:, :3, :7]  # a size no rank count divides: padded for the exchange
+        assert torch.equal(torch.ops.autoshard.reduce_partial(odd, name, torch.float32),
+                           torch.stack([t[:, :3, :7].double() for t in everyone]).sum(0).bfloat16())
 
 
 def check_clip_grad_norm_is_the_single_device_norm(ctx):
@@ -163,6 +188,7 @@ def check_a_rank_whose_model_differs_is_named_on_every_rank(ctx):
 
 
 CHECKS = [
+    check_bf16_partial_sums_are_added_in_fp32,
     check_bf16_mixed_precision,
     check_clip_grad_norm_is_the_single_device_norm,
     check_gradient_accumulation_without_dp_sync,
