@@ -55,6 +55,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autoshard.sharding import Wire, sum_on_wire, widens
+
 _LIB = "autoshard"
 
 
@@ -69,7 +71,7 @@ def _group_rank(group_name: str) -> int:
 def _all_reduce_sum(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sum over ranks; added in ``reduce_dtype`` when it is wider than ``x``, sent as ``x``."""
     size = _group_size(group_name)
-    if not _widens(x, reduce_dtype) or size <= 2:
+    if sum_on_wire(Wire.ALL_REDUCE, widens(x.dtype, reduce_dtype), size) == (Wire.ALL_REDUCE,):
         out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
     flat = x.contiguous().view(-1)
@@ -78,10 +80,6 @@ def _all_reduce_sum(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype 
     full = torch.ops._c10d_functional.all_gather_into_tensor(mine, size, group_name)
     full = torch.ops._c10d_functional.wait_tensor(full)
     return full[: flat.numel()].view(x.shape)
-
-
-def _widens(x: torch.Tensor, reduce_dtype: torch.dtype | None) -> bool:
-    return reduce_dtype is not None and reduce_dtype.itemsize > x.dtype.itemsize and x.is_floating_point()
 
 
 def _added_chunks(stacked: torch.Tensor, size: int, group_name: str, reduce_dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +107,7 @@ def _reduce_scatter(
     is wider than ``x``: the chunks exchanged as they are, then added here)."""
     size = _group_size(group_name)
     stacked = torch.cat(torch.chunk(x, size, dim=dim), dim=0).contiguous()
-    if _widens(x, reduce_dtype):
+    if widens(x.dtype, reduce_dtype):
         shape = _chunk_shape(x, dim, group_name)
         return _added_chunks(stacked.view(-1), size, group_name, reduce_dtype).view(shape)
     out = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", size, group_name)

@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard.collectives  # noqa: F401  (defines torch.ops.autoshard.*)
-from autoshard.sharding import Wire
+from autoshard.sharding import Wire, sum_on_wire, widens
 
 _funcol = torch.ops._c10d_functional
 _c10d = torch.ops.c10d
@@ -72,6 +72,10 @@ class CollectiveStats:
     @property
     def num_collectives(self) -> int:
         return sum(self.counts.values())
+
+
+def _size_of(group_name: str) -> int:
+    return dist.get_world_size(_resolve_process_group(group_name))
 
 
 def _nbytes(t) -> int:
@@ -141,9 +145,13 @@ class CollectiveCounter(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
             kind, group_index = _AUTOSHARD[packet]
-            # a sum added in the op's reduce_dtype (mixed precision) still travels in its own dtype
             payload = out if kind == Wire.ALL_GATHER else args[0]
-            self._record(kind, args[group_index], payload)
+            # a sum added in the op's reduce_dtype (mixed precision) travels in its own dtype, on
+            # more than two ranks as an all-to-all (and an all-gather): autoshard.collectives
+            reduce_dtype = args[group_index + 1] if len(args) > group_index + 1 else kwargs.get("reduce_dtype")
+            widened = widens(payload.dtype, reduce_dtype)
+            for wire in sum_on_wire(kind, widened, _size_of(args[group_index])):
+                self._record(wire, args[group_index], payload)
         elif packet in _FUNCTIONAL:
             kind, group_index = _FUNCTIONAL[packet]
             payload = out if kind == Wire.ALL_GATHER else args[0]

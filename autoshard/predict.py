@@ -9,7 +9,8 @@ counts a running step (ring-model wire bytes per rank), without running anything
   elements and dtype of the tensor it moves, kept in the record), shared ones
   once. Every activation travels in the dtype it was captured in (``param_dtype``
   under mixed precision, or what the model casts them to); sums of partial values
-  too, only their adding is in the policy's ``reduce_dtype``.
+  too, only their adding is in the policy's ``reduce_dtype``, which on more than
+  two tp ranks makes a sum an all-to-all and (for an all-reduce) an all-gather.
 * **FSDP** (``dp`` or ``dp_shard``): per FSDP unit, one all-gather before
   forward and, for a block that reshards after forward, one before backward;
   one reduce-scatter of its gradients. Each parameter counts its local shard
@@ -34,7 +35,7 @@ from collections import defaultdict
 import torch
 
 from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, axes_from_sizes, dp_choice
-from autoshard.sharding import REPLICATED, WIRE_KINDS, Wire, rank_shape, sharded_by_fsdp
+from autoshard.sharding import REPLICATED, WIRE_KINDS, Wire, rank_shape, sharded_by_fsdp, sum_on_wire, widens
 
 KINDS = (Wire.ALL_REDUCE, Wire.ALL_GATHER, Wire.REDUCE_SCATTER, Wire.ALL_TO_ALL)
 
@@ -55,6 +56,8 @@ class Tally:
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def add(self, axis: str, kind: str, nbytes: float, ranks: int, times: int = 1) -> None:
+        if ranks <= 1:
+            return  # a collective over one rank is not run (FSDP2 on a dp axis of size 1)
         self.counts[axis][kind] += times
         self.bytes[axis][kind] += times * _ring(kind, nbytes, ranks)
 
@@ -71,7 +74,7 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
     param_dtype, reduce_dtype = _policy_dtypes(plan)
     tally = Tally()
     if axes.has_tp:
-        for sends in _tp_sends(plan).values():
+        for sends in _tp_sends(plan, reduce_dtype, axes.tp).values():
             for kind, nbytes in sends:
                 tally.add(TP, kind, nbytes, axes.tp)
     if axes.has_dp:
@@ -86,7 +89,7 @@ def tp_traffic_by_unit(plan) -> dict[str, tuple[int, int]] | None:
     if not axes.has_tp:
         return None
     try:
-        sends_by_unit = _tp_sends(plan)
+        sends_by_unit = _tp_sends(plan, _policy_dtypes(plan)[1], axes.tp)
     except ValueError:
         return None
     traffic = {}
@@ -107,7 +110,7 @@ def _policy_dtypes(plan) -> tuple[torch.dtype | None, torch.dtype | None]:
     return param_dtype, reduce_dtype
 
 
-def _tp_sends(plan) -> dict[str, list[tuple[str, int]]]:
+def _tp_sends(plan, reduce_dtype, tp: int) -> dict[str, list[tuple[str, int]]]:
     """Per FSDP unit, each tp collective a step runs: ``(kind, bytes of the tensor it moves)``."""
     records = [(entry.unit, c) for entry in plan.params.values() for c in entry.collectives]
     records += [(plan.unit_of_activation(i), a) for i, a in enumerate(plan.activations)]
@@ -121,9 +124,11 @@ def _tp_sends(plan) -> dict[str, list[tuple[str, int]]]:
                 "(a version-1 plan, or symbolic shapes); plan again with static example inputs"
             )
         # captured in param_dtype under mixed precision; sums travel in it too (only their
-        # adding is in reduce_dtype: autoshard.collectives)
+        # adding is in reduce_dtype, which on more than two ranks takes two collectives)
         moved = getattr(torch, record.dtype)
-        sends[unit] += [(kind, record.numel * moved.itemsize) for kind, _ in WIRE_KINDS[record.kind]]
+        widened = widens(moved, reduce_dtype)
+        sends[unit] += [(wire, record.numel * moved.itemsize) for kind, sums in WIRE_KINDS[record.kind]
+                        for wire in (sum_on_wire(kind, widened, tp) if sums else (kind,))]
     return sends
 
 

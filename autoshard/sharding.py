@@ -26,6 +26,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -307,6 +308,23 @@ WIRE_KINDS: dict[str, tuple[tuple[Wire, bool], ...]] = {
     TAKE_SHARD: ((Wire.ALL_GATHER, False),),  # the gradient's all-gather in backward
     NO_COLLECTIVE: (),
 }
+
+
+def sum_on_wire(kind: Wire, widened: bool, ranks: int) -> tuple[Wire, ...]:
+    """The collectives a sum of ``kind`` runs as. Added wider than it travels (bf16 partial sums
+    added in fp32, :mod:`autoshard.collectives`) on more than two ranks, a reduce-scatter is an
+    all-to-all of the partial chunks (each rank adds its own), and an all-reduce is that and an
+    all-gather of the sums; on two ranks an all-reduce stays one (its one addition rounds once)."""
+    if not widened or kind not in (Wire.ALL_REDUCE, Wire.REDUCE_SCATTER):
+        return (kind,)
+    if kind is Wire.REDUCE_SCATTER:
+        return (Wire.ALL_TO_ALL,)
+    return (Wire.ALL_REDUCE,) if ranks <= 2 else (Wire.ALL_TO_ALL, Wire.ALL_GATHER)
+
+
+def widens(dtype: torch.dtype, reduce_dtype: torch.dtype | None) -> bool:
+    """Whether values of ``dtype`` are summed wider (in ``reduce_dtype``) than they travel."""
+    return reduce_dtype is not None and dtype.is_floating_point and reduce_dtype.itemsize > dtype.itemsize
 
 
 class Step(enum.Enum):

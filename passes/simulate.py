@@ -36,7 +36,7 @@ from autoshard import collectives
 from autoshard.errors import describe
 from autoshard.mesh import TP
 from autoshard.predict import Tally
-from autoshard.sharding import Wire
+from autoshard.sharding import Wire, sum_on_wire, widens
 
 aten = torch.ops.aten
 
@@ -120,7 +120,9 @@ def _wire(tensors: list[torch.Tensor]) -> int:
 
 
 def _summed(tally: Tally, xs, reduce_dtype=None, scattered: bool = False):
-    tally.add(TP, Wire.REDUCE_SCATTER if scattered else Wire.ALL_REDUCE, _wire(xs[:1]), len(xs))
+    kind = Wire.REDUCE_SCATTER if scattered else Wire.ALL_REDUCE
+    for wire in sum_on_wire(kind, widens(xs[0].dtype, reduce_dtype), len(xs)):
+        tally.add(TP, wire, _wire(xs[:1]), len(xs))
     return _sum(xs, reduce_dtype)
 
 

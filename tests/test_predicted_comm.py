@@ -2,7 +2,8 @@
 
 One 4-process group. For the example models and four Hugging Face families (GQA, q/k norms,
 experts, an encoder) on 2x2, tp=4 and dp=4, in fp32 and (where a dp axis exists) bf16 mixed
-precision: the second step's collectives, counted by ``CollectiveCounter`` over forward,
+precision (and bf16 on 1x4, where a sum takes two collectives): the second step's
+collectives, counted by ``CollectiveCounter`` over forward,
 backward and an SGD step, per axis and kind, count and wire bytes, against the plan's
 prediction made before running. The tp part of every other model of the matrix (all Hugging
 Face families, every public-code pattern, the zoo sample) is checked in one process: the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
@@ -55,8 +57,8 @@ def _measured(sharded, mesh, inputs, kwargs) -> dict:
             for axis, stats in counter.stats().items() if stats.num_collectives}
 
 
-def _check_family(ctx, names, policies=(None, BF16)):
-    meshes = {"2x2": ctx.mesh_2d, "tp4": ctx.mesh_tp, "dp4": ctx.mesh_dp}
+def _check_family(ctx, names, policies=(None, BF16), meshes=None):
+    meshes = meshes or {"2x2": ctx.mesh_2d, "tp4": ctx.mesh_tp, "dp4": ctx.mesh_dp}
     misses = []
     for name in names:
         for mesh_name, mesh in meshes.items():
@@ -85,6 +87,17 @@ def check_hf_moe_and_encoders(ctx):
     _check_family(ctx, ["qwen3_moe", "bert"])
 
 
+def check_bf16_sums_on_four_tp_ranks(ctx):
+    """On 4 tp ranks a bf16 partial sum added in fp32 runs as an all-to-all and an all-gather
+    (autoshard.collectives), predicted as such: counts and bf16 wire bytes."""
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    _check_family(ctx, ["llama"], policies=(BF16,), meshes={"1x4": mesh})
+    model, ids, _ = _model_and_batch("llama")
+    plan = autoshard.plan(model, {"dp": 1, "tp": 4}, example_inputs=(ids,), mp_policy=BF16)
+    tp = plan.predicted_comm()["tp"]
+    assert "all_to_all" in tp and "all_reduce" not in tp, tp
+
+
 def check_quantized_all_gather(ctx):
     """A quantized all-gather is predicted as its 1-byte values and fp32 scales."""
     mesh = ctx.mesh_2d
@@ -95,6 +108,7 @@ def check_quantized_all_gather(ctx):
     assert sharded.autoshard_plan.predicted_comm() == _measured(sharded, mesh, local, {})
 
 
-CHECKS = [check_example_models, check_hf_decoders, check_hf_moe_and_encoders, check_quantized_all_gather]
+CHECKS = [check_example_models, check_hf_decoders, check_hf_moe_and_encoders, check_bf16_sums_on_four_tp_ranks,
+          check_quantized_all_gather]
 
 outcomes, test_check = distributed_tests(CHECKS)
