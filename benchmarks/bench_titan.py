@@ -193,7 +193,7 @@ MESHES = {"2x2": (2, 2), "tp4": (1, 4)}  # (dp, tp)
 DTYPES = ("fp32", "bf16")
 VARIANTS = ("torchtitan", "autoshard", "autoshard_lp")
 VARIANT_TITLES = {"torchtitan": "torchtitan", "autoshard": "autoshard", "autoshard_lp": "autoshard+lp"}
-KINDS = ("all_gather", "all_reduce", "reduce_scatter")
+KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 SPAWN_TIMEOUT = datetime.timedelta(minutes=20)
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench_titan.json")
 
