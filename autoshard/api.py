@@ -1,7 +1,7 @@
 """``autoshard()`` and ``plan()``: the only place the pipeline runs.
 
-capture -> discover -> normalize -> propagate -> alternatives -> placements (the plan) -> [ranks agree] -> layouts -> transpose
--> partition -> [proof] -> materialize -> activation checkpointing -> verify
+capture -> discover -> normalize -> propagate -> alternatives -> placements (the plan) -> [ranks agree]
+-> layouts -> transpose -> partition -> [proof] -> materialize -> activation checkpointing -> verify
 
 ``_plan`` runs the stages up to the plan, ``_emit`` those that write the sharded code, and
 ``autoshard()`` the rest; :func:`checked_on` plans, emits and proves without a process group.
