@@ -176,8 +176,8 @@ def synthesize(graph: fx.Graph, stack: Stack) -> tuple[fx.Graph | None, str]:
     if any(n.op == "get_attr" and n.name != n.target.replace(".", "_") for n in second):
         return None, "the second block's parameters are not named after their FQNs"
 
-    new = fx.Graph()
-    new._codegen = graph._codegen  # export's pytree calling convention
+    writer = _Writer(fx.Graph())
+    writer.graph._codegen = graph._codegen  # export's pytree calling convention
     env: dict[fx.Node, fx.Node] = {}  # every original node -> its node in the new graph
     copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(stack.count)]  # block k: block-1 node -> copy
     last_run_end = {run[-1]: run for run in runs1}
@@ -188,24 +188,40 @@ def synthesize(graph: fx.Graph, stack: Stack) -> tuple[fx.Graph | None, str]:
             return copies[stack.count - 1][node]
         return env[node]
 
-    names: dict[fx.Node, str] = {}
     after_stack = False
     for node in nodes:
-        env[node] = new.node_copy(node, lookup_after_blocks if units[node] is None else env.__getitem__)
-        names[env[node]] = _shifted(node.name, strides, stack.count - 2) if after_stack else node.name
+        name = _shifted(node.name, strides, stack.count - 2) if after_stack else node.name
+        env[node] = writer.copy(node, lookup_after_blocks if units[node] is None else env.__getitem__, name)
         if node in last_run_end:
             run = last_run_end[node]
             for k in range(2, stack.count):
-                _copy_run(new, run, k, stack, env, copies, counterpart)
-                for original in run:
-                    copy = copies[k][original]
-                    names[copy] = (copy.target.replace(".", "_") if copy.op == "get_attr"
-                                   else _shifted(original.name, strides, k - 1))
+                _copy_run(writer, run, k, stack, env, copies, counterpart, strides)
             after_stack = after_stack or run[0].op != "get_attr"
-    new.lint()
-    if len(set(names.values())) != len(names):
+    writer.graph.lint()
+    if writer.collided:
         return None, "the written blocks' node names would collide"
-    return _named(new, names), ""
+    return writer.graph, ""
+
+
+@dataclasses.dataclass
+class _Writer:
+    """Appends copies of nodes to ``graph``, each under the name export would give it.
+
+    Every node is created once, under its final name (a graph never frees a name, so renaming
+    in place could not give a node a name another node had held). ``collided``: some name was
+    already taken, so the graph is not the one tracing every block gives.
+    """
+
+    graph: fx.Graph
+    collided: bool = False
+
+    def copy(self, node: fx.Node, arg, name: str, meta: dict | None = None) -> fx.Node:
+        """``node`` with its inputs mapped by ``arg``, named ``name``, with ``meta`` (else node's)."""
+        copied = self.graph.create_node(node.op, node.target, fx.map_arg(node.args, arg),
+                                        fx.map_arg(node.kwargs, arg), name=name, type_expr=node.type)
+        copied.meta = dict(node.meta) if meta is None else meta
+        self.collided = self.collided or copied.name != name
+        return copied
 
 
 def _split_name(name: str) -> tuple[str, int]:
@@ -247,8 +263,9 @@ def _between(nodes, units) -> fx.Node | None:
     return next((nodes[i] for i in range(last0 + 1, first1) if nodes[i].op == "call_function"), None)
 
 
-def _copy_run(new: fx.Graph, run, k: int, stack: Stack, env, copies, counterpart) -> None:
-    """Append block ``k``'s copy of block 1's ``run``."""
+def _copy_run(writer: _Writer, run, k: int, stack: Stack, env, copies, counterpart, strides) -> None:
+    """Append block ``k``'s copy of block 1's ``run``: parameters read under block ``k``'s FQNs
+    and named after them, every other node numbered as if ``k - 1`` blocks came before block 1."""
     previous = copies[k - 1] if k > 2 else env  # block k-1's node for each block-1 node
     mine = copies[k]
 
@@ -260,10 +277,13 @@ def _copy_run(new: fx.Graph, run, k: int, stack: Stack, env, copies, counterpart
         return env[node]
 
     for node in run:
-        copied = new.node_copy(node, arg)
+        meta = _meta_for_block(node.meta, stack.block(1), stack.block(k))
         if node.op == "get_attr":
-            copied.target = node.target.replace(stack.block(1), stack.block(k), 1)
-        copied.meta = _meta_for_block(node.meta, stack.block(1), stack.block(k))
+            target = node.target.replace(stack.block(1), stack.block(k), 1)
+            copied = writer.copy(node, arg, target.replace(".", "_"), meta)
+            copied.target = target
+        else:
+            copied = writer.copy(node, arg, _shifted(node.name, strides, k - 1), meta)
         mine[node] = copied
 
 
@@ -279,19 +299,3 @@ def _meta_for_block(meta: dict, old: str, new: str) -> dict:
             moved[key] = (path, kind)
         meta["nn_module_stack"] = moved
     return meta
-
-
-def _named(graph: fx.Graph, names: dict[fx.Node, str]) -> fx.Graph:
-    """``graph`` rebuilt with each node named ``names[node]`` (a graph never frees a name, so
-    renaming in place could not give a node a name another node had held)."""
-    fresh = fx.Graph()
-    fresh._codegen = graph._codegen
-    env: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        args = fx.map_arg(node.args, env.__getitem__)
-        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
-        made = fresh.create_node(node.op, node.target, args, kwargs, name=names.get(node, node.name),
-                                 type_expr=node.type)
-        made.meta = dict(node.meta)
-        env[node] = made
-    return fresh
