@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autoshard.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
@@ -146,7 +147,7 @@ def capture(
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     aliases = _tied_aliases(model)
     _clean(graph, aliases)
-    gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__)
+    gm = graph_module(attributes, graph, type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
         setattr(gm, attr, getattr(unlifted, attr))
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -395,8 +396,19 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     output, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(output).meta = copy.copy(old_output.meta)
     graph._codegen = gm.graph._codegen  # the calling convention, shared (it is never written)
-    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copied = graph_module(gm, graph, type(gm).__name__)
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(copied, attr, getattr(gm, attr))
     return copied
+
+
+def graph_module(root: nn.Module | dict, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """A GraphModule whose Python code is written when first read or called, not when built.
+
+    Planning reads only graphs: the captured module's code is never run (the passes rewrite
+    its graph in place and emission builds modules of its own), and a copy kept for the proof
+    is written when the proof first calls it. Writing a graph's code costs a few milliseconds
+    per block, as much as planning the block.
+    """
+    return _LazyGraphModule(root, graph, class_name=class_name)
