@@ -166,21 +166,39 @@ def unit_of_node(node: fx.Node, block_fqns) -> str:
     return ""
 
 
+class BlockOwners:
+    """:func:`owner_block` and :func:`unit_of_node` for one tuple of blocks, each module path looked
+    up once: a graph's nodes share a few paths per module, and a deep model has many nodes."""
+
+    def __init__(self, block_fqns):
+        self.block_fqns = tuple(block_fqns)
+        self.found: dict[str, str] = {}
+
+    def of_path(self, path: str) -> str:
+        """The block ``path`` is in, or ``""``."""
+        if path not in self.found:
+            self.found[path] = owner_block(path, self.block_fqns) or ""
+        return self.found[path]
+
+    def of_node(self, node: fx.Node) -> str:
+        """The unit whose code computes ``node`` (see :func:`unit_of_node`)."""
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            found = self.of_path(path)
+            if found:
+                return found
+        return ""
+
+
 def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:
+    owners = BlockOwners(block_fqns)
     unit: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             unit[node] = ""
         elif node.op == "get_attr":
-            unit[node] = owner_block(node.target, block_fqns) or ""
+            unit[node] = owners.of_path(node.target)
         else:
-            stack = node.meta.get("nn_module_stack") or {}
-            found = ""
-            for path, _ in stack.values():
-                found = owner_block(path, block_fqns) or found
-                if found:
-                    break
-            unit[node] = found
+            unit[node] = owners.of_node(node)
     # reads of a block parameter used only outside that block belong to the root
     for node in gm.graph.nodes:
         if node.op == "get_attr" and unit[node] and any(unit[u] != unit[node] for u in node.users):
