@@ -104,6 +104,8 @@ class CapturedGraph:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # tied FQN -> canonical FQN
     functions: tuple[CheckedFunction, ...] = ()  # custom autograd.Functions checked and inlined
     trace_note: str = ""  # why a stack of blocks was traced in full rather than once
+    # a stack's block 1 and the blocks written as its copies (reuse_blocks): planned once, stamped on the copies
+    written: tuple[str, ...] = ()
 
 
 class CaptureError(ValueError):
@@ -155,7 +157,9 @@ def capture(
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
-    return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note)
+    written = tuple(stack.block(k) for k in range(1, stack.count)) if stack is not None else ()
+    return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note,
+                         written)
 
 
 def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
