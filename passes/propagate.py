@@ -162,8 +162,10 @@ def block_copies(graph: fx.Graph, sites: Sites, carries_grad: frozenset[fx.Node]
         return None
     index = _SiteIndex.of(sites)
 
-    def facts(node: fx.Node) -> tuple:
+    def facts(node: fx.Node) -> tuple | bool:
         site = index.site_of.get(node) or index.expert_of.get(node) or index.output_site.get(node)
+        if site is None and node not in index.owned:
+            return node in carries_grad  # most nodes: no site, only whether a gradient flows
         tied = tuple(f in sites.tied for f in site.param_fqns) if site is not None else ()
         return (index.site_of.get(node), index.expert_of.get(node), index.owned.get(node),
                 index.output_site.get(node), node in carries_grad, tied)
