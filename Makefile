@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check zoo golden clean
+.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth zoo golden clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ bench-meshes: $(STAMP)
 # autoshard.testing.check on a 4-block Llama at dp=2 x tp=4, pinned to one core (goal: 10 s).
 bench-check: $(STAMP)
 	$(PY) benchmarks/bench_check.py
+
+# autoshard.plan on a meta-device Hugging Face Llama (Llama-3 8B shapes) of 2, 32 and 80 blocks at dp=2 x tp=4:
+# seconds and the ratios to 2 blocks (goal: 32 blocks at most 1.5x, 80 blocks at most 2x).
+bench-depth: $(STAMP)
+	$(PY) benchmarks/bench_depth.py
 
 # Every transformers family autoshard captures, planned and proven in one process on five meshes
 # (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4.

@@ -48,7 +48,7 @@ def check_activations_carry(
     twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     twin_sites = find_sites(twin.gm, twin.param_shapes)
     normalize(twin.gm, twin_sites, old.tp)
-    layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, options.strict())
+    layout_plan = propagate(twin.gm, twin_sites, old.tp, roles, options.strict(), written=twin.written)
     before = build_plan(twin, twin_sites, layout_plan, old, dp_placements)
     changed = []
     for fqn, now in final.params.items():

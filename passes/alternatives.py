@@ -66,7 +66,8 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         # on a copy: a walk may write out a norm, and the plan kept must match its graph
         twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
         twin_sites = find_sites(twin.gm, twin.param_shapes)
-        trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole | dict.fromkeys(pulling, ""))
+        trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole | dict.fromkeys(pulling, ""),
+                          written=twin.written)
         revised = _cost(build_plan(twin, twin_sites, trial, axes))
         if revised >= cost:
             return layout_plan
@@ -74,7 +75,8 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
                f"it; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}")
         whole |= dict.fromkeys(pulling, why)
         budget.spend(pulling)
-        layout_plan, cost = propagate(captured.gm, sites, axes.tp, None, options, whole=whole), revised
+        layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole, written=captured.written)
+        cost = revised
 
 
 def _stacked_blocks(captured: CapturedGraph) -> tuple[str, ...]:

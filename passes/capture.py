@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autoshard.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
@@ -103,6 +104,8 @@ class CapturedGraph:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # tied FQN -> canonical FQN
     functions: tuple[CheckedFunction, ...] = ()  # custom autograd.Functions checked and inlined
     trace_note: str = ""  # why a stack of blocks was traced in full rather than once
+    # a stack's block 1 and the blocks written as its copies (reuse_blocks): planned once, stamped on the copies
+    written: tuple[str, ...] = ()
 
 
 class CaptureError(ValueError):
@@ -146,7 +149,7 @@ def capture(
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     aliases = _tied_aliases(model)
     _clean(graph, aliases)
-    gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__)
+    gm = graph_module(attributes, graph, type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
         setattr(gm, attr, getattr(unlifted, attr))
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -154,7 +157,9 @@ def capture(
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
     inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
-    return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note)
+    written = tuple(stack.block(k) for k in range(1, stack.count)) if stack is not None else ()
+    return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note,
+                         written)
 
 
 def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
@@ -395,8 +400,19 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     output, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(output).meta = copy.copy(old_output.meta)
     graph._codegen = gm.graph._codegen  # the calling convention, shared (it is never written)
-    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copied = graph_module(gm, graph, type(gm).__name__)
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(copied, attr, getattr(gm, attr))
     return copied
+
+
+def graph_module(root: nn.Module | dict, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """A GraphModule whose Python code is written when first read or called, not when built.
+
+    Planning reads only graphs: the captured module's code is never run (the passes rewrite
+    its graph in place and emission builds modules of its own), and a copy kept for the proof
+    is written when the proof first calls it. Writing a graph's code costs a few milliseconds
+    per block, as much as planning the block.
+    """
+    return _LazyGraphModule(root, graph, class_name=class_name)

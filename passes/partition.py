@@ -20,6 +20,7 @@ parameters in the root unit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import operator
 
@@ -44,21 +45,40 @@ def callable_blocks(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> tuple[st
     for node, u in unit.items():
         if u:
             members.setdefault(u, set()).add(node)
-    return tuple(b for b in block_fqns if b in members and not _runs_around(members[b]))
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    return tuple(b for b in block_fqns if b in members and not _runs_around(members[b], index))
 
 
-def _runs_around(members: set[fx.Node]) -> bool:
-    after = _reach(members, lambda n: n.users)
-    before = _reach(members, lambda n: n.all_input_nodes)
+def _runs_around(members: set[fx.Node], index: dict[fx.Node, int]) -> bool:
+    """Whether a node outside ``members`` depends on them and feeds them.
+
+    Graph order is topological, so such a node comes after a use that leaves the block
+    (an exit) and before an input that enters it (an entry): both searches stay between
+    the first exit and the last entry. A block of a stack, whose exits all follow its
+    entries, costs only its own edges, and checking every block stays linear in the graph
+    instead of walking everything downstream and upstream of each block.
+    """
+    exits = {user for node in members for user in node.users if user not in members}
+    entries = {arg for node in members for arg in node.all_input_nodes if arg not in members}
+    if not exits or not entries:
+        return False
+    first_exit, last_entry = min(index[n] for n in exits), max(index[n] for n in entries)
+    if first_exit > last_entry:
+        return False
+    after = _reach({n for n in exits if index[n] <= last_entry}, lambda n: n.users,
+                   lambda n: index[n] <= last_entry)
+    before = _reach({n for n in entries if index[n] >= first_exit}, lambda n: n.all_input_nodes,
+                    lambda n: index[n] >= first_exit)
     return bool((after & before) - members)
 
 
-def _reach(start: set[fx.Node], step) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
+def _reach(start: set[fx.Node], step, inside) -> set[fx.Node]:
+    """``start`` and every node reached from it by ``step`` through nodes ``inside`` holds for."""
+    seen: set[fx.Node] = set(start)
     frontier = list(start)
     while frontier:
         for nxt in step(frontier.pop()):
-            if nxt not in seen:
+            if nxt not in seen and inside(nxt):
                 seen.add(nxt)
                 frontier.append(nxt)
     return seen
@@ -109,11 +129,25 @@ def _fetch(gm: fx.GraphModule, target: str):
 
 
 def owner_block(path: str, block_fqns) -> str | None:
-    """The block of ``block_fqns`` that ``path`` (a module or parameter FQN) is in, or None."""
-    for block in block_fqns:
-        if path == block or path.startswith(block + "."):
-            return block
-    return None
+    """The block of ``block_fqns`` that ``path`` (a module or parameter FQN) is in, or None.
+
+    The first of ``block_fqns`` that is ``path`` or a dotted prefix of it; found by looking
+    ``path``'s prefixes up, so a node's owner costs the same however many blocks there are.
+    """
+    positions = _positions(tuple(block_fqns))
+    candidates = [path[:i] for i, char in enumerate(path) if char == "."]
+    candidates.append(path)
+    found = [(positions[c], c) for c in candidates if c in positions]
+    return min(found)[1] if found else None
+
+
+@functools.lru_cache(maxsize=32)
+def _positions(block_fqns: tuple[str, ...]) -> dict[str, int]:
+    """Each block's first position in ``block_fqns``."""
+    positions: dict[str, int] = {}
+    for i, block in enumerate(block_fqns):
+        positions.setdefault(block, i)
+    return positions
 
 
 def made_like(new: fx.Node, origin: fx.Node, also: tuple[str, ...] = ()) -> None:
@@ -132,21 +166,39 @@ def unit_of_node(node: fx.Node, block_fqns) -> str:
     return ""
 
 
+class BlockOwners:
+    """:func:`owner_block` and :func:`unit_of_node` for one tuple of blocks, each module path looked
+    up once: a graph's nodes share a few paths per module, and a deep model has many nodes."""
+
+    def __init__(self, block_fqns):
+        self.block_fqns = tuple(block_fqns)
+        self.found: dict[str, str] = {}
+
+    def of_path(self, path: str) -> str:
+        """The block ``path`` is in, or ``""``."""
+        if path not in self.found:
+            self.found[path] = owner_block(path, self.block_fqns) or ""
+        return self.found[path]
+
+    def of_node(self, node: fx.Node) -> str:
+        """The unit whose code computes ``node`` (see :func:`unit_of_node`)."""
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            found = self.of_path(path)
+            if found:
+                return found
+        return ""
+
+
 def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:
+    owners = BlockOwners(block_fqns)
     unit: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             unit[node] = ""
         elif node.op == "get_attr":
-            unit[node] = owner_block(node.target, block_fqns) or ""
+            unit[node] = owners.of_path(node.target)
         else:
-            stack = node.meta.get("nn_module_stack") or {}
-            found = ""
-            for path, _ in stack.values():
-                found = owner_block(path, block_fqns) or found
-                if found:
-                    break
-            unit[node] = found
+            unit[node] = owners.of_node(node)
     # reads of a block parameter used only outside that block belong to the root
     for node in gm.graph.nodes:
         if node.op == "get_attr" and unit[node] and any(unit[u] != unit[node] for u in node.users):

@@ -278,6 +278,13 @@ class _Records:
         self.origin |= {s.node: s.weight_fqn for s in sites.embeddings}
         self.colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
         self.buckets = {v: b.values for b in lp.take_shard_buckets() for v in b.values}  # value -> its bucket
+        self._position: dict[fx.Node, int] | None = None
+
+    def position(self, graph: fx.Graph) -> dict[fx.Node, int]:
+        """Each node's place in ``graph``, counted once for all the records that order nodes."""
+        if self._position is None:
+            self._position = {n: i for i, n in enumerate(graph.nodes)}
+        return self._position
 
     def add(self, fqn: str, collective: Collective) -> None:
         self.by_weight.setdefault(fqn, []).append(collective)
@@ -370,7 +377,7 @@ class _Records:
         elif step.kind is Step.SHARDED_OUTPUT:
             self.record(_region_origin(value, self.lp, self.origin), Collective(kind, FWD, "output"), node, value)
         elif step.kind is Step.REDUCE:
-            weights = tuple(_partial_origins(value, self.lp, self.origin))
+            weights = tuple(_partial_origins(value, self.lp, self.origin, self.position(value.graph)))
             if not weights:
                 collective = Collective(kind, FWD, f"partial sum '{value.name}'", describe(consumer))
                 self.record(None, collective, node, value)
@@ -421,8 +428,8 @@ def _region_origin(value: fx.Node, lp: LayoutPlan, origin: dict) -> str | None:
     return origin.get(value)
 
 
-def _partial_origins(value: fx.Node, lp: LayoutPlan, origin: dict) -> list[str]:
-    """The weights whose partial products flow into ``value``, in graph order."""
+def _partial_origins(value: fx.Node, lp: LayoutPlan, origin: dict, position: dict[fx.Node, int]) -> list[str]:
+    """The weights whose partial products flow into ``value``, in graph order (``position``)."""
     frontier, seen, found = [value], set(), []
     while frontier:
         node = frontier.pop(0)
@@ -433,5 +440,4 @@ def _partial_origins(value: fx.Node, lp: LayoutPlan, origin: dict) -> list[str]:
             found.append(node)
             continue
         frontier += [v for v in node.all_input_nodes if lp.layouts.get(v) in PARTIALS]
-    position = {n: i for i, n in enumerate(value.graph.nodes)}
     return [origin[n] for n in sorted(found, key=position.__getitem__)]

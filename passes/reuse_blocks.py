@@ -176,8 +176,8 @@ def synthesize(graph: fx.Graph, stack: Stack) -> tuple[fx.Graph | None, str]:
     if any(n.op == "get_attr" and n.name != n.target.replace(".", "_") for n in second):
         return None, "the second block's parameters are not named after their FQNs"
 
-    new = fx.Graph()
-    new._codegen = graph._codegen  # export's pytree calling convention
+    writer = _Writer(fx.Graph())
+    writer.graph._codegen = graph._codegen  # export's pytree calling convention
     env: dict[fx.Node, fx.Node] = {}  # every original node -> its node in the new graph
     copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(stack.count)]  # block k: block-1 node -> copy
     last_run_end = {run[-1]: run for run in runs1}
@@ -188,24 +188,50 @@ def synthesize(graph: fx.Graph, stack: Stack) -> tuple[fx.Graph | None, str]:
             return copies[stack.count - 1][node]
         return env[node]
 
-    names: dict[fx.Node, str] = {}
     after_stack = False
     for node in nodes:
-        env[node] = new.node_copy(node, lookup_after_blocks if units[node] is None else env.__getitem__)
-        names[env[node]] = _shifted(node.name, strides, stack.count - 2) if after_stack else node.name
+        name = _Numbering.of(node.name, strides).shifted(stack.count - 2) if after_stack else node.name
+        env[node] = writer.copy(node, lookup_after_blocks if units[node] is None else env.__getitem__, name)
         if node in last_run_end:
             run = last_run_end[node]
+            numbering = [_Numbering.of(n.name, strides) for n in run]
             for k in range(2, stack.count):
-                _copy_run(new, run, k, stack, env, copies, counterpart)
-                for original in run:
-                    copy = copies[k][original]
-                    names[copy] = (copy.target.replace(".", "_") if copy.op == "get_attr"
-                                   else _shifted(original.name, strides, k - 1))
+                _copy_run(writer, run, k, stack, env, copies, counterpart, numbering)
             after_stack = after_stack or run[0].op != "get_attr"
-    new.lint()
-    if len(set(names.values())) != len(names):
+    writer.graph.lint()
+    if writer.collided:
         return None, "the written blocks' node names would collide"
-    return _named(new, names), ""
+    return writer.graph, ""
+
+
+@dataclasses.dataclass
+class _Writer:
+    """Appends copies of nodes to ``graph``, each under the name export would give it.
+
+    Every node is created once, under its final name (a graph never frees a name, so renaming
+    in place could not give a node a name another node had held). ``collided``: some name was
+    already taken, so the graph is not the one tracing every block gives.
+    """
+
+    graph: fx.Graph
+    collided: bool = False
+
+    def copy(self, node: fx.Node, arg, name: str, module_stack: dict | None = None) -> fx.Node:
+        """``node`` with its inputs mapped by ``arg``, named ``name``, with its meta (and
+        ``module_stack`` as its ``nn_module_stack``, when given).
+
+        The arguments are set on the node made: they are export's, and ``create_node`` would
+        walk each one again for a symbolic int it warns about (a third of writing a node)."""
+        copied = self.graph.create_node(node.op, node.target, name=name, type_expr=node.type)
+        if node.args:
+            copied.args = fx.map_arg(node.args, arg)
+        if node.kwargs:
+            copied.kwargs = fx.map_arg(node.kwargs, arg)
+        copied.meta.update(node.meta)  # in place: setting an attribute of a node re-files it in its graph
+        if module_stack is not None:
+            copied.meta["nn_module_stack"] = module_stack
+        self.collided = self.collided or copied.name != name
+        return copied
 
 
 def _split_name(name: str) -> tuple[str, int]:
@@ -227,13 +253,27 @@ def _name_strides(counterpart: dict[fx.Node, fx.Node]) -> tuple[dict[str, int], 
     return strides, ""
 
 
-def _shifted(name: str, strides: dict[str, int], blocks: int) -> str:
-    """``name`` numbered as if ``blocks`` more blocks had been traced before it."""
-    base, num = _split_name(name)
-    if base not in strides or not strides[base] or blocks <= 0:
-        return name
-    num += blocks * strides[base]
-    return base if num == 0 else f"{base}_{num}"
+@dataclasses.dataclass(frozen=True)
+class _Numbering:
+    """A node's name as export would number it with more blocks traced before it: export numbers
+    each op's nodes in graph order, so every block traced earlier adds that op's ``stride``."""
+
+    name: str
+    base: str
+    number: int
+    stride: int
+
+    @classmethod
+    def of(cls, name: str, strides: dict[str, int]) -> _Numbering:
+        base, number = _split_name(name)
+        return cls(name, base, number, strides.get(base, 0))
+
+    def shifted(self, blocks: int) -> str:
+        """The name had ``blocks`` more blocks been traced before this node."""
+        if not self.stride or blocks <= 0:
+            return self.name
+        number = self.number + blocks * self.stride
+        return self.base if number == 0 else f"{self.base}_{number}"
 
 
 def _between(nodes, units) -> fx.Node | None:
@@ -247,8 +287,10 @@ def _between(nodes, units) -> fx.Node | None:
     return next((nodes[i] for i in range(last0 + 1, first1) if nodes[i].op == "call_function"), None)
 
 
-def _copy_run(new: fx.Graph, run, k: int, stack: Stack, env, copies, counterpart) -> None:
-    """Append block ``k``'s copy of block 1's ``run``."""
+def _copy_run(writer: _Writer, run, k: int, stack: Stack, env, copies, counterpart, numbering) -> None:
+    """Append block ``k``'s copy of block 1's ``run``: parameters read under block ``k``'s FQNs
+    and named after them, every other node numbered as if ``k - 1`` blocks came before block 1
+    (``numbering``: of each node of the run)."""
     previous = copies[k - 1] if k > 2 else env  # block k-1's node for each block-1 node
     mine = copies[k]
 
@@ -259,39 +301,25 @@ def _copy_run(new: fx.Graph, run, k: int, stack: Stack, env, copies, counterpart
             return previous[counterpart[node]]
         return env[node]
 
-    for node in run:
-        copied = new.node_copy(node, arg)
+    for node, name in zip(run, numbering, strict=True):
+        module_stack = _module_stack_for_block(node.meta.get("nn_module_stack"), stack.block(1), stack.block(k))
         if node.op == "get_attr":
-            copied.target = node.target.replace(stack.block(1), stack.block(k), 1)
-        copied.meta = _meta_for_block(node.meta, stack.block(1), stack.block(k))
+            target = node.target.replace(stack.block(1), stack.block(k), 1)
+            copied = writer.copy(node, arg, target.replace(".", "_"), module_stack)
+            copied.target = target
+        else:
+            copied = writer.copy(node, arg, name.shifted(k - 1), module_stack)
         mine[node] = copied
 
 
-def _meta_for_block(meta: dict, old: str, new: str) -> dict:
-    meta = dict(meta)
-    stack = meta.get("nn_module_stack")
-    if stack:
-        moved = {}
-        for key, (path, kind) in stack.items():
-            if path == old or path.startswith(old + "."):
-                path = new + path[len(old):]
-                key = key.replace(old, new, 1)
-            moved[key] = (path, kind)
-        meta["nn_module_stack"] = moved
-    return meta
-
-
-def _named(graph: fx.Graph, names: dict[fx.Node, str]) -> fx.Graph:
-    """``graph`` rebuilt with each node named ``names[node]`` (a graph never frees a name, so
-    renaming in place could not give a node a name another node had held)."""
-    fresh = fx.Graph()
-    fresh._codegen = graph._codegen
-    env: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        args = fx.map_arg(node.args, env.__getitem__)
-        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
-        made = fresh.create_node(node.op, node.target, args, kwargs, name=names.get(node, node.name),
-                                 type_expr=node.type)
-        made.meta = dict(node.meta)
-        env[node] = made
-    return fresh
+def _module_stack_for_block(stack: dict | None, old: str, new: str) -> dict | None:
+    """A node's ``nn_module_stack`` with block ``old``'s modules as block ``new``'s (None without one)."""
+    if not stack:
+        return None
+    moved = {}
+    for key, (path, kind) in stack.items():
+        if path == old or path.startswith(old + "."):
+            path = new + path[len(old):]
+            key = key.replace(old, new, 1)
+        moved[key] = (path, kind)
+    return moved
