@@ -130,7 +130,7 @@ class CollectiveCounter(TorchDispatchMode):
             group = group.group_name
         axis = self._axis_by_group_name.get(group, "other")
         self._counts.setdefault(axis, Counter())[kind] += 1
-        size = self._size_by_axis.get(axis) or dist.get_world_size(_resolve_process_group(group))
+        size = self._size_by_axis.get(axis) or _size_of(group)
         nbytes = _nbytes(payload)
         if dtype is not None and isinstance(payload, torch.Tensor):
             nbytes = payload.numel() * dtype.itemsize

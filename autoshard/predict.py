@@ -127,8 +127,8 @@ def _tp_sends(plan, reduce_dtype, tp: int) -> dict[str, list[tuple[str, int]]]:
         # adding is in reduce_dtype, which on more than two ranks takes two collectives)
         moved = getattr(torch, record.dtype)
         widened = widens(moved, reduce_dtype)
-        sends[unit] += [(wire, record.numel * moved.itemsize) for kind, sums in WIRE_KINDS[record.kind]
-                        for wire in (sum_on_wire(kind, widened, tp) if sums else (kind,))]
+        sends[unit] += [(wire, record.numel * moved.itemsize) for kind in WIRE_KINDS[record.kind]
+                        for wire in sum_on_wire(kind, widened, tp)]
     return sends
 
 

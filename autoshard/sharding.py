@@ -298,16 +298,19 @@ class Wire(_Spelled):
 
 
 # What each plan kind puts on the wire in one training step, as torch names the collectives
-# (``CollectiveCounter`` and ``predicted_comm`` count these): ``(wire kind, sums)``, ``sums``
-# when it adds partial values (it travels in the policy's reduce dtype).
-WIRE_KINDS: dict[str, tuple[tuple[Wire, bool], ...]] = {
-    ALL_REDUCE: ((Wire.ALL_REDUCE, True),),
-    ALL_GATHER: ((Wire.ALL_GATHER, False),),
-    REDUCE_SCATTER: ((Wire.REDUCE_SCATTER, True), (Wire.ALL_GATHER, False)),  # its backward gathers
-    GATHER_SCATTER: ((Wire.ALL_GATHER, False), (Wire.REDUCE_SCATTER, True)),
-    TAKE_SHARD: ((Wire.ALL_GATHER, False),),  # the gradient's all-gather in backward
+# (``CollectiveCounter`` and ``predicted_comm`` count these); a sum among them runs as
+# :func:`sum_on_wire` says.
+WIRE_KINDS: dict[str, tuple[Wire, ...]] = {
+    ALL_REDUCE: (Wire.ALL_REDUCE,),
+    ALL_GATHER: (Wire.ALL_GATHER,),
+    REDUCE_SCATTER: (Wire.REDUCE_SCATTER, Wire.ALL_GATHER),  # its backward gathers
+    GATHER_SCATTER: (Wire.ALL_GATHER, Wire.REDUCE_SCATTER),
+    TAKE_SHARD: (Wire.ALL_GATHER,),  # the gradient's all-gather in backward
     NO_COLLECTIVE: (),
 }
+
+
+SUMS = (Wire.ALL_REDUCE, Wire.REDUCE_SCATTER)  # the collectives that add partial values
 
 
 def sum_on_wire(kind: Wire, widened: bool, ranks: int) -> tuple[Wire, ...]:
@@ -315,7 +318,7 @@ def sum_on_wire(kind: Wire, widened: bool, ranks: int) -> tuple[Wire, ...]:
     added in fp32, :mod:`autoshard.collectives`) on more than two ranks, a reduce-scatter is an
     all-to-all of the partial chunks (each rank adds its own), and an all-reduce is that and an
     all-gather of the sums; on two ranks an all-reduce stays one (its one addition rounds once)."""
-    if not widened or kind not in (Wire.ALL_REDUCE, Wire.REDUCE_SCATTER):
+    if not widened or kind not in SUMS:
         return (kind,)
     if kind is Wire.REDUCE_SCATTER:
         return (Wire.ALL_TO_ALL,)
@@ -353,7 +356,7 @@ class Step(enum.Enum):
     @property
     def sums_partials(self) -> bool:
         """Whether the op adds partial values, forward or backward (taken in the reduce dtype)."""
-        return any(sums for _, sums in WIRE_KINDS[self.plan_kind])
+        return any(kind in SUMS for kind in WIRE_KINDS[self.plan_kind])
 
     def __repr__(self) -> str:
         return f"Step.{self.name}"
