@@ -40,8 +40,10 @@ import torch.utils._pytree as pytree
 from autoshard.errors import describe
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
 from autoshard.passes.placements import multiplies
-from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator
+from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator, widened
 from autoshard.plan import Plan, section_order
+from autoshard.precision import first_precision_change
+from autoshard.rounding import Measure, judge
 from autoshard.sharding import REPLICATED, shard_on
 
 _ATEN = torch.ops.aten
@@ -57,12 +59,18 @@ class ProofError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Proof:
-    """What one check measured. Errors are relative (``|a - b| / |b|``, max over tp ranks)."""
+    """What one check measured: a :class:`~autoshard.rounding.Measure` per output and gradient.
+
+    Each measure's ``error`` is the sharded run against the unsharded one (``|a - b| / |b|``,
+    max over tp ranks). Where the graph was also run in float64 (always in bf16 or fp16; in fp32
+    when an error exceeds ``tolerance``), a measure is held to one device's own distance from
+    float64 (:mod:`autoshard.rounding`); otherwise its ``error`` is held to ``tolerance``.
+    ``exact`` says which: the dtype the reference was widened to, or why it could not be."""
 
     tp: int
     tolerance: float
-    outputs: tuple[tuple[str, float], ...]
-    gradients: tuple[tuple[str, float], ...]
+    outputs: tuple[Measure, ...]
+    gradients: tuple[Measure, ...]
     first_divergence: str | None
     seconds: float
     # what the emitted code ran in one forward and backward, as plan.predicted_comm() spells it:
@@ -70,31 +78,55 @@ class Proof:
     tp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
     plan: Plan | None = dataclasses.field(default=None, compare=False)  # the plan proven
     values: ProofValues | None = dataclasses.field(default=None, compare=False, repr=False)  # if kept
+    exact: str = ""  # "float64" when measured against a float64 run; else why there is none (or "")
+    # the first emitted node computing in another dtype than the model's code (autoshard.precision)
+    precision_change: str | None = None
 
     @property
     def ok(self) -> bool:
-        return all(e <= self.tolerance for _, e in (*self.outputs, *self.gradients))
+        return not self.failures() and self.precision_change is None
 
     @property
     def max_output_error(self) -> float:
-        return max((e for _, e in self.outputs), default=0.0)
+        return max((m.error for m in self.outputs), default=0.0)
 
     @property
     def max_gradient_error(self) -> float:
-        return max((e for _, e in self.gradients), default=0.0)
+        return max((m.error for m in self.gradients), default=0.0)
 
-    def failures(self) -> list[tuple[str, float]]:
-        return [(w, e) for w, e in (*self.outputs, *self.gradients) if e > self.tolerance]
+    @property
+    def worst_factor(self) -> float | None:
+        """The largest ratio of the sharded run's error to one device's (both against float64)."""
+        factors = [m.factor for m in (*self.outputs, *self.gradients) if m.factor is not None]
+        return max(factors, default=None)
+
+    def error_of(self, what: str) -> float:
+        """The error of one output (``"output 0"``) or gradient (``"gradient of 'fqn'"``)."""
+        return next(m.error for m in (*self.outputs, *self.gradients) if m.what == what)
+
+    def failures(self, rtol: float | None = None) -> list[Measure]:
+        """The measures that fail: by the proof's own bounds, or each ``error`` against ``rtol``."""
+        measures = (*self.outputs, *self.gradients)
+        if rtol is not None:
+            return [m for m in measures if not m.error <= rtol]
+        return [m for m in measures if not m.ok]
 
     def __str__(self) -> str:
         verdict = "proven" if self.ok else "FAILED"
+        factor = self.worst_factor
+        against = (f"sharding costs at most x{factor:.2g} one device's error against float64"
+                   if factor is not None else f"tolerance {self.tolerance:.0e}")
         head = (f"autoshard proof on tp={self.tp}: {verdict} ({len(self.outputs)} outputs max error "
                 f"{self.max_output_error:.1e}, {len(self.gradients)} gradients max error "
-                f"{self.max_gradient_error:.1e}, tolerance {self.tolerance:.0e}, {self.seconds:.2f} s)")
+                f"{self.max_gradient_error:.1e}, {against}, {self.seconds:.2f} s)")
         if self.ok:
             return head
-        worst = sorted(self.failures(), key=lambda f: -f[1])[:5]
-        lines = [head, *(f"  {what}: {err:.2e}" for what, err in worst)]
+        worst = sorted(self.failures(), key=lambda m: -(m.judged / max(m.allowed, 1e-300)))[:5]
+        lines = [head, *(f"  {m}" for m in worst)]
+        if self.precision_change:
+            lines.append(f"  precision: {self.precision_change}")
+        if self.exact and self.exact != "float64":
+            lines.append(f"  no float64 run: {self.exact}")
         if self.first_divergence:
             lines.append(f"  first divergence: {self.first_divergence}")
         return "\n".join(lines)
@@ -152,7 +184,8 @@ class Subject:
 def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
           *, seed: int = 0, rtol: float | None = None, keep_values: bool = False) -> Proof:
     """Run ``subject`` on fresh inputs and random weights; compare with the reference.
-    ``keep_values`` keeps the tensors it ran in ``Proof.values``."""
+    ``rtol`` holds every error to that bound instead (no float64 run); ``keep_values`` keeps the
+    tensors it ran in ``Proof.values``."""
     start = time.perf_counter()
     _refuse_meta(model)
     with torch.random.fork_rng(devices=[]):
@@ -169,25 +202,41 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
                 f"autoshard: the model as captured does not run on these inputs and options, unsharded: "
                 f"{str(err).splitlines()[0].replace('in the emitted code', 'in the captured graph')}"
             ) from err
+        dtype = _compute_dtype(weights, subject.reference)
+        tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)
         try:
             sim = _run_emitted(subject.root, subject, inputs, weights, buffers, ref.cotangents)
         except EmittedCodeError as err:
-            tolerance = rtol if rtol is not None else _TOLERANCE.get(_compute_dtype(weights, subject.reference), 1e-4)
-            return Proof(subject.tp, tolerance, (("emitted code", float("inf")),), (), str(err).splitlines()[0],
-                         time.perf_counter() - start)
-    dtype = _compute_dtype(weights, subject.reference)
-    tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)
-    outputs, gradients = _errors(subject, sim, ref, {}, tolerance)
-    if any(e > tolerance for _, e in (*outputs, *gradients)):
-        noise = _rounding_noise(subject, inputs, weights, buffers, ref)
-        outputs, gradients = _errors(subject, sim, ref, noise, tolerance)
+            return Proof(subject.tp, tolerance, (Measure("emitted code", math.inf, allowed=tolerance),), (),
+                         str(err).splitlines()[0], time.perf_counter() - start)
+    measures = _measures(subject, sim, ref, None, dtype, tolerance)
+    exact, why = None, ""
+    if rtol is None and (torch.finfo(dtype).bits < 32 or not all(m.ok for m in measures)):
+        exact, why = _run_exact(subject.reference, inputs, weights, buffers, ref.cotangents, dtype)
+        if exact is not None:
+            measures = _measures(subject, sim, ref, exact, dtype, tolerance)
+    outputs = tuple(m for m in measures if m.what.startswith("output"))
+    gradients = tuple(m for m in measures if not m.what.startswith("output"))
+    changed = first_precision_change(subject.root, subject.planned, subject.skip, _by_name(sim.values),
+                                     _plan_reduce_dtype(subject.plan))
     first = None
-    if any(e > tolerance for _, e in (*outputs, *gradients)):
-        first = locate(subject, inputs, weights, buffers, ref.cotangents, tolerance) or _reads_of_worst(
-            subject, [(f, e) for f, e in zip(sorted(sim.grads), (e for _, e in gradients), strict=True)], tolerance)
+    if not all(m.ok for m in measures):
+        first = locate(subject, inputs, weights, buffers, ref.cotangents, tolerance, dtype if exact else None) or \
+            _reads_of_worst(subject, [m for m in gradients if not m.ok])
     values = _kept_values(subject, inputs, weights, ref.cotangents, sim) if keep_values else None
-    return Proof(subject.tp, tolerance, outputs, gradients, first, time.perf_counter() - start, sim.tp_collectives,
-                 values=values)
+    return Proof(subject.tp, tolerance, outputs, gradients, first or changed, time.perf_counter() - start,
+                 sim.tp_collectives, values=values, exact=why, precision_change=changed)
+
+
+def _by_name(values: dict[str, PerRank]) -> dict[str, PerRank]:
+    """Simulated values by node name (a block's nodes are kept under ``<block>.<name>``)."""
+    return {key.rsplit(".", 1)[-1]: v for key, v in values.items()}
+
+
+def _plan_reduce_dtype(plan: Plan) -> torch.dtype | None:
+    """The dtype the plan adds tp sums in (its mixed precision's reduce dtype), if it names one."""
+    name = plan.mixed_precision.get("reduce_dtype")
+    return getattr(torch, name) if name else None
 
 
 def _kept_values(subject: Subject, inputs: list, weights: dict, cotangents: list, sim: _Run) -> ProofValues:
@@ -199,46 +248,81 @@ def _kept_values(subject: Subject, inputs: list, weights: dict, cotangents: list
     return ProofValues(tuple(args), dict(kwargs), weights, tuple(cotangents), outputs, sim.losses, gradients)
 
 
-def _errors(subject: Subject, sim: _Run, ref: _Run, noise: dict, tolerance: float):
-    """Relative errors of every output and gradient; ``noise`` (by name) is the reference's own
-    rounding error, which a sharded run may differ by ten times over without failing."""
-    def allowed(name):  # the scale below which a difference is rounding, as a relative error
-        return 10 * noise.get(name, 0.0) / tolerance
-
-    outputs = tuple((f"output {i}", _output_error(s, r, allowed(f"output {i}")))
-                    for i, (s, r) in enumerate(zip(sim.outputs, ref.outputs, strict=True))
-                    if isinstance(r, torch.Tensor))
+def _measures(subject: Subject, sim: _Run, ref: _Run, exact: _Run | None, dtype: torch.dtype,
+              tolerance: float) -> list[Measure]:
+    """A measure per output and per parameter gradient: against ``exact`` (a float64 run of the
+    same graph, see :mod:`autoshard.rounding`) when given, else each error against ``tolerance``."""
     floor = 0.1 * _typical_rms(ref.grads.values())
-    gradients = tuple((f"gradient of '{fqn}'", _grad_error(sim.grads[fqn], ref.grads.get(fqn), subject, fqn, floor,
-                                                          allowed(fqn)))
-                      for fqn in sorted(sim.grads))
-    return outputs, gradients
-
-
-def _rounding_noise(subject: Subject, inputs: list, weights: dict, buffers: dict, ref: _Run) -> dict[str, float]:
-    """How far the reference itself is from the same graph run in float64, per output and gradient:
-    a gradient that is zero in exact arithmetic (a bias before a batch norm in training mode) is
-    that noise alone. Empty when the graph does not run in float64 (it mixes fixed dtypes)."""
-    def wide(t):
-        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    try:
-        exact = _run_reference(subject.reference, [wide(v) for v in inputs], {k: wide(v) for k, v in weights.items()},
-                               {k: wide(v) for k, v in buffers.items()}, None,
-                               cotangents=[wide(c) for c in ref.cotangents])
-    except (EmittedCodeError, RuntimeError):
-        return {}
-    pairs = {f"output {i}": (a, b) for i, (a, b) in enumerate(zip(ref.outputs, exact.outputs, strict=True))}
-    pairs |= {fqn: (g, exact.grads.get(fqn)) for fqn, g in ref.grads.items()}
-    noise = {}
-    for name, (a, b) in pairs.items():
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()):
+    measures = []
+    for i, (s, r) in enumerate(zip(sim.outputs, ref.outputs, strict=True)):
+        if not isinstance(r, torch.Tensor):
             continue
-        size = b.double().norm().item()
-        diff = (a.double() - b.double()).norm().item()
-        if math.isfinite(diff) and math.isfinite(size) and diff <= 0.5 * size + 1e-30:
-            noise[name] = diff  # a reference farther than that from float64 is no rounding estimate
-    return noise
+        what, error = f"output {i}", _output_error(s, r)
+        if exact is None:
+            measures.append(Measure(what, error, allowed=tolerance))
+            continue
+        x = exact.outputs[i]
+        whole = [torch.cat(s.values, dim=s.sharded_dim)] if s.sharded_dim is not None else s.values
+        measures.append(judge(what, error, max(_distance(v, x) for v in whole), _distance(r, x), _size(x),
+                              _size(x), dtype, tolerance))
+    exact_floor = 0.1 * _typical_rms(exact.grads.values()) if exact is not None else 0.0
+    for fqn in sorted(sim.grads):
+        what = f"gradient of '{fqn}'"
+        error = _grad_error(sim.grads[fqn], ref.grads.get(fqn), subject, fqn, floor)
+        if exact is None:
+            measures.append(Measure(what, error, allowed=tolerance))
+            continue
+        shape = subject.plan.params[fqn].shape
+        x = _or_zeros(exact.grads.get(fqn), shape)
+        expected = stored_shards(subject.plan.params[fqn], x, subject.tp)
+        pieces = [_distance(_or_zeros(g, e.shape), e) for g, e in zip(sim.grads[fqn], expected, strict=True)]
+        cut = subject.tp > 1 and subject.plan.params[fqn].sharded_dim("tp") is not None
+        sharded = math.sqrt(sum(p * p for p in pieces)) if cut else max(pieces)
+        one_device = _distance(_or_zeros(ref.grads.get(fqn), shape), x)
+        noise_scale = exact_floor * math.sqrt(max(x.numel(), 1))
+        measures.append(judge(what, error, sharded, one_device, _size(x), noise_scale, dtype, tolerance))
+    return measures
+
+
+def _or_zeros(gradient: torch.Tensor | None, shape) -> torch.Tensor:
+    """A gradient autograd left as None (no path reached the parameter) is zero."""
+    return gradient if gradient is not None else torch.zeros(tuple(shape), dtype=torch.float64, device="cpu")
+
+
+def _distance(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    """``|actual - exact|`` (Frobenius); an inf or nan both have alike counts as agreeing."""
+    if actual.shape != exact.shape:
+        return math.inf
+    a, e = (torch.view_as_real(t.detach()) if t.is_complex() else t.detach() for t in (actual, exact))
+    a, e = a.double(), e.double()
+    same = (torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))) | (torch.isnan(a) & torch.isnan(e))
+    diff = torch.where(same, 0.0, a - e).norm().item()
+    return diff if diff == diff else math.inf
+
+
+def _size(x: torch.Tensor) -> float:
+    x = x.detach().double()
+    return torch.where(torch.isfinite(x), x, 0.0).norm().item()
+
+
+def _run_exact(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dict, cotangents: list,
+               dtype: torch.dtype, retain: bool = False) -> tuple[_Run | None, str]:
+    """``gm`` in float64 (float32 where float64 does not run: enough against bf16) from the same
+    rounded values as a ``dtype`` run: ``(run, "float64")``, or ``(None, why there is none)``."""
+    reason = ""
+    for wide in (torch.float64, torch.float32):
+        if torch.finfo(wide).bits <= torch.finfo(dtype).bits:
+            break
+        try:
+            run = _run_reference(gm, [widened(v, wide) for v in inputs],
+                                 {k: widened(v, wide) for k, v in weights.items()},
+                                 {k: widened(v, wide) for k, v in buffers.items()}, None, retain=retain,
+                                 cotangents=[widened(c, wide) for c in cotangents], widen=wide)
+        except (EmittedCodeError, RuntimeError) as err:
+            reason = reason or str(err).splitlines()[0]
+            continue
+        return run, str(wide).removeprefix("torch.")
+    return None, reason or f"{dtype} is already the widest float dtype"
 
 
 # --- inputs and weights ----------------------------------------------------------------------
@@ -373,9 +457,9 @@ def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dict, gen, retain: bool = False,
-                   cotangents=None) -> _Run:
+                   cotangents=None, widen: torch.dtype | None = None) -> _Run:
     params = {fqn: PerRank(_leaves([w])) for fqn, w in weights.items()}
-    sim = RankSimulator(gm, 1, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, 1))
+    sim = RankSimulator(gm, 1, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, 1), widen=widen)
     outputs = [o.values[0] if isinstance(o, PerRank) else o for o in _flat_outputs(sim.run(*_per_rank(inputs, 1)))]
     if cotangents is None:
         cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype)
@@ -463,8 +547,8 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None 
     return error if error == error else float("inf")  # a nan scale (a nan reference) proves nothing
 
 
-def _output_error(sim: PerRank, ref: torch.Tensor, allowed: float = 0.0) -> float:
-    scale = max(ref.detach().double().norm().item(), allowed)
+def _output_error(sim: PerRank, ref: torch.Tensor) -> float:
+    scale = ref.detach().double().norm().item()
     if sim.sharded_dim is not None:
         return rel_error(torch.cat(sim.values, dim=sim.sharded_dim), ref, scale)
     return max(rel_error(v, ref, scale) for v in sim.values)
@@ -478,13 +562,12 @@ def _typical_rms(grads) -> float:
     return rms[len(rms) // 2] if rms else 1.0
 
 
-def _grad_error(per_rank: list, ref: torch.Tensor | None, subject: Subject, fqn: str, floor: float,
-                allowed: float = 0.0) -> float:
+def _grad_error(per_rank: list, ref: torch.Tensor | None, subject: Subject, fqn: str, floor: float) -> float:
     entry = subject.plan.params[fqn]
     if ref is None:
         return max((g.abs().max().item() if g is not None else 0.0) for g in per_rank)
     expected = stored_shards(entry, ref, subject.tp)
-    scale = max(ref.detach().double().norm().item(), allowed)  # the whole gradient's: a chunk may be ~0 alone
+    scale = ref.detach().double().norm().item()  # the whole gradient's: a chunk may be ~0 alone
     return max(rel_error(g if g is not None else torch.zeros_like(e), e, scale, floor)
                for g, e in zip(per_rank, expected, strict=True))
 
@@ -507,29 +590,48 @@ def expected_on_ranks(layout, full: torch.Tensor, tp: int, gradient: bool = Fals
     return None
 
 
-def _value_error(layout, sim: PerRank, ref: torch.Tensor, tp: int, gradient: bool) -> float:
-    """How far one node's per-rank values (or gradients) are from ``layout``'s view of ``ref``.
-    A rank with no gradient where the reference has one is as wrong as can be."""
+def _value_error(layout, sim: PerRank, ref: torch.Tensor, tp: int, gradient: bool,
+                 exact: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> float:
+    """How far one node's per-rank values (or gradients) are from ``layout``'s view of ``ref``,
+    relative; with ``exact`` (the node in a float64 run) in units of what that node may differ by
+    (:func:`autoshard.rounding.judge`: 1 is the bound). A rank with no gradient where the
+    reference has one is as wrong as can be."""
     values = [(v.grad if gradient else v) for v in sim.values]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return 0.0 if all(v is None for v in values) and ref.abs().max().item() == 0 else float("inf")
+    target = ref if exact is None else exact
     if not gradient and layout in (PARTIAL, PARTIAL_AVG):
         total = sum(v.double() for v in values)
-        return rel_error(total / tp if layout == PARTIAL_AVG else total, ref)
-    expected = expected_on_ranks(layout, ref, tp, gradient)
-    if expected is None:
-        return 0.0
-    return max(rel_error(v, e) for v, e in zip(values, expected, strict=True))
+        values, expected, cut = [total / tp if layout == PARTIAL_AVG else total], [target], False
+    else:
+        expected = expected_on_ranks(layout, target, tp, gradient)
+        if expected is None:
+            return 0.0
+        cut = isinstance(layout, (int, Strided))
+    if exact is None:
+        return max(rel_error(v, e) for v, e in zip(values, expected, strict=True))
+    pieces = [_distance(v, e) for v, e in zip(values, expected, strict=True)]
+    sharded = math.sqrt(sum(p * p for p in pieces)) if cut else max(pieces)
+    measure = judge("", 0.0, sharded, _distance(ref, exact), _size(exact), _size(exact), dtype, 0.0)
+    return measure.judged / max(measure.allowed, 1e-300) if measure.sharded is not None else 0.0
 
 
-def locate(subject: Subject, inputs: list, weights: dict, buffers: dict, cotangents, tolerance: float) -> str | None:
+def locate(subject: Subject, inputs: list, weights: dict, buffers: dict, cotangents, tolerance: float,
+           exact_dtype: torch.dtype | None = None) -> str | None:
     """The first planned node whose per-rank values disagree with the reference, with its source
-    line: forward values in graph order first, then gradients from the outputs back."""
+    line: forward values in graph order first, then gradients from the outputs back. With
+    ``exact_dtype`` (the compute dtype of a proof measured against float64) a node disagrees when
+    it is farther from the planned graph run in float64 than :mod:`autoshard.rounding` allows."""
     planned = _run_reference(subject.planned, inputs, weights, buffers, None, retain=True, cotangents=cotangents)
+    exact = None
+    if exact_dtype is not None:
+        run = _run_exact(subject.planned, inputs, weights, buffers, cotangents, exact_dtype, retain=True)[0]
+        exact = run.values if run is not None else None
     emitted = _run_emitted(subject.root, subject, inputs, weights, buffers, cotangents, retain=True)
-    by_name = {key.rsplit(".", 1)[-1]: v for key, v in emitted.values.items()}
+    by_name = _by_name(emitted.values)
     order = [n for n in subject.emitted.graph.nodes if n.op == "call_function" and n in subject.layouts
              and n.name not in subject.skip and n.name in by_name and n.name in planned.values]
+    bound = tolerance if exact is None else 1.0
     for gradient in (False, True):
         for node in (reversed(order) if gradient else order):
             ref = planned.values[node.name].values[0]
@@ -538,20 +640,33 @@ def locate(subject: Subject, inputs: list, weights: dict, buffers: dict, cotange
             ref = ref.grad if gradient else ref.detach()
             if ref is None:
                 continue
-            err = _value_error(subject.layouts[node], by_name[node.name], ref, subject.tp, gradient)
-            if err > tolerance:
+            wide = _exact_value(exact, node.name, gradient, ref)
+            err = _value_error(subject.layouts[node], by_name[node.name], ref, subject.tp, gradient, wide, exact_dtype)
+            if err > bound:
                 what = "gradient" if gradient else "value"
+                size = f"{err:.2g} times the rounding allowed" if wide is not None else f"{err:.2e}"
                 return (f"{describe(node)}: its {what} on the tp ranks differs from its layout "
-                        f"{_layout_text(subject.layouts[node])} of the reference by {err:.2e}")
+                        f"{_layout_text(subject.layouts[node])} of the reference by {size}")
     return None
 
 
-def _reads_of_worst(subject: Subject, errors: list[tuple[str, float]], tolerance: float) -> str | None:
+def _exact_value(exact: dict | None, name: str, gradient: bool, like: torch.Tensor) -> torch.Tensor | None:
+    """A node's float64 value (or gradient), when the float64 run has one of ``like``'s shape."""
+    if exact is None or name not in exact:
+        return None
+    value = exact[name].values[0]
+    if not isinstance(value, torch.Tensor):
+        return None
+    value = value.grad if gradient else value.detach()
+    return value if isinstance(value, torch.Tensor) and value.shape == like.shape else None
+
+
+def _reads_of_worst(subject: Subject, failing: list[Measure]) -> str | None:
     """Every activation agrees, so the worst parameter gradient went wrong where it is read."""
-    failing = sorted((e, f) for f, e in errors if e > tolerance)
     if not failing:
         return None
-    fqn = failing[-1][1]
+    worst = max(failing, key=lambda m: m.judged / max(m.allowed, 1e-300))
+    fqn = worst.what.removeprefix("gradient of '").removesuffix("'")
     reads = [u for n in subject.emitted.graph.nodes if n.op == "get_attr" and n.target == fqn for u in n.users]
     where = "; ".join(describe(u) for u in reads) or "nowhere in the emitted graph"
     return f"every activation agrees, but the gradient of '{fqn}' does not; it is read by {where}"

@@ -13,6 +13,11 @@ all-reduced once in backward (:mod:`passes.propagate`'s ``enter_tp`` rule).
 * ``layer_norm(x, shape, w, b, eps)`` -> ``(x - mean(x)) * rsqrt(mean(xc*xc) + eps) * w + b``:
   two forward, two backward (the two-pass variance, as ATen computes it).
 
+In bf16 and fp16 they compute where ATen does: the statistics and the normalized value
+in float32, rounded back once (``rms_norm`` before its weight, ``layer_norm`` after its
+affine). Written out in the input dtype they would round the statistics too, which
+costs a bf16 run about four times one device's error.
+
 The weight and bias span the sharded dim, so they are stored sharded over tp
 (role ``sharded``) and their gradients need no communication.
 """
@@ -38,8 +43,9 @@ def decompose_norm(graph: fx.Graph, node: fx.Node) -> None:
     bias = (node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")) if is_layer else None
     eps = node.args[4 if is_layer else 3] if len(node.args) > (4 if is_layer else 3) else node.kwargs.get("eps")
     x_val = x.meta["val"]
-    if eps is None:
-        eps = torch.finfo(x_val.dtype).eps
+    wide = _computation_dtype(x_val.dtype)
+    if eps is None:  # ATen's default: the epsilon of the dtype it computes in, not of the input's
+        eps = torch.finfo(wide).eps
     dims = list(range(x_val.dim() - len(shape), x_val.dim()))
 
     def emit(target, *args):
@@ -52,21 +58,31 @@ def decompose_norm(graph: fx.Graph, node: fx.Node) -> None:
         return new
 
     with graph.inserting_before(node):
-        centered = x
+        upcast = x if wide == x_val.dtype else emit(aten.to.dtype, x, wide)
+        centered = upcast
         if is_layer:
-            centered = emit(aten.sub.Tensor, x, emit(aten.mean.dim, x, dims, True))
+            centered = emit(aten.sub.Tensor, upcast, emit(aten.mean.dim, upcast, dims, True))
         variance = emit(aten.mean.dim, emit(aten.mul.Tensor, centered, centered), dims, True)
         steps = [(aten.mul.Tensor, centered, emit(aten.rsqrt.default, emit(aten.add.Tensor, variance, eps)))]
+        if not is_layer and wide != x_val.dtype:  # rms_norm rounds the normalized value, then scales it
+            steps.append((aten.to.dtype, None, x_val.dtype))
         if isinstance(weight, fx.Node):
             steps.append((aten.mul.Tensor, None, weight))
         if isinstance(bias, fx.Node):
             steps.append((aten.add.Tensor, None, bias))
+        if is_layer and wide != x_val.dtype:  # layer_norm rounds once, after the affine
+            steps.append((aten.to.dtype, None, x_val.dtype))
         out = None
         for target, a, b in steps[:-1]:
             out = emit(target, out if a is None else a, b)
     # the norm node itself becomes the last step, so whatever refers to it (a linear site's input) stays valid
     target, a, b = steps[-1]
     node.target, node.args, node.kwargs = target, (out if a is None else a, b), {}
+
+
+def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ATen's norms compute their statistics in: float32 for bf16 and fp16 inputs."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 SDPA = aten.scaled_dot_product_attention.default

@@ -233,28 +233,47 @@ def _without_randomness(target, args, kwargs):
     return True, x.clone()
 
 
-def _off_meta(arg):
+def _as_simulated(arg, widen: torch.dtype | None = None):
     """The simulation runs on the CPU: tensors the graph creates on meta (a graph captured on a
-    meta twin, under mixed precision) or on an accelerator are made there. A nested graph (the
-    body of a higher-order op) runs as a copy with its devices moved."""
+    meta twin, under mixed precision) or on an accelerator are made there. With ``widen``, every
+    float dtype the graph names becomes ``widen`` (a cast to bf16 is exact in a float64 run). A
+    nested graph (the body of a higher-order op) runs as a copy with the same changes."""
     if isinstance(arg, torch.device) and arg.type != "cpu":
         return torch.device("cpu")
+    if widen is not None and isinstance(arg, torch.dtype) and arg != widen:
+        if arg.is_floating_point and torch.finfo(arg).bits < torch.finfo(widen).bits:
+            return widen
+        if arg.is_complex and widen == torch.float64:
+            return torch.complex128
     if isinstance(arg, fx.GraphModule):
-        return _body_off_meta(arg)
+        return _body_copy(arg, widen)
     return arg
 
 
-# each body's CPU copy, kept while the body lives (a weak key: proofs of many models do not pile up)
-_BODIES: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = weakref.WeakKeyDictionary()
+# each body's CPU copy (by the dtype it is widened to), kept while the body lives
+# (a weak key: proofs of many models do not pile up)
+_BODIES: weakref.WeakKeyDictionary[fx.GraphModule, dict] = weakref.WeakKeyDictionary()
 
 
-def _body_off_meta(body: fx.GraphModule) -> fx.GraphModule:
-    if body not in _BODIES:
+def _body_copy(body: fx.GraphModule, widen: torch.dtype | None) -> fx.GraphModule:
+    copies = _BODIES.setdefault(body, {})
+    if widen not in copies:
         graph = copy.deepcopy(body.graph)
         for node in graph.nodes:
-            node.args, node.kwargs = map_aggregate((node.args, node.kwargs), _off_meta)
-        _BODIES[body] = fx.GraphModule(body, graph)
-    return _BODIES[body]
+            node.args, node.kwargs = map_aggregate((node.args, node.kwargs), lambda a: _as_simulated(a, widen))
+        copies[widen] = fx.GraphModule(body, graph)
+    return copies[widen]
+
+
+def widened(value, dtype: torch.dtype | None):
+    """``value`` (a tensor or anything else) with a float tensor cast up to ``dtype``."""
+    if dtype is None or not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point() and torch.finfo(value.dtype).bits < torch.finfo(dtype).bits:
+        return value.to(dtype)
+    if value.is_complex() and dtype == torch.float64:
+        return value.to(torch.complex128)
+    return value
 
 
 # --- the interpreter -------------------------------------------------------------------------
@@ -271,9 +290,11 @@ class RankSimulator(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, tp: int, param: Callable[[str], PerRank | None],
-                 prefix: str = "", values: dict[str, PerRank] | None = None, tally: Tally | None = None):
+                 prefix: str = "", values: dict[str, PerRank] | None = None, tally: Tally | None = None,
+                 widen: torch.dtype | None = None):
         super().__init__(gm, garbage_collect_values=False)
         self.tp = tp
+        self.widen = widen  # run every float op in this dtype (a proof's exact reference); None: as written
         self.tally = tally if tally is not None else Tally()  # the tp collectives run, forward and backward
         self.param = param
         self.prefix = prefix
@@ -299,7 +320,7 @@ class RankSimulator(fx.Interpreter):
         found = self.param(self.prefix + target)
         if found is not None:
             return found
-        return replicated(self.fetch_attr(target), self.tp)
+        return replicated(widened(self.fetch_attr(target), self.widen), self.tp)
 
     def call_function(self, target, args, kwargs):
         if target in _TENSOR_COLLECTIVES:
@@ -321,13 +342,16 @@ class RankSimulator(fx.Interpreter):
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
         if isinstance(module, fx.GraphModule):
-            nested = RankSimulator(module, self.tp, self.param, f"{self.prefix}{target}.", self.values, self.tally)
+            nested = RankSimulator(module, self.tp, self.param, f"{self.prefix}{target}.", self.values, self.tally,
+                                   self.widen)
             return nested.run(*args, **kwargs)
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 
     def _per_rank(self, fn, args, kwargs) -> PerRank:
-        return PerRank([fn(*map_aggregate((on_rank(args, r), on_rank(kwargs, r)), _off_meta))
-                        for r in range(self.tp)])
+        def local(a):
+            return _as_simulated(a, self.widen)
+
+        return PerRank([fn(*map_aggregate((on_rank(args, r), on_rank(kwargs, r)), local)) for r in range(self.tp)])
 
     @staticmethod
     def _call(target, args, kwargs):

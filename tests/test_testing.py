@@ -82,7 +82,9 @@ def test_assert_close_names_the_first_diverging_node(dropped_all_reduce):
     message = str(failure.value)
     assert message.startswith("autoshard: Llama on dp=2 x tp=2: the sharded code differs from the unsharded model")
     assert "in 22 of 22 outputs and gradients" in message
-    assert re.search(r"^  gradient of 'layers\.0\.[\w.]+': \d\.\d\de[-+]\d+$", message, re.MULTILINE), message
+    # both runs against float64, and how many times one device's error sharding costs
+    assert re.search(r"^  gradient of '[\w.]+': \d\.\d\de[-+]\d+ from float64 sharded, "
+                     r"\d\.\d\de[-+]\d+ on one device \(x[\d.e+]+; allowed", message, re.MULTILINE), message
     assert re.search(r"first divergence: node 'add_2' \(add.Tensor\) at models.py:\d+ `", message), message
 
 

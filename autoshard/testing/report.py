@@ -82,23 +82,23 @@ class Report:
         return self.proof.values
 
     def assert_close(self, rtol: float | None = None) -> None:
-        """Raise ``AssertionError`` unless every output and parameter gradient of the sharded code
-        is within ``rtol`` (default: the proof's tolerance, by compute dtype) of the unsharded
-        model's. The message names the worst errors and the first diverging node with its
-        source line."""
-        tolerance = self.proof.tolerance if rtol is None else rtol
-        failing = dataclasses.replace(self.proof, tolerance=tolerance).failures()
+        """Raise ``AssertionError`` unless the proof holds: every output and parameter gradient of
+        the sharded code within what rounding allows (:mod:`autoshard.rounding`), or, with
+        ``rtol``, within ``rtol`` of the unsharded model's. The message names the worst errors and
+        the first diverging node with its source line."""
+        failing = self.proof.failures(rtol)
         if not failing:
             return
-        worst = sorted(failing, key=lambda f: -f[1])[:5]
+        worst = sorted(failing, key=lambda m: -(m.judged / max(m.allowed, 1e-300) if rtol is None else m.error))[:5]
+        bound = f"rtol {rtol:.0e}" if rtol is not None else "what rounding allows"
         lines = [f"autoshard: {self.model} on {mesh_text(self.mesh)}: the sharded code differs from the "
-                 f"unsharded model beyond rtol {tolerance:.0e} in {len(failing)} of "
+                 f"unsharded model beyond {bound} in {len(failing)} of "
                  f"{len(self.proof.outputs) + len(self.proof.gradients)} outputs and gradients",
-                 *(f"  {what}: {err:.2e}" for what, err in worst)]
+                 *(f"  {m.what}: {m.error:.2e}" if rtol is not None else f"  {m}" for m in worst)]
         if self.proof.first_divergence:
             lines.append(f"  first divergence: {self.proof.first_divergence}")
-        elif tolerance < self.proof.tolerance:
-            lines.append(f"  (pass rtol={tolerance:.0e} to check() to locate the first diverging node)")
+        elif rtol is not None:
+            lines.append(f"  (pass rtol={rtol:.0e} to check() to locate the first diverging node)")
         raise AssertionError("\n".join(lines))
 
     def snapshot(self) -> str:
