@@ -37,6 +37,12 @@ on transposed shards. The contract instead:
   ``backend.attach(model)`` for ``model.state_dict()`` and
   ``model.load_state_dict()``. An optimizer built from
   ``backend.parameters()`` after the first call needs neither.
+* An optimizer built from ``model.parameters()`` and not attached raises a
+  ``RuntimeError`` naming ``backend.attach`` at its first ``step()``, before
+  it changes anything: a released parameter's gradient is a marker whose use
+  raises (:class:`autoshard.handover.ReleasedGradient`). It is not repointed
+  to the shards behind the user's back, as finding it would take a hook on
+  every optimizer of the process or a scan of every live object.
 
 Each graph between graph breaks gets its own plan and FSDP root. A graph
 dynamo captures again with the same code over the same parameters (grad mode
@@ -55,10 +61,11 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.compiled_blocks import compile_blocks
-from autoshard.handover import Handover, release
+from autoshard.handover import Handover, keep_gradients_released, release
 from autoshard.plan import Plan
 
 _DYNAMO_SELF = "L['self']"
@@ -197,7 +204,10 @@ class _ShardedGraph:
         self.inputs = inputs
         # placeholder position -> the model's tensor it carried when sharded
         self._model_tensors = {i: example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind != "input"}
-        self._to_release = [example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind == "parameter"]
+        self._to_release = {
+            inputs.fqns[i]: example_inputs[i] for i, kind in enumerate(inputs.kinds) if kind == "parameter"
+        }
+        self._released_gradients = []  # (model parameter, its ReleasedGradient), from the first call on
 
     def __call__(self, *args):
         for position, tensor in self._model_tensors.items():
@@ -208,9 +218,25 @@ class _ShardedGraph:
                     f"torch._dynamo.reset() before compiling another model of that class"
                 )
         if self._to_release:  # after dynamo is done with the values (guards, fake tensors)
-            release(self._to_release)
-            self._to_release = []
-        return self.module(*(args[i] for i in self.inputs.user_positions))
+            self._released_gradients = release(self._to_release)
+            self._to_release = {}
+        outputs = self.module(*(args[i] for i in self.inputs.user_positions))
+        self._keep_gradients_released_on_backward(outputs)
+        return outputs
+
+    def _keep_gradients_released_on_backward(self, outputs) -> None:
+        """At the backward through ``outputs``, mark the released parameters' gradients again.
+
+        A ``zero_grad()`` between the forward and the step (of an optimizer
+        not attached) sets them to None, and the step would then skip them
+        silently; marked again at the backward, its step raises.
+        """
+        needing_grad = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needing_grad and self._released_gradients:
+            marked = self._released_gradients
+            torch.autograd.graph.register_multi_grad_hook(
+                needing_grad, lambda grad: keep_gradients_released(marked), mode="any"
+            )
 
 
 class AutoshardBackend:
@@ -277,7 +303,8 @@ class AutoshardBackend:
             target: an optimizer built from ``model.parameters()``: on every
                 ``step()`` it steps the sharded parameters instead of the
                 model's released ones (attach it before or after the first
-                call); or the compiled model itself: ``model.state_dict()``
+                call; one not attached raises at its first ``step()``, naming
+                this method); or the compiled model itself: ``model.state_dict()``
                 then saves the shards (DTensors in the original layout, under
                 the model's keys) and ``model.load_state_dict()`` loads into
                 them.

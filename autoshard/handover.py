@@ -18,6 +18,18 @@ is handed over explicitly (:meth:`Handover.attach`):
   their shards through its ``state_dict`` hooks, so ``model.state_dict()``
   and ``model.load_state_dict()`` keep working.
 
+An optimizer built from ``model.parameters()`` and *not* attached fails
+loudly instead of training nothing: a released parameter's ``.grad`` is a
+:class:`ReleasedGradient`, whose use raises a ``RuntimeError`` naming
+``backend.attach``, so the optimizer's first ``step()`` raises before it
+changes anything. It is not repointed silently: nothing leads from a
+parameter to the optimizers holding it but a hook on every optimizer of the
+process or a scan of every live object, and an optimizer first touches a
+released parameter (reading its gradient) inside its step, after it gathered
+its parameters: too late to swap them. The marker is put back at each
+backward (:func:`keep_gradients_released`), after a ``zero_grad()`` cleared
+it.
+
 A graph dynamo captures again over the same parameters with the same code runs
 the same sharded module (:meth:`Handover.sharded_before`).
 """
@@ -30,6 +42,8 @@ import functools
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._guards import TracingContext
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard.quantized_gather import master_values
@@ -158,13 +172,93 @@ class Handover:
         module._autoshard_loaded = loaded
 
 
-def release(tensors: list[torch.Tensor]) -> None:
-    """Free the storage of the model's parameters; their metadata (guarded by dynamo) stays.
+def release(params: dict[str, nn.Parameter]) -> list[tuple[nn.Parameter, ReleasedGradient]]:
+    """Free the storage of the model's parameters (by FQN) and mark their gradients released.
 
-    Buffers are kept: they are small, and another graph may read them too.
+    Their metadata (guarded by dynamo) stays. A gradient left from before
+    sharding is replaced too: an optimizer stepping with it would write into
+    the freed storage. Buffers are kept: they are small, and another graph may
+    read them too.
+
+    Returns:
+        (parameter, its :class:`ReleasedGradient`) for each trained parameter,
+        for :func:`keep_gradients_released`.
     """
-    for tensor in tensors:
-        tensor.detach().untyped_storage().resize_(0)
+    marked = []
+    for fqn, param in params.items():
+        param.detach().untyped_storage().resize_(0)
+        if param.requires_grad:
+            grad = param.grad if isinstance(param.grad, ReleasedGradient) else ReleasedGradient(param, fqn)
+            marked.append((param, grad))
+    keep_gradients_released(marked)
+    return marked
+
+
+def keep_gradients_released(marked: list[tuple[nn.Parameter, ReleasedGradient]]) -> None:
+    """Put each released parameter's :class:`ReleasedGradient` back where ``zero_grad()`` set it to None."""
+    for param, grad in marked:
+        if param.grad is not grad:
+            param.grad = grad
+
+
+def released_message(fqn: str) -> str:
+    return (
+        f"autoshard backend: '{fqn}' is the model's own parameter, which the compiled model took over at its "
+        f"first call and released: it no longer trains, and its gradient is on its shard. Hand an optimizer "
+        f"built from model.parameters() over with backend.attach(optimizer), or build it from "
+        f"backend.parameters() after the first call; read gradients (clipping, logging) from backend.parameters()"
+    )
+
+
+class ReleasedGradient(torch.Tensor):
+    """The ``.grad`` of a released model parameter: using it raises a ``RuntimeError`` naming ``backend.attach``.
+
+    Optimizers skip a parameter whose gradient is None, so an optimizer that
+    was not attached would step nothing and say nothing. Every torch
+    optimizer reads ``p.grad.is_sparse`` before it creates state or touches
+    the parameter, so the error comes at its first ``step()``, before
+    anything changed (stepping the released parameter itself would write into
+    freed storage). It holds no data: a tensor subclass with the parameter's
+    metadata, as the ``.grad`` setter requires.
+
+    Two uses are not errors. Zeroing it (``zero_grad(set_to_none=False)`` of
+    the model or of an attached optimizer before its first step) does
+    nothing. While dynamo traces (the model captured again, e.g. under
+    ``torch.no_grad()``), it reads each parameter's gradient's metadata to
+    build fake tensors; that is allowed.
+    """
+
+    fqn: str
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, fqn: str):
+        grad = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
+        )
+        grad.fqn = fqn
+        return grad
+
+    def __repr__(self) -> str:
+        return f"ReleasedGradient('{self.fqn}': the gradient is on its shard, in backend.parameters())"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if TracingContext.try_get() is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func == torch.Tensor.grad_fn.__get__:
+            return None
+        if func in (torch.Tensor.zero_, torch.Tensor.requires_grad_, torch.Tensor.detach_):
+            return args[0]
+        raise RuntimeError(released_message(_first_released(args, kwargs).fqn))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(released_message(_first_released(args, kwargs).fqn))
+
+
+def _first_released(args, kwargs) -> ReleasedGradient:
+    return next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ReleasedGradient))
 
 
 def _forget_loaded_shards(module, incompatible_keys) -> None:

@@ -37,10 +37,13 @@ class BrokenLlama(Llama):
         return self.output(self.norm(h))
 
 
-def _batch(mesh):
+def _global_batch():
     torch.manual_seed(1)
-    tokens = torch.randint(0, 256, (4, 16))
-    targets = torch.randint(0, 256, (4, 16))
+    return torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
+
+
+def _batch(mesh):
+    tokens, targets = _global_batch()
     return dp_slice(tokens, mesh), dp_slice(targets, mesh)
 
 
@@ -204,6 +207,76 @@ def check_optimizer_state_from_before_is_refused(ctx):
         optimizer.step()
 
 
+def _one_device_sgd(model, tokens, targets, steps, lr):
+    """``model`` trained on one device with SGD on the global batch; returns the losses.
+
+    Each step is checked to be exactly ``p - lr * grad`` with plain gradients,
+    and the optimizer to carry no hook: an optimizer holding none of a compiled
+    model's released parameters steps as it always does.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        assert all(type(p.grad) is torch.Tensor for p in model.parameters())
+        expected = [torch.add(p.detach(), p.grad, alpha=-lr) for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        for p, want in zip(model.parameters(), expected, strict=True):
+            assert torch.equal(p.detach(), want)
+        losses.append(loss.item())
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer_module._global_optimizer_pre_hooks
+    return losses
+
+
+def check_an_optimizer_not_attached_fails_loudly(ctx):
+    """torch.compile's usual order: the optimizer built from ``model.parameters()``, then the model
+    compiled, and ``backend.attach`` forgotten. Its first ``step()`` raises naming ``backend.attach``
+    (SGD, AdamW for-loop and foreach), without a change to the model or the optimizer's state, even
+    with ``zero_grad()`` between forward and backward; attached then, 3 SGD steps on 2x2 equal one
+    device's."""
+    torch._dynamo.reset()  # no cached graph of an earlier check's model
+    mesh, lr = ctx.mesh_2d, 0.1
+    tokens, targets = _global_batch()
+    local_tokens, local_targets = dp_slice(tokens, mesh), dp_slice(targets, mesh)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_layers=2))
+    one_device = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    backend = autoshard.backend(mesh, compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+
+    loss = lm_loss(compiled(local_tokens), local_targets)
+    optimizer.zero_grad()  # clears what the first call marked: the backward marks it again
+    loss.backward()
+    before = {fqn: full(value).clone() for fqn, value in backend.state_dict().items()}
+    forgotten = [optimizer, torch.optim.AdamW(model.parameters()), torch.optim.AdamW(model.parameters(), foreach=True)]
+    for unattached in forgotten:
+        with pytest.raises(RuntimeError, match=r"'tok_embeddings.weight' .* backend\.attach\(optimizer\)"):
+            unattached.step()
+        assert not unattached.state
+    with pytest.raises(RuntimeError, match=r"backend\.parameters\(\)"):
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for fqn, value in backend.state_dict().items():
+        assert torch.equal(full(value), before[fqn]), f"{fqn} changed by a step that raised"
+
+    backend.attach(optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses = [mean_over_dp(loss, mesh).item()]
+    losses += _train(compiled, optimizer, local_tokens, local_targets, mesh, steps=2)
+    model.zero_grad(set_to_none=False)  # zeroing a released gradient does nothing
+
+    ref_losses = _one_device_sgd(one_device, tokens, targets, steps=3, lr=lr)
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: compiled loss {got} vs one device {want}"
+    state = backend.state_dict()
+    for fqn, value in one_device.named_parameters():
+        err = rel_error(full(state[fqn]), value)
+        assert err <= 1e-5, f"{fqn}: compiled and one-device parameters differ by {err:.2e}"
+
+
 def check_compiling_a_sharded_module(ctx):
     """``torch.compile(autoshard(...))``: dynamo runs around FSDP2's hooks; same numbers as eager."""
     torch._dynamo.reset()  # no cached graph of an earlier check's model
@@ -324,6 +397,7 @@ CHECKS = [
     check_registered_backend_name,
     check_default_mesh,
     check_optimizer_state_from_before_is_refused,
+    check_an_optimizer_not_attached_fails_loudly,
     check_compiling_a_sharded_module,
     check_inductor_backend,
 ]
