@@ -219,15 +219,17 @@ def _(xs, dim, group_name):
 
 
 def _take_shards_backward(ctx, grads):
-    grads = [g if g is not None else torch.zeros(s, dtype=d) for g, s, d in zip(grads, ctx.shapes, ctx.dtypes,
-                                                                                  strict=True)]
+    grads = [g if g is not None else torch.zeros(s, dtype=d, device=dev)
+             for g, s, d, dev in zip(grads, ctx.shapes, ctx.dtypes, ctx.devices, strict=True)]
     return _all_gather_many(grads, ctx.dim, ctx.group_name), None, None
 
 
 def _keep_shards(ctx, inputs, output):
+    """What a missing gradient's zero is made like: each output's shape, dtype and device."""
     ctx.dim, ctx.group_name = inputs[1], inputs[2]
     ctx.shapes = [tuple(o.shape) for o in output]
     ctx.dtypes = [o.dtype for o in output]
+    ctx.devices = [o.device for o in output]
 
 
 def _all_gather_many(xs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:
@@ -335,13 +337,20 @@ def _keep_dim_and_group(ctx, inputs, output):
     ctx.reduce_dtype = inputs[3] if len(inputs) > 3 else None
 
 
-enter_tp.register_autograd(_enter_tp_backward, setup_context=_keep_group)
-reduce_partial.register_autograd(_reduce_partial_backward, setup_context=_keep_group)
-gather_shards.register_autograd(_gather_shards_backward, setup_context=_keep_dim_and_group)
-take_shard.register_autograd(_take_shard_backward, setup_context=_keep_dim_and_group)
-take_shards.register_autograd(_take_shards_backward, setup_context=_keep_shards)
-reduce_scatter_partial.register_autograd(_reduce_scatter_partial_backward, setup_context=_keep_dim_and_group)
-gather_for_colwise.register_autograd(_gather_for_colwise_backward, setup_context=_keep_dim_and_group)
+# Each op, its backward and what the backward keeps of the forward. Autograd runs a backward with
+# torch's function modes off (torch.set_default_device is one), so a test that wants these backwards
+# under a mode registers them again, wrapped, from this table.
+AUTOGRAD = (
+    (enter_tp, _enter_tp_backward, _keep_group),
+    (reduce_partial, _reduce_partial_backward, _keep_group),
+    (gather_shards, _gather_shards_backward, _keep_dim_and_group),
+    (take_shard, _take_shard_backward, _keep_dim_and_group),
+    (take_shards, _take_shards_backward, _keep_shards),
+    (reduce_scatter_partial, _reduce_scatter_partial_backward, _keep_dim_and_group),
+    (gather_for_colwise, _gather_for_colwise_backward, _keep_dim_and_group),
+)
+for _op, _backward, _keep in AUTOGRAD:
+    _op.register_autograd(_backward, setup_context=_keep)
 
 ENTER_TP = torch.ops.autoshard.enter_tp.default
 REDUCE_PARTIAL = torch.ops.autoshard.reduce_partial.default

@@ -89,10 +89,22 @@ _IN_COLLECTIVE = PeerFailed.__name__
 _DISTRIBUTED_DIR = os.path.dirname(dist.__file__) + os.sep
 
 
+def _use_own_accelerator(backend: str) -> None:
+    """Under an accelerator's backend (NCCL), make this rank's accelerator the current device
+    (its ``LOCAL_RANK``), as torchrun users do: tensors made on "cuda" then land on the rank's
+    own GPU, not every rank on GPU 0."""
+    if not torch.accelerator.is_available():
+        return
+    accelerator = torch.accelerator.current_accelerator()
+    if backend == dist.get_default_backend_for_device(accelerator):
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+
+
 @record
 def _rank_main(fn, args, backend, threads, timeout):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(threads)
+    _use_own_accelerator(backend)
     dist.init_process_group(backend, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)

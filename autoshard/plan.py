@@ -372,9 +372,10 @@ class Plan:
         return f"tp breaks: {len(broken)} of {len(blocks)} blocks" + (f" ({where})" if where else "")
 
 
-def section_order(sections: tuple[int, ...], tp: int):
+def section_order(sections: tuple[int, ...], tp: int, device="cpu"):
     """Stored order of a fused dim: rank 0's chunk of every section, then rank 1's, ...
-    so that an even cut over tp gives each rank its share of each section."""
+    so that an even cut over tp gives each rank its share of each section. An index made on
+    ``device``: that of the tensor it reorders."""
     import torch
 
     starts = [sum(sections[:i]) for i in range(len(sections))]
@@ -384,7 +385,7 @@ def section_order(sections: tuple[int, ...], tp: int):
         for start, size in zip(starts, sections, strict=True)
         for j in range(size // tp)
     ]
-    return torch.tensor(order, dtype=torch.long)
+    return torch.tensor(order, dtype=torch.long, device=device)
 
 
 def mixed_precision_of(policy) -> dict[str, str]:

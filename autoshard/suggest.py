@@ -8,7 +8,7 @@ shard group fills a node, :func:`suggest_mesh` plans the model on that mesh
 * **compute**: the FLOPs of every matmul and attention op of the captured
   graph (forward, and twice that for backward), divided by tp where the plan
   runs the op sharded or partial over tp, at ``flops_per_second`` (by default
-  measured here with a short fp32 matmul on the calling process);
+  measured here with a short fp32 matmul on the calling process's device);
 * **communication**: :meth:`Plan.predicted_comm` per axis, under an alpha-beta
   model per link: ``alpha`` per ring step (``2(p-1)`` for an all-reduce on ``p``
   ranks, ``p-1`` for the others) plus wire bytes over bandwidth.
@@ -22,6 +22,11 @@ shard group fills a node, :func:`suggest_mesh` plans the model on that mesh
 Candidates above ``memory_per_rank`` are kept in the table, marked, and ranked
 last. Step time is compute plus communication: no overlap is assumed, which
 ranks meshes as a conservative scheduler would.
+
+Both probes run on the device the ranks compute and communicate on: the one the
+current process group uses (the current accelerator under NCCL, the CPU under
+gloo), or ``device``. A CPU matmul would rate a GPU job's compute, and NCCL
+refuses CPU tensors.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ class MeshSuggestion:
 def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, example_kwargs: dict | None = None,
                  memory_per_rank: int | None = None, links: Links | None = None,
                  flops_per_second: float | None = None, mp_policy=None, optimizer_states: int = 2,
-                 verbose: bool = True) -> MeshSuggestion:
+                 device: str | torch.device | None = None, verbose: bool = True) -> MeshSuggestion:
     """Rank the meshes ``world_size`` ranks can form for ``model`` (see the module docstring).
 
     Args:
@@ -126,6 +131,8 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
         flops_per_second: one rank's compute rate (default: a short fp32 matmul here).
         mp_policy: FSDP2's mixed-precision policy, as for :func:`autoshard.autoshard`.
         optimizer_states: tensors the optimizer keeps per parameter (2 for Adam).
+        device: where the probes run (default: the device the current process group
+            communicates on; without a group, the current accelerator, else the CPU).
         verbose: print the ranked table.
 
     Returns:
@@ -135,8 +142,9 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
 
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
-    links = links or _probe_links()
-    rate = flops_per_second or _measure_flops()
+    device = torch.device(device) if device is not None else _probe_device()
+    links = links or _probe_links(device)
+    rate = flops_per_second or _measure_flops(device)
     batch = next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor))
     candidates, skipped = [], []
     for sizes in _shapes(world_size, links):
@@ -245,18 +253,48 @@ def _memory(plan, captured, layout_plan, axes, states: int) -> int:
     return 4 * sharded * (2 + states) + 4 * gathered + activations
 
 
-def _measure_flops(size: int = 512, repeats: int = 5) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def _probe_device() -> torch.device:
+    """The device the ranks compute and communicate on: the current accelerator when the
+    current process group moves its tensors with that accelerator's backend (NCCL for CUDA),
+    or when there is no group; else the CPU (a gloo group, or no accelerator)."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if dist.is_initialized() and _group_backend(accelerator.type) != dist.get_default_backend_for_device(accelerator):
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _group_backend(device_type: str) -> str | None:
+    """The backend the current process group uses for tensors on ``device_type``: gloo serves
+    CUDA tensors too, so the group's one backend name does not say ("cpu:gloo,cuda:nccl")."""
+    return dict(entry.split(":") for entry in dist.get_backend_config().split(",")).get(device_type)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: an accelerator returns before its kernels and
+    collectives finish, so a clock read without this measures the queueing."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _measure_flops(device: torch.device, size: int | None = None, repeats: int = 5) -> float:
+    """The fp32 matmul rate on ``device``; an accelerator's matmul is made large enough
+    (4096) that launching it costs little next to running it."""
+    size = size or (512 if device.type == "cpu" else 4096)
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     a @ b
+    _synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    _synchronize(device)
     return repeats * 2.0 * size**3 / (time.perf_counter() - start)
 
 
-def _probe_links(small: int = 256, large: int = 1 << 20, repeats: int = 10) -> Links:
+def _probe_links(device: torch.device, small: int = 256, large: int = 1 << 20, repeats: int = 10) -> Links:
     """Latency per ring step and bandwidth of the current process group, from a small and a
-    large all-reduce (each the mean of ``repeats``, the slowest rank's)."""
+    large all-reduce of tensors on ``device`` (each the mean of ``repeats``, the slowest rank's)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         raise ValueError(
             "autoshard: suggest_mesh measures the links with a short probe on the current process group; "
@@ -265,13 +303,15 @@ def _probe_links(small: int = 256, large: int = 1 << 20, repeats: int = 10) -> L
     ranks = dist.get_world_size()
     timings = []
     for numel in (small, large):
-        tensor = torch.ones(numel)
+        tensor = torch.ones(numel, device=device)
         dist.all_reduce(tensor)
+        _synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(repeats):
             dist.all_reduce(tensor)
-        seconds = torch.tensor((time.perf_counter() - start) / repeats)
+        _synchronize(device)
+        seconds = torch.tensor((time.perf_counter() - start) / repeats, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         timings.append((2 * (ranks - 1) / ranks * numel * 4, seconds.item()))
     (b0, t0), (b1, t1) = timings

@@ -53,7 +53,7 @@ _ASK_AS = {
 def _mesh(tp: int):
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh("cpu", torch.arange(tp), mesh_dim_names=("tp",), _init_backend=False, _rank=0)
+    return DeviceMesh("cpu", torch.arange(tp, device="cpu"), mesh_dim_names=("tp",), _init_backend=False, _rank=0)
 
 
 _MESHES: dict[int, object] = {}
@@ -368,11 +368,12 @@ def _nondeterministic(op) -> bool:
 
 
 def _random(shape, dtype, gen):
+    """Values for the numeric check, on the CPU (as ``gen``) whatever the default device."""
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
+        return torch.randn(shape, generator=gen, device="cpu").to(dtype)
     if dtype == torch.bool:
-        return torch.ones(shape, dtype=torch.bool)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.ones(shape, dtype=torch.bool, device="cpu")
+    return torch.zeros(shape, dtype=dtype, device="cpu")
 
 
 def _run(op, args_key, kwargs_key, values, make, local):

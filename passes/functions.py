@@ -98,11 +98,12 @@ def _shape_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _random_like(t: torch.Tensor, gen) -> torch.Tensor:
-    """Random values of ``t``'s shape; floating ones in at least float32: the check compares a
-    backward with autograd's gradient, and bf16 rounding alone would exceed its tolerance."""
+    """Random values of ``t``'s shape, on the CPU (a meta model's Functions are checked there);
+    floating ones in at least float32: the check compares a backward with autograd's gradient,
+    and bf16 rounding alone would exceed its tolerance."""
     if t.dtype.is_floating_point:
-        return torch.randn(t.shape, generator=gen).to(torch.promote_types(t.dtype, torch.float32))
-    return torch.zeros(t.shape, dtype=t.dtype)
+        return torch.randn(t.shape, generator=gen, device="cpu").to(torch.promote_types(t.dtype, torch.float32))
+    return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
 
 
 class _Ctx:
@@ -147,7 +148,7 @@ def _gradient_difference(cls, args: tuple) -> float:
     if len(outs) != len(refs) or not outs:
         return float("inf") if len(outs) != len(refs) else 0.0
     gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+    grads = [torch.randn(o.shape, generator=gen, device="cpu").to(o.device, o.dtype) for o in outs]
     custom = torch.autograd.grad(outs, custom_inputs, grads, allow_unused=True)
     reference = torch.autograd.grad(refs, reference_inputs, grads, allow_unused=True)
     worst = 0.0

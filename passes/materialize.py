@@ -114,7 +114,7 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
     stored = original.detach()
     stored = stored.t() if entry.transposed else stored
     if entry.sections:
-        stored = stored.index_select(entry.sharded_dim(TP), section_order(entry.sections, axes.tp))
+        stored = stored.index_select(entry.sharded_dim(TP), section_order(entry.sections, axes.tp, stored.device))
     if stored.is_meta:
         stored = stored.contiguous()
     else:
