@@ -216,7 +216,9 @@ def autoshard(
 
     Keyword Args:
         example_inputs: one rank's dp-local batch (a tuple of positional inputs).
-        example_kwargs: its keyword inputs.
+        example_kwargs: its keyword inputs. A forward that takes ``use_cache`` (a Hugging Face
+            decoder's KV cache, on by default) and is not given it here runs with
+            ``use_cache=False``: the result returns the model's output without the cache.
         plan: a :class:`Plan` or its dict, applied instead of planning.
         sync_module_states: broadcast rank 0's weights first, so ranks that initialized
             differently still agree.

@@ -17,6 +17,13 @@ shares its modules' parameters and code. Shapes are all capture needs, and
 code that moves tensors to its input's device (``.to(x.device)``, a rotary
 ``torch.arange(..., device=x.device)``) then never mixes devices. Such graphs
 create tensors on ``meta``; materialize rewrites those devices to the mesh's.
+
+A forward that takes ``use_cache`` (Hugging Face decoders and encoder-decoders, whose
+config turns it on by default) is captured with ``use_cache=False`` unless the caller
+passed it: the cache is an object for generation that training never reads and
+``torch.export`` cannot return. The captured module is called as the model was (without
+``use_cache``) and returns the model's output type without the cache (``out.logits``,
+``out[0]``), as the model does with ``use_cache=False``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import re
 import traceback
 
 import torch
@@ -32,6 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from autoshard.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
@@ -51,6 +60,8 @@ class InputSignature:
 
     tensors: tuple[tuple[str, tuple[int | None, ...], torch.dtype], ...]
     arg_names: tuple[str, ...] = ()
+    # keyword arguments capture set for training (``use_cache=False``), baked into the graph
+    set_by_capture: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, arg_names: tuple[str, ...] = (), placeholders=None) -> InputSignature:
@@ -61,8 +72,28 @@ class InputSignature:
             (name, _static_sizes(leaf, val), leaf.dtype) for (name, leaf), val in zip(tensors, vals, strict=True)
         ), arg_names)
 
-    def check(self, module, args, kwargs) -> None:
-        """Forward pre-hook of the sharded module."""
+    def check(self, module, args, kwargs):
+        """Forward pre-hook of the sharded module; returns the call without the keywords
+        capture set (see :meth:`without_keywords_set_by_capture`)."""
+        kept = self.without_keywords_set_by_capture(kwargs)
+        self._check_tensors(args, kept)
+        return (tuple(args), kept) if len(kept) != len(kwargs) else None
+
+    def without_keywords_set_by_capture(self, kwargs: dict) -> dict:
+        """``kwargs`` without the keywords capture set, which the graph no longer takes. Passing
+        the value the graph runs with, or ``None`` (the model's default), is accepted and dropped;
+        another value raises: the graph cannot run it."""
+        kept = dict(kwargs)
+        for name, value in self.set_by_capture:
+            given = kept.pop(name, None)
+            if given is not None and given != value:
+                raise ValueError(
+                    f"autoshard: the sharded model always runs with {name}={value!r} (set at capture for "
+                    f"training); call it without {name}={given!r}"
+                )
+        return kept
+
+    def _check_tensors(self, args, kwargs) -> None:
         got = InputSignature.of(tuple(args), dict(kwargs), self.arg_names).tensors
         if len(got) != len(self.tensors):
             raise ValueError(
@@ -130,14 +161,18 @@ def capture(
     traced in full.
     """
     blocks = find_blocks(model)
-    traced, traced_args, traced_kwargs = _traced_twin(model, tuple(args), kwargs or {}, blocks, compute_dtype)
+    kwargs = kwargs or {}
+    set_for_training = training_keywords(model, kwargs)
+    run_kwargs = {**kwargs, **set_for_training}
+    traced, traced_args, traced_kwargs = _traced_twin(model, tuple(args), run_kwargs, blocks, compute_dtype)
     stack, trace_note = find_stack(model, blocks) if trace_blocks_once and dynamic_shapes is None else (None, "")
     exported_module = traced
     if stack is not None:
         exported_module = with_two_blocks(_twin(traced, lambda b: b), stack)
     traced_calls = []
-    exported = _export(model, traced, exported_module, traced_args, traced_kwargs, dynamic_shapes, traced_calls)
-    functions = _check_functions(model, traced, args, kwargs or {}, traced_calls)
+    export_shapes = _with_keyword_shapes(dynamic_shapes, model, args, kwargs, set_for_training)
+    exported = _export(model, traced, exported_module, traced_args, traced_kwargs, export_shapes, traced_calls)
+    functions = _check_functions(model, traced, args, run_kwargs, traced_calls)
     unlifted = exported.module()
     graph = unlifted.graph
     attributes: nn.Module | dict = unlifted
@@ -149,17 +184,69 @@ def capture(
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     aliases = _tied_aliases(model)
     _clean(graph, aliases)
+    in_spec = _drop_keyword_inputs(graph, unlifted._in_spec, set_for_training)
     gm = graph_module(attributes, graph, type(model).__name__)
-    for attr in ("_in_spec", "_out_spec"):  # read by the pytree calling convention of the code
-        setattr(gm, attr, getattr(unlifted, attr))
+    gm._in_spec, gm._out_spec = in_spec, unlifted._out_spec  # read by the pytree calling convention of the code
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     arg_names = tuple(inspect.signature(model.forward).parameters)
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders = [v for v in placeholders if isinstance(v, torch.Tensor)]
-    inputs = InputSignature.of(tuple(args), kwargs or {}, arg_names, placeholders)
+    inputs = InputSignature.of(tuple(args), kwargs, arg_names, placeholders)
+    inputs = dataclasses.replace(inputs, set_by_capture=tuple(set_for_training.items()))
     written = tuple(stack.block(k) for k in range(1, stack.count)) if stack is not None else ()
     return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note,
                          written)
+
+
+# Keywords whose default serves inference, and the value training runs with: a Hugging Face
+# decoder returns its KV cache (``use_cache``, on in its config by default), an object
+# ``torch.export`` cannot return and that no training step reads.
+TRAINING_KEYWORDS = {"use_cache": False}
+
+
+def training_keywords(model: nn.Module, kwargs: dict) -> dict:
+    """The :data:`TRAINING_KEYWORDS` ``model.forward`` takes by name and the caller left out:
+    capture runs the forward with them, and the sharded module always runs so."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward Python cannot describe: nothing is set
+        return {}
+    return {name: value for name, value in TRAINING_KEYWORDS.items() if name in names and name not in kwargs}
+
+
+def _with_keyword_shapes(dynamic_shapes, model: nn.Module, args: tuple, kwargs: dict, added: dict):
+    """``dynamic_shapes`` with a ``None`` (static) entry for each keyword capture added, where
+    the caller's spec is a tuple of per-argument specs (in the forward's order) or a dict by name."""
+    if dynamic_shapes is None or not added:
+        return dynamic_shapes
+    if isinstance(dynamic_shapes, dict):
+        return {**dynamic_shapes, **dict.fromkeys(added)}
+    if not isinstance(dynamic_shapes, (tuple, list)):
+        return dynamic_shapes  # keyed by tensor (ShapesCollection): a bool needs no entry
+    shapes = list(dynamic_shapes)
+    for position, name in enumerate(inspect.signature(model.forward).bind(*args, **kwargs, **added).arguments):
+        if name in added:
+            shapes.insert(position, None)
+    return type(dynamic_shapes)(shapes)
+
+
+def _drop_keyword_inputs(graph: fx.Graph, in_spec, added: dict):
+    """Take the keywords capture added out of the graph's calling convention: their placeholders
+    (export bakes a bool into the code, which never reads it) and their entries in ``in_spec``.
+    The captured module is then called as the caller called the model. Returns the new spec."""
+    if not added:
+        return in_spec
+    leaves = [object() for _ in range(in_spec.num_leaves)]
+    args, kwargs = pytree.tree_unflatten(leaves, in_spec)
+    dropped = {id(kwargs.pop(name)) for name in added}
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for leaf, node in zip(leaves, placeholders, strict=True):
+        if id(leaf) in dropped:
+            graph.erase_node(node)
+    spec = pytree.tree_structure((args, kwargs))
+    info = graph._codegen.pytree_info
+    graph._codegen = _PyTreeCodeGen(_PyTreeInfo([a for a in info.orig_args if a not in added], spec, info.out_spec))
+    return spec
 
 
 def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
@@ -191,11 +278,25 @@ def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced
     except NotImplementedError:
         raise
     except Exception as err:  # export raises many types; the user needs one
+        cache = _cache_in_output(err)
+        if cache is not None:
+            raise CaptureError(
+                f"autoshard: {type(model).__name__} returns its KV cache ({cache}, for generation), which "
+                f"torch.export cannot capture: pass use_cache=False or set model.config.use_cache = False"
+            ) from err
         raise CaptureError(
             f"autoshard: could not capture {type(model).__name__} with torch.export "
             f"(strict=False) at {user_frame(traceback.extract_tb(err.__traceback__))}: "
             f"{type(err).__name__}: {_first_lines(str(err))}"
         ) from err
+
+
+def _cache_in_output(err: Exception) -> str | None:
+    """The class name of a KV cache object export found among the outputs, if that is what failed
+    (a forward that takes ``use_cache`` only through ``**kwargs``, or was passed ``use_cache=True``)."""
+    found = re.search(r"Found <class '([\w.]+)'> in output", str(err))
+    name = found.group(1).rsplit(".", 1)[-1] if found else ""
+    return name if name.endswith("Cache") else None
 
 
 def _clean(graph: fx.Graph, aliases) -> None:

@@ -2,7 +2,8 @@
 
 Every config is tiny (2 layers, hidden 64, 4 heads) with dropout off, so a
 single-device run is the exact reference. Decoder-only families use
-``use_cache=False`` (export cannot carry a KV cache object).
+``use_cache=False``; :func:`llama_with_cache` and :func:`bart_with_cache` keep
+transformers' default (on), as a model loads from a hub config.
 """
 
 from __future__ import annotations
@@ -112,6 +113,26 @@ def _bert():
         attention_probs_dropout_prob=0.0,
     )
     return hf.BertModel(config)
+
+
+def llama_with_cache() -> hf.LlamaForCausalLM:
+    """The llama case with ``use_cache`` left at transformers' default (on): its forward
+    returns a ``DynamicCache`` next to the logits."""
+    config = hf.LlamaConfig(**{k: v for k, v in _DECODER.items() if k != "use_cache"})
+    assert config.use_cache
+    return hf.LlamaForCausalLM(config)
+
+
+def bart_with_cache() -> hf.BartForConditionalGeneration:
+    """An encoder-decoder with ``use_cache`` on (its default): the forward returns an
+    ``EncoderDecoderCache`` between the logits and the encoder's last hidden state."""
+    config = hf.BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
+    assert config.use_cache
+    return hf.BartForConditionalGeneration(config)
 
 
 def llama_4_blocks() -> hf.LlamaForCausalLM:

@@ -1,4 +1,5 @@
-"""Checkpoints in the original layout: DCP across meshes, full state dicts, optimizer state, resume.
+"""Checkpoints in the original layout: DCP across meshes, full state dicts, optimizer state, resume,
+and a Hugging Face ``save_pretrained`` directory read straight into a sharded model.
 
 One 4-process group runs the distributed checks; the killed-rank resume test
 spawns its own two jobs (the crashed one and the restart); the torn-directory
@@ -16,15 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+import transformers
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import autoshard
 from autoshard import checkpoint
 from autoshard.launch import RankFailed, spawn
 from examples.models import Llama, LlamaConfig
 from tests.distributed import distributed_tests, remove_shared, shared_directory
-from tests.hf_cases import CASES, VOCAB
+from tests.hf_cases import CASES, VOCAB, llama_with_cache
 from tests.parity import dp_slice, full, lm_loss, mean_over_dp, rel_error
 
 # A checkpoint holds the same numbers on every mesh; only the order of floating-point
@@ -35,6 +38,9 @@ LOSS_TOL = 1e-6
 # Adam's m / (sqrt(v) + eps) passes it on to the step; eps=1e-6 (not 1e-8) keeps rounding
 # noise on near-zero gradients from becoming full-size steps (see tests/parity.py).
 STEP_TOL = 1e-5
+# A checkpoint read into another layout gives the same weights; the forward differs from one
+# device by the order of the tp sums.
+LOGITS_TOL = 1e-5
 
 
 def _llama(seed: int = 0) -> Llama:
@@ -236,12 +242,63 @@ def check_optimizer_state_moves_between_meshes(ctx):
     remove_shared(ctx, directory)
 
 
+def fill_rotary_tables(model) -> None:
+    """Recompute every rotary table of a Hugging Face model built on meta: ``inv_freq`` is a
+    non-persistent buffer, in no checkpoint, so it has no value until computed from the config."""
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor) and inv_freq.is_meta:
+            rope_init = ROPE_INIT_FUNCTIONS.get(module.rope_type, module.compute_default_rope_parameters)
+            module.inv_freq, module.attention_scaling = rope_init(module.config, device="cpu")
+            module.original_inv_freq = module.inv_freq.clone()
+
+
+def check_save_pretrained_loads_into_a_meta_built_hf_model(ctx):
+    """A ``save_pretrained`` checkpoint of a Hugging Face Llama, its config as saved (``use_cache``
+    on), read straight into the sharded model of one built on meta (rotary tables recomputed):
+    each rank reads its slices through DCP's ``HuggingFaceStorageReader``. Logits (``out.logits``
+    and ``out[0]``) and the loss equal those of the model ``from_pretrained`` loads on one device."""
+    directory = shared_directory(ctx)
+    if ctx.rank == 0:
+        torch.manual_seed(0)
+        llama_with_cache().save_pretrained(directory)
+    dist.barrier()
+    mesh = ctx.mesh_2d
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        on_meta = transformers.AutoModelForCausalLM.from_config(config)
+    fill_rotary_tables(on_meta)
+    tokens, targets = _batch(0, VOCAB)
+    local, local_targets = dp_slice(tokens, mesh), dp_slice(targets, mesh)
+    sharded = autoshard.autoshard(on_meta, mesh, example_inputs=(local,))
+    state = sharded.state_dict()
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(directory))
+    sharded.load_state_dict(state)
+    assert all(p.is_meta for p in on_meta.parameters()) and on_meta.config.use_cache  # the user's model
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        out, want = sharded(local), reference(local)
+        loss = mean_over_dp(lm_loss(out.logits, local_targets), mesh).item()
+        want_loss = lm_loss(reference(tokens).logits, targets).item()
+    assert isinstance(want.past_key_values, transformers.Cache) and out.past_key_values is None
+    assert rel_error(out.logits, want.logits) <= LOGITS_TOL, rel_error(out.logits, want.logits)
+    assert torch.equal(out[0], out.logits)
+    assert _relative_loss_error(loss, want_loss) <= LOGITS_TOL, (loss, want_loss)
+    with pytest.raises(ValueError, match="always runs with use_cache=False"):
+        sharded(local, use_cache=True)
+    with torch.no_grad():
+        assert torch.equal(sharded(local, use_cache=False).logits, out.logits)
+    remove_shared(ctx, directory)
+
+
 CHECKS = [
     check_dcp_llama_2x2_to_1x4_4x1_and_plain,
     check_dcp_fused_phi3_2x2_to_1x4_and_plain,
     check_full_state_dict_round_trip_is_byte_identical,
     check_safetensors_round_trip_is_byte_identical,
     check_optimizer_state_moves_between_meshes,
+    check_save_pretrained_loads_into_a_meta_built_hf_model,
 ]
 
 
