@@ -13,11 +13,12 @@ backward's tensor without a device is then on the CPU), so the mode also runs
 autoshard's own backward code under it (:func:`elsewhere`).
 
 One 4-process gloo group runs, in this mode: the tp collectives forward and
-backward, 3 SGD steps on 2x2 (then a checkpoint saved and loaded) and on tp=4
-(fewer kv heads than tp), loss and sequence parallelism, bf16 with its tp sums on
-4 ranks (1x4), the block-quantized all-gather, and suggest_mesh's probes; each
-against one device computed before the default device changed. Planning and the
-proof need no process group: they run in this process.
+backward; 3 SGD steps on 2x2 (then a checkpoint saved and loaded), on tp=4
+(fewer kv heads than tp) with loss and sequence parallelism, of a fused
+projection, and in bf16 with its tp sums on 4 ranks (1x4); the block-quantized
+all-gather; suggest_mesh's probes. Each is held to one device computed before
+the default device changed. Planning and the proof need no process group: they
+run in this process.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from autoshard.quantized_gather import QuantizedGatherWeight
 from examples.models import Llama, LlamaConfig
 from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.parity import dp_slice, full, mean_over_dp, rel_error
-from tests.pattern_models import VOCAB, InterleavedRope
+from tests.pattern_models import VOCAB, CustomFunctionMLP, FusedQKV, InterleavedRope
 from tests.test_quantized_gather import _fake_quantized
 
 ELSEWHERE = "meta"  # the default device while autoshard runs: never the mesh's
@@ -182,10 +183,12 @@ def _assert_trains_like(want: Trained, losses: list[float], state: dict, loss_to
         assert value.device.type == "cpu" and error <= param_tol, f"{key} differs from one device: {error:.2e}"
 
 
-def _trains_like_one_device(mesh, *, loss_tol: float = TOL, param_tol: float | None = TOL, **options):
-    """3 SGD steps sharded with the default device elsewhere, against one device on the CPU."""
-    model = _llama()
-    tokens, targets = _batch()
+def _trains_like_one_device(mesh, *, model=None, vocab: int = 256, loss_tol: float = TOL,
+                            param_tol: float | None = TOL, **options):
+    """3 SGD steps sharded with the default device elsewhere, against one device on the CPU
+    (of the example Llama unless ``model`` is given, with ``vocab`` tokens)."""
+    model = model if model is not None else _llama()
+    tokens, targets = _batch(vocab=vocab)
     want = _one_device(model, tokens, targets)
     with elsewhere():
         sharded = _shard(model, mesh, tokens, **options)
@@ -284,14 +287,20 @@ def check_collectives_make_tensors_where_their_inputs_are(ctx):
 # --- training ----------------------------------------------------------------------------------
 
 
-def check_trains_like_one_device_on_tp4(ctx):
-    """tp=4 with 2 kv heads: k and v are computed whole and cut per query head (``take_shards``)."""
-    sharded = _trains_like_one_device(ctx.mesh_tp)
-    assert "take_shards" in sharded.get_submodule("layers.0").code
+def check_tp4_with_loss_and_sequence_parallel_trains_like_one_device(ctx):
+    """tp=4 with 2 kv heads (k and v computed whole and cut per query head, ``take_shards``), the
+    residual stream sharded over the sequence and the logits over the vocabulary."""
+    sharded = _trains_like_one_device(ctx.mesh_tp, loss_parallel=True, sequence_parallel=True)
+    code = sharded.get_submodule("layers.0").code
+    assert "take_shards" in code and "reduce_scatter_partial" in code
 
 
-def check_loss_and_sequence_parallel_train_like_one_device(ctx):
-    _trains_like_one_device(ctx.mesh_2d, loss_parallel=True, sequence_parallel=True)
+def check_fused_projection_trains_like_one_device(ctx):
+    """A fused ``wqkv`` is stored with its columns permuted per tp rank (materialized through an
+    index) and saved in the model's own keys (gathered back through its inverse)."""
+    torch.manual_seed(0)
+    sharded = _trains_like_one_device(ctx.mesh_2d, model=FusedQKV(), vocab=VOCAB)
+    assert sharded.autoshard_plan.params["layers.0.attention.wqkv.weight"].sections
 
 
 def check_bf16_with_tp_sums_on_four_ranks(ctx):
@@ -405,8 +414,8 @@ def check_suggest_mesh_probes_the_mesh_device(ctx):
 CHECKS = [
     check_collectives_make_tensors_where_their_inputs_are,
     check_2x2_trains_like_one_device_and_checkpoints,
-    check_trains_like_one_device_on_tp4,
-    check_loss_and_sequence_parallel_train_like_one_device,
+    check_tp4_with_loss_and_sequence_parallel_trains_like_one_device,
+    check_fused_projection_trains_like_one_device,
     check_bf16_with_tp_sums_on_four_ranks,
     check_block_quantized_gather,
     check_suggest_mesh_probes_the_mesh_device,
@@ -431,14 +440,16 @@ def _plan_text(model, mesh: dict, inputs, device: str) -> str:
         return str(autoshard.plan(model, mesh, example_inputs=inputs))
 
 
-def test_planning_ignores_the_default_device():
-    """A plan that takes one of DTensor's rules (the interleaved rotary's ``stack``, accepted once
-    it passes a check on random values) is the same with the default device elsewhere as on the
-    CPU. Were the check's values made on the default device, the check would fail and the rule be
-    declined without a word: a plan in which wq, wk and wv all-gather their outputs and wo turns
-    colwise."""
+@pytest.mark.parametrize("build", [InterleavedRope, CustomFunctionMLP])
+def test_planning_ignores_the_default_device(build):
+    """Plans whose making checks values are the same with the default device elsewhere as on the
+    CPU: one that takes one of DTensor's rules (the interleaved rotary's ``stack``, accepted once
+    it passes a check on random values; were those values made on the default device, the check
+    would fail and the rule be declined without a word, leaving wq, wk and wv to all-gather their
+    outputs and wo colwise), and one whose custom autograd.Function is checked against autograd
+    with random cotangents."""
     torch.manual_seed(0)
-    model = InterleavedRope()
+    model = build()
     tokens, _ = _batch(batch=4, vocab=VOCAB)
     mesh = {"dp": 2, "tp": 2}
     assert _plan_text(model, mesh, (tokens,), ELSEWHERE) == _plan_text(model, mesh, (tokens,), "cpu")
