@@ -369,7 +369,7 @@ def _fresh(name: str, value, subject: Subject, gen: torch.Generator):
         return _token_ids(value, rows, padding, subject.tp, gen)
     if value.is_floating_point() and value.unique().numel() > 2:
         std = value.float().std().item() if value.numel() > 1 else 1.0
-        new = torch.randn(value.shape, generator=gen) * (std or 1.0) + value.float().mean().item()
+        new = torch.randn(value.shape, generator=gen, device="cpu") * (std or 1.0) + value.float().mean().item()
         return new.to(value.dtype)
     return value.clone()
 
@@ -377,13 +377,13 @@ def _fresh(name: str, value, subject: Subject, gen: torch.Generator):
 def _token_ids(example: torch.Tensor, rows: int, padding: int | None, tp: int, gen) -> torch.Tensor:
     """Ids over ``[0, rows)``: random, with the first and last row of every tp rank's vocabulary
     slice (a slice's row 0 is where a local lookup's edge cases live) and the padding row."""
-    ids = torch.randint(0, rows, example.shape, generator=gen, dtype=example.dtype)
+    ids = torch.randint(0, rows, example.shape, generator=gen, dtype=example.dtype, device="cpu")
     flat = ids.view(-1)
     per_rank = max(rows // tp, 1)
     must = [row for r in range(tp) for row in (r * per_rank, r * per_rank + per_rank - 1)]
     must += [padding % rows] if padding is not None else []
-    positions = torch.randperm(flat.numel(), generator=gen)[: len(must)]
-    flat[positions] = torch.tensor(must[: len(positions)], dtype=flat.dtype)
+    positions = torch.randperm(flat.numel(), generator=gen, device="cpu")[: len(must)]
+    flat[positions] = torch.tensor(must[: len(positions)], dtype=flat.dtype, device="cpu")
     return ids
 
 
@@ -404,7 +404,7 @@ def random_weights(reference: fx.GraphModule, plan: Plan, model, gen: torch.Gene
             mean, std = original.detach().float().mean().item(), original.detach().float().std().item()
         if std == 0.0:
             std = (original.shape[-1] ** -0.5) if original.dim() >= 2 else 0.1
-        full = torch.randn(tuple(original.shape), generator=gen) * std + mean
+        full = torch.randn(tuple(original.shape), generator=gen, device="cpu") * std + mean
         weights[fqn] = full.to(dtype)
     return weights
 
@@ -462,7 +462,7 @@ def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dic
     sim = RankSimulator(gm, 1, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, 1), widen=widen)
     outputs = [o.values[0] if isinstance(o, PerRank) else o for o in _flat_outputs(sim.run(*_per_rank(inputs, 1)))]
     if cotangents is None:
-        cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype)
+        cotangents = [torch.randn(o.shape, generator=gen, device="cpu").to(o.dtype)
                       if isinstance(o, torch.Tensor) and o.is_floating_point() else None for o in outputs]
     _retain(sim.values, retain)
     loss = sum(_dot(o, c) for o, c in zip(outputs, cotangents, strict=True) if c is not None and o.requires_grad)

@@ -455,17 +455,18 @@ def test_planning_ignores_the_default_device(build):
     assert _plan_text(model, mesh, (tokens,), ELSEWHERE) == _plan_text(model, mesh, (tokens,), "cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="autoshard/proof.py makes its random weights, ids and cotangents "
-                                       "on the default device")
-def test_the_proof_runs_on_the_cpu_whatever_the_default_device():
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_the_proof_runs_on_the_cpu_whatever_the_default_device(mixed):
     """The proof (one process, on the CPU by design) of the example Llama on 2x2 with the default
-    device elsewhere."""
+    device elsewhere; in bf16 it also runs the graph widened to float64."""
     model = _llama()
     tokens, _ = _batch(batch=4)
     _forget_dtensor_answers()
+    policy = BF16 if mixed else None
     with default_device(ELSEWHERE):
-        proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=(tokens,))
+        proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=(tokens,), mp_policy=policy)
     assert proof.ok, str(proof)
+    assert proof.exact == ("float64" if mixed else "")
 
 
 # --- choosing the accelerator (mocked: the suite runs without one) ----------------------------
