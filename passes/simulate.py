@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.fx.node import map_aggregate
 
 from autoshard import collectives
@@ -356,4 +358,31 @@ class RankSimulator(fx.Interpreter):
     @staticmethod
     def _call(target, args, kwargs):
         ran, value = _without_randomness(target, args, kwargs)
-        return value if ran else target(*args, **kwargs)
+        if ran:
+            return value
+        try:
+            return target(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as err:
+            if not _MISSING_KERNEL.search(str(err)):
+                raise
+            return _in_float32(target, args, kwargs)
+
+
+# the CPU has no kernel for this op in this dtype ("histogram_cpu" for int, an FFT for bf16)
+_MISSING_KERNEL = re.compile(r"not implemented for '\w+'|Unsupported dtype \w+")
+
+
+def _in_float32(target, args, kwargs):
+    """An op the CPU lacks a kernel for in its inputs' dtype (an accelerator has one: MoE
+    routing's ``histc`` of int expert ids, bf16 FFTs) runs on float32 copies, and its result is
+    rounded back to the first input's dtype, as the op computes in it. The proof runs on the
+    CPU whatever device the model trains on, so this only decides where the proof can run."""
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    dtype = tensors[0].dtype if tensors else None
+
+    def up(a):
+        return a.float() if isinstance(a, torch.Tensor) and not a.is_complex() and a.dtype != torch.bool else a
+
+    result = target(*pytree.tree_map(up, args), **pytree.tree_map(up, kwargs))
+    return pytree.tree_map(lambda r: r.to(dtype) if isinstance(r, torch.Tensor) and r.dtype == torch.float32
+                           and dtype is not None else r, result)
