@@ -43,6 +43,10 @@ MESHES = {
     "hsdp": {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
 }
 OPTION_MESHES = ("2x2", "2x4")
+# a run whose model fails without autoshard under the option (the proof's unsharded graph, or the
+# capture of the forward as FSDP2's mixed precision runs it): no plan to judge
+UNSHARDED_FAILS = "model fails unsharded"
+_UNSHARDED_FAILS_TEXT = "autoshard: the model as captured does not run on these inputs and options, unsharded"
 DENSE_BLOCK_MINIMUM = 4
 
 
@@ -103,11 +107,13 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
             except CaptureError as err:
                 if option == "fp32":
                     return {"family": case.family, "kind": case.kind, "export_error": _first_line(err)}
-                row |= {"status": "refused", "detail": _first_line(err)}  # e.g. fp32 masks a bf16 run cannot mix
+                # the model's own forward fails under the option (fp32 buffers a bf16 matmul cannot mix)
+                row |= {"status": UNSHARDED_FAILS, "detail": _first_line(err)}
             except (InternalError, ProofError) as err:
                 row |= {"status": "INTERNAL", "detail": _first_line(err)}
             except (ValueError, NotImplementedError) as err:
-                row |= {"status": "refused", "detail": _first_line(err)}
+                status = UNSHARDED_FAILS if str(err).startswith(_UNSHARDED_FAILS_TEXT) else "refused"
+                row |= {"status": status, "detail": _first_line(err)}
             except Exception as err:  # noqa: BLE001  (the zoo reports what a user would see)
                 row |= {"status": "INTERNAL", "detail": f"{type(err).__name__}: {_first_line(err)}"}
             rows.append(row)
@@ -200,8 +206,13 @@ def _summary(results: list[dict], meshes, option_names, skips) -> list[str]:
     ]
     for option in option_names[1:]:
         opt_rows = [row for r in captured for row in r["rows"] if row["option"] == option]
-        proven = sum(row["status"] == "proven" for row in opt_rows)
-        lines.append(f"{option}: {proven} of {len(opt_rows)} runs proven ({_pct(proven, len(opt_rows))})")
+        judged = [row for row in opt_rows if row["status"] != UNSHARDED_FAILS]
+        counts = collections.Counter(row["status"] for row in judged)
+        proven = counts["proven"]
+        lines.append(f"{option}: {proven} of {len(judged)} runs proven ({_pct(proven, len(judged))}), "
+                     f"refused {counts['refused']}, proof failed {counts['PROOF FAILED']}, internal "
+                     f"{counts['INTERNAL']}; {len(opt_rows) - len(judged)} more runs whose model fails "
+                     f"without autoshard under {option}")
     by_kind = collections.defaultdict(lambda: [0, 0])
     for r in captured:
         by_kind[r["kind"]][1] += 1
