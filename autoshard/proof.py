@@ -215,6 +215,8 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         exact, why = _run_exact(subject.reference, inputs, weights, buffers, ref.cotangents, dtype)
         if exact is not None:
             measures = _measures(subject, sim, ref, exact, dtype, tolerance)
+        if exact is not None and not all(m.ok for m in measures):
+            measures = _with_wide_sharded_run(subject, measures, inputs, weights, buffers, ref.cotangents, exact, why)
     outputs = tuple(m for m in measures if m.what.startswith("output"))
     gradients = tuple(m for m in measures if not m.what.startswith("output"))
     changed = first_precision_change(subject.root, subject.planned, subject.skip, _by_name(sim.values),
@@ -287,6 +289,19 @@ def _measures(subject: Subject, sim: _Run, ref: _Run, exact: _Run | None, dtype:
 def _or_zeros(gradient: torch.Tensor | None, shape) -> torch.Tensor:
     """A gradient autograd left as None (no path reached the parameter) is zero."""
     return gradient if gradient is not None else torch.zeros(tuple(shape), dtype=torch.float64, device="cpu")
+
+
+def _with_wide_sharded_run(subject: Subject, measures: list[Measure], inputs: list, weights: dict, buffers: dict,
+                           cotangents: list, exact: _Run, wide: str) -> list[Measure]:
+    """``measures`` with each one's ``wide_sharded``: the emitted code run in the exact run's dtype
+    against that run (see :mod:`autoshard.rounding`). When it fails there, nothing is added."""
+    try:
+        sim = _run_emitted(subject.root, subject, inputs, weights, buffers, cotangents, widen=getattr(torch, wide))
+    except EmittedCodeError:
+        return measures
+    against = _measures(subject, sim, exact, exact, getattr(torch, wide), 0.0)
+    return [dataclasses.replace(m, wide_sharded=w.sharded, wide_dtype=getattr(torch, wide))
+            for m, w in zip(measures, against, strict=True)]
 
 
 def _distance(actual: torch.Tensor, exact: torch.Tensor) -> float:
@@ -473,11 +488,15 @@ def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dic
 
 
 def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: dict, buffers: dict, cotangents,
-                 retain: bool = False) -> _Run:
+                 retain: bool = False, widen: torch.dtype | None = None) -> _Run:
+    """Every tp rank of the emitted code; with ``widen``, every float value (and every float dtype
+    the code names, a sum's ``reduce_dtype`` too) in that dtype."""
     tp = subject.tp
-    params = {fqn: PerRank(_leaves(stored_shards(entry, weights[fqn], tp)))
+    inputs, cotangents = [widened(v, widen) for v in inputs], [widened(c, widen) for c in cotangents]
+    buffers = {k: widened(v, widen) for k, v in buffers.items()}
+    params = {fqn: PerRank(_leaves(stored_shards(entry, widened(weights[fqn], widen), tp)))
               for fqn, entry in subject.plan.params.items()}
-    sim = RankSimulator(root, tp, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, tp))
+    sim = RankSimulator(root, tp, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, tp), widen=widen)
     outputs = _flat_outputs(sim.run(*_per_rank(inputs, tp)))
     _retain(sim.values, retain)
     losses = [0] * tp  # each rank's sum(output * cotangent) over its copy or chunk of each output

@@ -327,7 +327,8 @@ class RankSimulator(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target in _TENSOR_COLLECTIVES:
             (x, *rest), kw = args, kwargs
-            return _TENSOR_COLLECTIVES[target](self.tally, x.values, *on_rank(rest, 0), **on_rank(kw, 0))
+            rest, kw = map_aggregate((on_rank(rest, 0), on_rank(kw, 0)), lambda a: _as_simulated(a, self.widen))
+            return _TENSOR_COLLECTIVES[target](self.tally, x.values, *rest, **kw)
         if target is collectives.TAKE_SHARDS:
             return _take_shards(self.tally, list(args[0]), *on_rank(args[1:], 0))
         if target is collectives.VOCAB_SHARD_IDS:
