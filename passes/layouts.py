@@ -19,12 +19,11 @@ import torch.fx as fx
 from autoshard import collectives
 from autoshard.passes.layout_rules import Strided
 from autoshard.passes.partition import made_like
-from autoshard.passes.propagate import (
-    GATHER,
-    LayoutPlan,
-)
+from autoshard.passes.propagate import GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
 
 aten = torch.ops.aten
+# the steps that move a ``Strided`` dim (a reduction leaves no dim to stride)
+_STRIDED_KINDS = (GATHER, TAKE_SHARD, GATHER_FOR_COLWISE)
 
 def insert_redistributes(
     gm: fx.GraphModule, plan: LayoutPlan, group_name: str, reduce_dtype: torch.dtype | None = None
@@ -80,7 +79,7 @@ def _insert_step(
     # before the node after ``value``: a chain of several nodes lands in creation order
     with graph.inserting_before(first_reader if at_top else value.next):
         if isinstance(step.dim, Strided):
-            node = _strided_step(graph, value, step, group_name)
+            node = _strided_step(graph, value, step, group_name, reduce_dtype)
         else:
             args = (value, group_name) if step.dim is None else (value, step.dim, group_name)
             if reduce_dtype is not None and step.kind.sums_partials:
@@ -126,11 +125,16 @@ def _inherit_meta(new: fx.Node, origin: fx.Node) -> None:
     made_like(new, origin)
 
 
-def _strided_step(graph: fx.Graph, value: fx.Node, step, group_name: str) -> fx.Node:
-    """Gather or take a ``Strided(dim, k)`` shard: dim ``dim`` seen as ``[k, n]``, with
-    ``n`` cut over tp, so the collective works on dim ``dim + 1`` of that view."""
+def _strided_step(graph: fx.Graph, value: fx.Node, step, group_name: str, reduce_dtype=None) -> fx.Node:
+    """Gather or take a ``Strided(dim, k)`` shard (or gather one for colwise linears, its gradient
+    reduce-scattered): dim ``dim`` seen as ``[k, n]``, with ``n`` cut over tp, so the collective
+    works on dim ``dim + 1`` of that view. (A sequence cut merged with the batch, ``reshape(-1,
+    hidden)`` under sequence parallelism, is such a dim.)"""
+    assert step.kind in _STRIDED_KINDS, f"no strided form of {step.kind}"
     dim, runs = step.dim.dim, step.dim.split_factor
     split = graph.call_function(aten.unflatten.int, (value, dim, [runs, -1]))
-    op = collectives.GATHER_SHARDS if step.kind == GATHER else collectives.TAKE_SHARD
-    moved = graph.call_function(op, (split, dim + 1, group_name))
+    args = (split, dim + 1, group_name)
+    if reduce_dtype is not None and step.kind.sums_partials:
+        args += (reduce_dtype,)
+    moved = graph.call_function(step.kind.op, args)
     return graph.call_function(aten.flatten.using_ints, (moved, dim, dim + 1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
@@ -22,7 +23,7 @@ from autoshard.errors import InternalError, in_stage
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.proof import prove
 from tests.cases import MODELS
-from tests.pattern_models import PATTERNS, VOCAB
+from tests.pattern_models import PATTERNS, VOCAB, Config, Decoder, QKVAttention
 
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -294,3 +295,40 @@ def test_buffer_written_in_place_is_cut_after_the_writes(tp):
     torch.manual_seed(0)
     proof = autoshard.check(PATTERNS["slice_filled_keys"](), {"tp": tp}, example_inputs=(TOKENS,))
     assert proof.ok, str(proof)
+
+
+# --- sequence parallelism through a flattened MLP (OPT) -----------------------------------------
+
+
+class FlattenedMLPBlock(nn.Module):
+    """OPT's decoder layer: the MLP runs on ``reshape(-1, hidden)``, batch and sequence merged, and
+    its residual add is viewed back. Under sequence parallelism each rank's rows of the merged dim
+    are a strided subset (its sequence chunk of every batch row)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(cfg.dim)
+        self.attention = QKVAttention(cfg)
+        self.final_layer_norm = nn.LayerNorm(cfg.dim)
+        self.fc1 = nn.Linear(cfg.dim, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.dim)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        shape = h.shape
+        h = h.reshape(-1, h.size(-1))
+        residual = h
+        h = self.fc2(F.relu(self.fc1(self.final_layer_norm(h))))
+        return (residual + h).view(shape)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_through_a_flattened_mlp(tp):
+    """The MLP's input is gathered from its strided rows for the colwise fc1 and fc2's sum cut back
+    to them; the gather was once emitted as a cut (OPT failed at its residual add)."""
+    torch.manual_seed(0)
+    model = Decoder(Config(), FlattenedMLPBlock)
+    proof = autoshard.check(model, {"dp": 2, "tp": tp}, example_inputs=(TOKENS,), sequence_parallel=True)
+    assert proof.ok, str(proof)
+    assert proof.max_output_error < 1e-5 and proof.max_gradient_error < 1e-5
+    assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
