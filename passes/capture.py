@@ -32,6 +32,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import itertools
 import re
 import traceback
 
@@ -250,14 +251,16 @@ def _drop_keyword_inputs(graph: fx.Graph, in_spec, added: dict):
 
 
 def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
-    """The module export traces and its inputs: the model itself, or a twin on meta (under mixed
-    precision with floating parameters and inputs in ``compute_dtype``; or a model on meta)."""
+    """The module export traces and its inputs: the model itself, or a twin (under mixed precision
+    with floating parameters and inputs in ``compute_dtype``, see :func:`_parameters_as`; a model
+    on meta gets a twin with its buffers on meta too)."""
     if compute_dtype is not None:
-        traced = _twin(model, _to_meta, _parameters_as(compute_dtype))
+        on_meta = parameters_on_meta(model)
+        move = _to_meta if on_meta else _unchanged
+        traced = _twin(model, move, _parameters_as(compute_dtype, on_meta))
         _cast_unit_inputs(traced, blocks, compute_dtype)
         args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: _to_meta(t).to(compute_dtype) if t.is_floating_point() else _to_meta(t),
-            (args, kwargs),
+            torch.Tensor, lambda t: move(t).to(compute_dtype) if t.is_floating_point() else move(t), (args, kwargs),
         )
         return traced, args, kwargs
     if parameters_on_meta(model):
@@ -272,7 +275,7 @@ def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced
     try:
         # a twin on meta also creates the tensors its forward makes without `device=` on meta
         # (a rotary `torch.arange(n)`), or they would meet meta tensors on the CPU
-        on_meta = torch.device("meta") if traced is not model else contextlib.nullcontext()
+        on_meta = torch.device("meta") if traced is not model and _on_meta(traced) else contextlib.nullcontext()
         with recording_calls(traced_calls, clone=False), on_meta:
             return torch.export.export(exported_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except NotImplementedError:
@@ -335,6 +338,14 @@ def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("meta")
 
 
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
 def _twin_on_meta(model: nn.Module) -> nn.Module:
     """``model``'s module tree, shallow-copied, with the same parameters and every buffer on meta."""
     return _twin(model, _to_meta)
@@ -362,16 +373,19 @@ def _fetch(module: nn.Module, target: str):
     return value
 
 
-def _parameters_as(dtype: torch.dtype):
-    """Each parameter as a meta parameter, in ``dtype`` when floating; one per original, so a tied
-    parameter stays tied."""
+def _parameters_as(dtype: torch.dtype, on_meta: bool):
+    """Each parameter in ``dtype`` when floating, as FSDP2's mixed precision runs it; one per
+    original, so a tied parameter stays tied. A model with weights gets real copies: its forward
+    then runs on its own device, and a tensor it makes from data (``torch.tensor(d ** 0.5)``, an
+    index list, a mask value made ``device=x.device``) is captured with its value, which a twin on
+    meta would lose. A model on meta gets meta parameters."""
     made: dict[int, nn.Parameter] = {}
 
     def convert(param: nn.Parameter) -> nn.Parameter:
         if id(param) not in made:
             target = dtype if param.is_floating_point() else param.dtype
-            made[id(param)] = nn.Parameter(torch.empty_like(param, device="meta", dtype=target),
-                                           requires_grad=param.requires_grad)
+            value = torch.empty_like(param, device="meta", dtype=target) if on_meta else param.detach().to(target)
+            made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         return made[id(param)]
 
     return convert

@@ -23,7 +23,7 @@ from autoshard.errors import InternalError, in_stage
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.proof import prove
 from tests.cases import MODELS
-from tests.pattern_models import PATTERNS, VOCAB, Config, Decoder, QKVAttention
+from tests.pattern_models import PATTERNS, VOCAB, Block, Config, Decoder, QKVAttention
 
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -332,3 +332,37 @@ def test_sequence_parallel_through_a_flattened_mlp(tp):
     assert proof.ok, str(proof)
     assert proof.max_output_error < 1e-5 and proof.max_gradient_error < 1e-5
     assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
+
+
+# --- mixed precision: tensors a forward makes from data -----------------------------------------
+
+
+class DataConstantsAttention(QKVAttention):
+    """Tensors made from Python data inside the forward, as T5Gemma, DeBERTa, GPT-Neo and Falcon
+    write them: a scale ``torch.tensor(d ** 0.5, dtype=...)``, a mask value made on the scores'
+    device, and q/k/v split by index lists (``[..., [-2], :]``)."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1).view(b, s, -1, self.head_dim)
+        heads = self.n_heads
+        q, k, v = qkv[:, :, :heads], qkv[:, :, [heads, heads + 1]], qkv[:, :, [-2, -1]]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(heads // self.n_kv, dim=1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) / torch.tensor(self.head_dim ** 0.5, dtype=q.dtype)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        lowest = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
+        probs = torch.where(causal, scores, lowest).softmax(-1)
+        return self.wo((probs @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_bf16_constants_made_from_data_keep_their_values(tp):
+    """Mixed precision captures the forward with the weights in bf16. It once traced a twin on
+    meta, where these tensors lost their values: T5Gemma, DeBERTa, GPT-Neo, CPM-Ant, XLM, TAPAS
+    and Falcon could not be proven in bf16."""
+    torch.manual_seed(0)
+    model = Decoder(Config(kv_heads=2), lambda c: Block(c, DataConstantsAttention))
+    proof = autoshard.check(model, {"dp": 2, "tp": tp}, example_inputs=(TOKENS,), mp_policy=BF16)
+    assert proof.ok, str(proof)
+    assert proof.worst_factor < 2, str(proof)
