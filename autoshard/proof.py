@@ -216,7 +216,7 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         if exact is not None:
             measures = _measures(subject, sim, ref, exact, dtype, tolerance)
         if exact is not None and not all(m.ok for m in measures):
-            measures = _with_wide_sharded_run(subject, measures, inputs, weights, buffers, ref.cotangents, exact, why)
+            measures = _with_wide_sharded_run(subject, measures, inputs, weights, buffers, ref, exact, why, dtype)
     outputs = tuple(m for m in measures if m.what.startswith("output"))
     gradients = tuple(m for m in measures if not m.what.startswith("output"))
     changed = first_precision_change(subject.root, subject.planned, subject.skip, _by_name(sim.values),
@@ -292,14 +292,15 @@ def _or_zeros(gradient: torch.Tensor | None, shape) -> torch.Tensor:
 
 
 def _with_wide_sharded_run(subject: Subject, measures: list[Measure], inputs: list, weights: dict, buffers: dict,
-                           cotangents: list, exact: _Run, wide: str) -> list[Measure]:
+                           ref: _Run, exact: _Run, wide: str, dtype: torch.dtype) -> list[Measure]:
     """``measures`` with each one's ``wide_sharded``: the emitted code run in the exact run's dtype
-    against that run (see :mod:`autoshard.rounding`). When it fails there, nothing is added."""
+    against that run, on the same scale as the measure (see :mod:`autoshard.rounding`). When it
+    fails there, nothing is added."""
     try:
-        sim = _run_emitted(subject.root, subject, inputs, weights, buffers, cotangents, widen=getattr(torch, wide))
+        sim = _run_emitted(subject.root, subject, inputs, weights, buffers, ref.cotangents, widen=getattr(torch, wide))
     except EmittedCodeError:
         return measures
-    against = _measures(subject, sim, exact, exact, getattr(torch, wide), 0.0)
+    against = _measures(subject, sim, ref, exact, dtype, 0.0)
     return [dataclasses.replace(m, wide_sharded=w.sharded, wide_dtype=getattr(torch, wide))
             for m, w in zip(measures, against, strict=True)]
 

@@ -31,9 +31,13 @@ of one device; plans broken on purpose land at 20x and beyond.
 
 Where a tensor exceeds it, the emitted code itself runs once more in float64 (every
 collective's sum too) and is compared with the model in float64. A right plan computes
-the model's function, so there the two agree to float64's own rounding
-(``WIDE_AGREEMENT`` units of it): what remains in bf16 is where the sharded code rounds,
-not what it computes. That happens where a value is a sum that cancels: the gradient of
+the model's function, so there its error shrinks with the rounding: to float64's own
+precision (``WIDE_AGREEMENT`` units of it), or by ``WIDE_SHRINK`` at the least in a model
+whose own rounding is amplified (SwiftFormer's training-mode batch norms over a few
+values: one device is 1e-3 from float64 in fp32, and the sharded code 9e-3 in fp32 but
+2e-11 in float64). A wrong plan's error does not shrink (HY-V4: 1.2e-3 in fp32 and in
+float64). What remains in bf16 is then where the sharded code rounds, not what it
+computes. That happens where a value is a sum that cancels: the gradient of
 a small replicated parameter (Doge's ``A``) is the sum of every tp rank's partial
 gradient, each rounded to bf16 on its rank, and when the partials are much larger than
 their sum, their roundings are much larger than one device's single rounding of the sum.
@@ -51,8 +55,10 @@ import math
 import torch
 
 FACTOR = 4.0
-# the emitted code in float64 agrees with the model in float64 to this many units of float64's rounding
+# the emitted code in float64 agrees with the model in float64 to this many units of float64's rounding,
+# or its error there is at most this share of its error in the compute dtype
 WIDE_AGREEMENT = 1e4
+WIDE_SHRINK = 1e-3
 # a tensor whose float64 value is this small next to one device's own error is zero in exact arithmetic
 _NOISE_ONLY = 1e-2
 
@@ -90,9 +96,12 @@ class Measure:
 
     @property
     def rounding_only(self) -> bool:
-        """Beyond ``allowed``, yet the sharded code computes the model's function: in float64 it
-        agrees with the model to float64's own precision. What is left is where it rounds."""
-        return self.wide_sharded is not None and self.wide_sharded <= WIDE_AGREEMENT * unit_roundoff(self.wide_dtype)
+        """Beyond ``allowed``, yet the sharded code computes the model's function: in float64 its
+        error shrinks with the rounding (to float64's own precision, or by ``WIDE_SHRINK`` at the
+        least), where a wrong plan's stays what it was. What is left is where it rounds."""
+        if self.wide_sharded is None:
+            return False
+        return self.wide_sharded <= max(WIDE_AGREEMENT * unit_roundoff(self.wide_dtype), WIDE_SHRINK * self.judged)
 
     @property
     def ok(self) -> bool:
