@@ -277,9 +277,9 @@ def _measures(subject: Subject, sim: _Run, ref: _Run, exact: _Run | None, dtype:
         shape = subject.plan.params[fqn].shape
         x = _or_zeros(exact.grads.get(fqn), shape)
         expected = stored_shards(subject.plan.params[fqn], x, subject.tp)
-        pieces = [_distance(_or_zeros(g, e.shape), e) for g, e in zip(sim.grads[fqn], expected, strict=True)]
         cut = subject.tp > 1 and subject.plan.params[fqn].sharded_dim("tp") is not None
-        sharded = math.sqrt(sum(p * p for p in pieces)) if cut else max(pieces)
+        sharded = _ranks_distance([_or_zeros(g, e.shape) for g, e in zip(sim.grads[fqn], expected, strict=True)],
+                                  expected, cut)
         one_device = _distance(_or_zeros(ref.grads.get(fqn), shape), x)
         noise_scale = exact_floor * math.sqrt(max(x.numel(), 1))
         measures.append(judge(what, error, sharded, one_device, _size(x), noise_scale, dtype, tolerance))
@@ -303,6 +303,13 @@ def _with_wide_sharded_run(subject: Subject, measures: list[Measure], inputs: li
     against = _measures(subject, sim, ref, exact, dtype, 0.0)
     return [dataclasses.replace(m, wide_sharded=w.sharded, wide_dtype=getattr(torch, wide))
             for m, w in zip(measures, against, strict=True)]
+
+
+def _ranks_distance(values: list[torch.Tensor], expected: list[torch.Tensor], cut: bool) -> float:
+    """The tp ranks' distance from what each should hold: pieces of one tensor (``cut``) add up
+    to the whole's distance; copies are as far as the farthest."""
+    pieces = [_distance(v, e) for v, e in zip(values, expected, strict=True)]
+    return math.sqrt(sum(p * p for p in pieces)) if cut else max(pieces)
 
 
 def _distance(actual: torch.Tensor, exact: torch.Tensor) -> float:
@@ -630,8 +637,7 @@ def _value_error(layout, sim: PerRank, ref: torch.Tensor, tp: int, gradient: boo
         cut = isinstance(layout, (int, Strided))
     if exact is None:
         return max(rel_error(v, e) for v, e in zip(values, expected, strict=True))
-    pieces = [_distance(v, e) for v, e in zip(values, expected, strict=True)]
-    sharded = math.sqrt(sum(p * p for p in pieces)) if cut else max(pieces)
+    sharded = _ranks_distance(values, expected, cut)
     measure = judge("", 0.0, sharded, _distance(ref, exact), _size(exact), _size(exact), dtype, 0.0)
     return measure.judged / max(measure.allowed, 1e-300) if measure.sharded is not None else 0.0
 
