@@ -114,6 +114,7 @@ class Why:
     computed_whole: str = ""
     gathered_early_at: str = ""
     read_whole: str = ""
+    sequence_whole: Indivisible | None = None
 
     def note(self, tp: int | None, padding: str = "") -> str:
         """The note on a mesh with tp axis size ``tp`` (None: no tp axis); ``padding`` is FSDP's."""
@@ -128,6 +129,8 @@ class Why:
         elif self.indivisible is not None or self.computed_whole or self.read_whole:
             main = ""
         parts += [main] if main else []
+        if tp is not None and self.sequence_whole is not None:
+            parts.append(self._sequence_note(tp))
         if tp is not None and self.gathered_early_at:
             parts.append("output all-gathered at once: no rowwise linear reads it (its sharded region ends at "
                          f"{self.gathered_early_at})")
@@ -138,10 +141,22 @@ class Why:
         """These decisions carried to a mesh with tp axis size ``tp`` (None: no tp axis): without tp
         the tp decisions go; a dim that still does not divide is stated for the new size."""
         if tp is None:
-            return dataclasses.replace(self, indivisible=None, computed_whole="", gathered_early_at="", read_whole="")
+            return dataclasses.replace(self, indivisible=None, computed_whole="", gathered_early_at="", read_whole="",
+                                       sequence_whole=None)
+        moved = self
         if self.indivisible is not None and not self.indivisible.fits(tp):
-            return dataclasses.replace(self, indivisible=dataclasses.replace(self.indivisible, tp=tp))
-        return self
+            moved = dataclasses.replace(moved, indivisible=dataclasses.replace(self.indivisible, tp=tp))
+        if self.sequence_whole is not None and not self.sequence_whole.fits(tp):
+            moved = dataclasses.replace(moved, sequence_whole=dataclasses.replace(self.sequence_whole, tp=tp))
+        return moved
+
+    def _sequence_note(self, tp: int) -> str:
+        planned = self.sequence_whole
+        if planned.fits(tp) and tp != planned.tp:
+            return (f"sequence_parallel: output all-reduced and kept whole as planned for tp={planned.tp}, where "
+                    f"its sequence length ({planned.size}) does not divide (it does by {tp}: plan afresh to cut it)")
+        return (f"sequence_parallel: output all-reduced and kept whole over tp: its sequence length "
+                f"({planned.size}) does not divide by {tp}")
 
     def _indivisible_note(self, tp: int) -> str:
         planned = self.indivisible
@@ -156,23 +171,33 @@ class Why:
         data = {"about": self.about, "tied_with": list(self.tied_with), "computed_whole": self.computed_whole,
                 "gathered_early_at": self.gathered_early_at, "read_whole": self.read_whole}
         if self.indivisible is not None:
-            data["indivisible"] = {k: v for k, v in dataclasses.asdict(self.indivisible).items()
-                                   if k not in ("multiple", "kernel") or v not in (1, "")}
+            data["indivisible"] = _indivisible_dict(self.indivisible)
+        if self.sequence_whole is not None:
+            data["sequence_whole"] = _indivisible_dict(self.sequence_whole)
         return {k: v for k, v in data.items() if v}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Why:
-        indivisible = data.get("indivisible")
         return cls(
             about=str(data.get("about", "")),
             tied_with=tuple(str(n) for n in data.get("tied_with", ())),
-            indivisible=Indivisible(str(indivisible["what"]), int(indivisible["size"]), int(indivisible["tp"]),
-                                    int(indivisible.get("multiple", 1)), str(indivisible.get("kernel", "")))
-            if indivisible else None,
+            indivisible=_indivisible_from(data.get("indivisible")),
             computed_whole=str(data.get("computed_whole", "")),
             gathered_early_at=str(data.get("gathered_early_at", "")),
             read_whole=str(data.get("read_whole", "")),
+            sequence_whole=_indivisible_from(data.get("sequence_whole")),
         )
+
+
+def _indivisible_dict(indivisible: Indivisible) -> dict:
+    return {k: v for k, v in dataclasses.asdict(indivisible).items() if k not in ("multiple", "kernel") or v not in (1, "")}
+
+
+def _indivisible_from(data: Mapping | None) -> Indivisible | None:
+    if not data:
+        return None
+    return Indivisible(str(data["what"]), int(data["size"]), int(data["tp"]), int(data.get("multiple", 1)),
+                       str(data.get("kernel", "")))
 
 
 # --- placements ---------------------------------------------------------------------------

@@ -102,6 +102,12 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
                     "broken": len({u for u, _ in plan.breaks}),
                     "first_break": plan.breaks[0][1] if plan.breaks else "",
                     "max_error": max(proof.max_output_error, proof.max_gradient_error),
+                    # sequence parallelism: outputs cut over the sequence, and kept whole (a length tp
+                    # does not divide)
+                    "sequence_cut": sum(c.kind == "reduce-scatter" for p in plan.params.values()
+                                        for c in p.collectives),
+                    "sequence_whole": sum(p.why.sequence_whole is not None
+                                          for p in plan.params.values()),
                     "detail": "" if proof.ok else str(proof).splitlines()[-1].strip(),
                 }
             except CaptureError as err:
@@ -213,6 +219,12 @@ def _summary(results: list[dict], meshes, option_names, skips) -> list[str]:
                      f"refused {counts['refused']}, proof failed {counts['PROOF FAILED']}, internal "
                      f"{counts['INTERNAL']}; {len(opt_rows) - len(judged)} more runs whose model fails "
                      f"without autoshard under {option}")
+        if option == "sequence_parallel":
+            proven_rows = [row for row in judged if row["status"] == "proven"]
+            whole = [row for row in proven_rows if row.get("sequence_whole")]
+            uncut = [row for row in whole if not row.get("sequence_cut")]
+            lines.append(f"  of those proven, {len(whole)} keep some outputs whole over tp (a sequence length tp "
+                         f"does not divide), {len(uncut)} of them every output")
     by_kind = collections.defaultdict(lambda: [0, 0])
     for r in captured:
         by_kind[r["kind"]][1] += 1

@@ -230,6 +230,7 @@ def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_
         indivisible=replicated if isinstance(replicated, Indivisible) else None,
         computed_whole=replicated if isinstance(replicated, str) else "",
         gathered_early_at=early if axes.has_tp else "",
+        sequence_whole=layout_plan.whole_sequences.get(fqn) if axes.has_tp else None,
     )
     tp_dim = None
     if fqn in layout_plan.sharded_params and axes.has_tp:

@@ -133,7 +133,7 @@ class TakeShardBucket:
 # Everything a walk writes, and how each is keyed (for stamping a template's decisions on its copies).
 STATE_KEYS = {
     "roles": Key.FQN, "layouts": Key.NODE, "edges": Key.EDGE, "new_args": Key.NODE, "notes": Key.FQN,
-    "fused": Key.FQN, "sharded_params": Key.FQN, "stream_entries": Key.NODE,
+    "fused": Key.FQN, "sharded_params": Key.FQN, "stream_entries": Key.NODE, "whole_sequences": Key.FQN,
 }
 
 
@@ -215,6 +215,9 @@ class LayoutPlan:
     # parameters that are no linear's weight but are read sharded by one op (a norm's weight over
     # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
     sharded_params: dict[str, int] = dataclasses.field(default_factory=dict)
+    # under sequence parallelism, the weights whose output stays whole over tp because its sequence
+    # does not divide by tp (a class token's 17 positions, a pooled stage's 1): FQN -> why
+    whole_sequences: dict[str, Indivisible] = dataclasses.field(default_factory=dict)
 
     def rowwise_exit(self, site: LinearSite) -> RowwiseExit | None:
         """How ``site``'s output leaves it, if its weight is rowwise: propagation left its output
@@ -450,6 +453,7 @@ class Propagation:
         self.fused: dict[str, tuple[int, ...]] = {}
         self.sharded_params: dict[str, int] = {}
         self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
+        self.whole_sequences: dict[str, Indivisible] = {}
         index = _SiteIndex.of(sites)
         self.site_of, self.expert_of, self.owned, self.output_site = (
             index.site_of, index.expert_of, index.owned, index.output_site)
@@ -467,7 +471,7 @@ class Propagation:
         return LayoutPlan(
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
             sequence_parallel=self.options.sequence_parallel, carries_grad=self.carries_grad,
-            sharded_params=self.sharded_params,
+            sharded_params=self.sharded_params, whole_sequences=self.whole_sequences,
         )
 
     def visit(self, node: fx.Node) -> None:
@@ -528,20 +532,30 @@ class Propagation:
             return None
         return None if value in self.revised.gathered_early else self.layout(value)
 
-    def seq_ok(self, value: fx.Node) -> bool:
-        """Whether ``value`` can be cut along the sequence; an error if the sequence
-        length may not divide by tp (checked with sympy on symbolic sizes)."""
+    def seq_ok(self, value: fx.Node, fqn: str) -> bool:
+        """Whether ``value`` (the output of weight ``fqn``'s op) is cut along the sequence.
+
+        A sequence whose length does not divide by tp is kept whole, as a weight's dim that does
+        not divide is (``on_indivisible="replicate"``, noted on ``fqn``): its rowwise linear
+        all-reduces instead of reduce-scattering, and the values that divide stay cut. An error
+        with ``on_indivisible="error"`` or a user's roles, and for a symbolic length that may not
+        divide (checked with sympy): that is fixed by declaring it divisible, not by a plan
+        that gives sequence parallelism up for every length."""
         shape = value.meta["val"].shape
         if len(shape) != 3:
             return False
         seq = layout_rules.size_expr(shape[SEQ_DIM])
-        if not layout_rules.divides(seq, self.tp):
-            raise ValueError(
-                f"autoshard: sequence_parallel cuts the sequence over tp={self.tp}, but the sequence length "
-                f"{seq} of {describe(value)} may not divide by {self.tp}"
-                + ("; declare it divisible, e.g. seq = tp * Dim('chunks')" if not seq.is_Integer else "")
-            )
-        return True
+        if layout_rules.divides(seq, self.tp):
+            return True
+        if seq.is_Integer and self.fixed_roles is None and self.options.on_indivisible == "replicate":
+            self.whole_sequences[fqn] = Indivisible("sequence length", int(seq), self.tp)
+            return False
+        raise ValueError(
+            f"autoshard: sequence_parallel cuts the sequence over tp={self.tp}, but the sequence length "
+            f"{seq} of {describe(value)} may not divide by {self.tp}"
+            + ("; declare it divisible, e.g. seq = tp * Dim('chunks')" if not seq.is_Integer
+               else "; on_indivisible='replicate' keeps it whole")
+        )
 
     def from_colwise(self, value: fx.Node) -> bool:
         """Whether ``value``'s sharding comes from a colwise linear (Megatron's pair), not from
@@ -594,7 +608,8 @@ class Propagation:
             self.layouts[node] = PARTIAL
             sequence_parallel = self.options.sequence_parallel
             if site.bias_node is not None or sequence_parallel:  # reduced (scattered) before the bias
-                self.layouts[site.output] = SEQ_DIM if sequence_parallel and self.seq_ok(site.output) else None
+                self.layouts[site.output] = (SEQ_DIM if sequence_parallel and self.seq_ok(site.output, site.weight_fqn)
+                                              else None)
         else:
             self.require(site.input, node, None)
             self.layouts[node] = self.layouts[site.output] = None
@@ -610,7 +625,7 @@ class Propagation:
         role = self.divisible_role(site, role)
         self.roles[site.weight_fqn] = role
         self.layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
-        if self.options.sequence_parallel and self.seq_ok(node):
+        if self.options.sequence_parallel and self.seq_ok(node, site.weight_fqn):
             self.stream_entries.add(node)  # consumers read it sequence-sharded
 
     def _expert(self, site: ExpertSite) -> None:

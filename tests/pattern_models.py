@@ -621,6 +621,75 @@ class VisionFusedQKV(Decoder):
         super().__init__(cfg, lambda c: Block(c, VisionQKVAttention, VisionMlp))
 
 
+class VisionBlock(nn.Module):
+    """timm's ViT block: pre-norm layer norms around the fused-qkv attention and the GELU MLP."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.attn = VisionQKVAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.mlp = VisionMlp(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class AttentionPool(nn.Module):
+    """SigLIP's attention-pooling head: a learned probe attends to every patch, then a residual
+    MLP runs on the one pooled position (a sequence of length 1)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.num_heads = cfg.heads
+        self.probe = nn.Parameter(torch.randn(1, 1, cfg.dim) * 0.02)
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.kv = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.mlp = VisionMlp(cfg)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        heads, hd = self.num_heads, C // self.num_heads
+        q = self.q(self.probe.expand(B, -1, -1)).reshape(B, 1, heads, hd).transpose(1, 2)
+        k, v = self.kv(x).reshape(B, N, 2, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        pooled = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, 1, C))
+        pooled = pooled + self.mlp(self.norm(pooled))
+        return pooled[:, 0]
+
+
+class VisionTransformer(nn.Module):
+    """A ViT as timm writes it: a strided-conv patch embedding, ``flatten(2).transpose(1, 2)``,
+    a class token concatenated in front (``cls`` pooling: 17 positions for 16 patches, a length no
+    tp divides) or an attention-pooling head over the patches alone (``map``), learned position
+    embeddings, pre-norm blocks, a final norm and a linear classifier."""
+
+    def __init__(self, cfg: Config = Config(), image: int = 16, patch: int = 4, classes: int = 10,
+                 pool: str = "cls"):
+        super().__init__()
+        self.pool = pool
+        self.patch_embed = nn.Conv2d(3, cfg.dim, kernel_size=patch, stride=patch)
+        patches = (image // patch) ** 2
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if pool == "cls" else None
+        self.pos_embed = nn.Parameter(torch.randn(1, patches + (pool == "cls"), cfg.dim) * 0.02)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.attn_pool = AttentionPool(cfg) if pool == "map" else None
+        self.head = nn.Linear(cfg.dim, classes)
+
+    def forward(self, images):
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        if self.cls_token is not None:
+            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = x + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return self.head(x[:, 0] if self.attn_pool is None else self.attn_pool(x))
+
+
 # --- multi-head latent attention (DeepSeek-V2/V3) ------------------------------------------------
 
 

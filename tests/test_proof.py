@@ -23,7 +23,7 @@ from autoshard.errors import InternalError, in_stage
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
 from autoshard.proof import prove
 from tests.cases import MODELS
-from tests.pattern_models import PATTERNS, VOCAB, Block, Config, Decoder, QKVAttention
+from tests.pattern_models import PATTERNS, VOCAB, Block, Config, Decoder, QKVAttention, VisionTransformer
 
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -331,6 +331,55 @@ def test_sequence_parallel_through_a_flattened_mlp(tp):
     proof = autoshard.check(model, {"dp": 2, "tp": tp}, example_inputs=(TOKENS,), sequence_parallel=True)
     assert proof.ok, str(proof)
     assert proof.max_output_error < 1e-5 and proof.max_gradient_error < 1e-5
+    assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
+
+
+IMAGES = torch.randn(2, 3, 16, 16)
+
+
+def _sequence_notes(plan) -> dict[str, str]:
+    return {fqn: p.note for fqn, p in plan.params.items() if "sequence_parallel:" in p.note}
+
+
+def _reduce_scatters(plan) -> int:
+    return sum(c.kind == "reduce-scatter" for p in plan.params.values() for c in p.collectives)
+
+
+def test_sequence_parallel_keeps_a_sequence_tp_does_not_divide_whole():
+    """A ViT's class token makes 17 positions of 16 patches: no tp divides them. The rowwise
+    outputs are all-reduced and kept whole, each noted, as a weight's dim that does not divide is;
+    ``on_indivisible="error"`` refuses instead, naming the node."""
+    torch.manual_seed(0)
+    model = VisionTransformer(Config(heads=8), pool="cls")
+    proof = autoshard.check(model, {"dp": 2, "tp": 4}, example_inputs=(IMAGES,), sequence_parallel=True)
+    assert proof.ok, str(proof)
+    assert proof.max_output_error < 1e-5 and proof.max_gradient_error < 1e-5
+    notes = _sequence_notes(proof.plan)
+    assert sorted(notes) == [f"blocks.{i}.{w}.weight" for i in (0, 1) for w in ("attn.proj", "mlp.fc2")]
+    assert all("sequence length (17) does not divide by 4" in n for n in notes.values())
+    assert _reduce_scatters(proof.plan) == 0
+    assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
+    assert _sequence_notes(autoshard.Plan.from_dict(proof.plan.to_dict())) == notes  # saved with the plan
+    on_two = _sequence_notes(proof.plan.for_mesh({"tp": 2}))
+    assert all("sequence length (17) does not divide by 2" in n for n in on_two.values())
+    with pytest.raises(ValueError, match=r"sequence length 17 of node '\w+'.* may not divide by 4"):
+        autoshard.plan(model, {"tp": 4}, example_inputs=(IMAGES,), sequence_parallel=True, on_indivisible="error")
+
+
+@pytest.mark.parametrize("tp, policy", [(8, None), (4, MixedPrecisionPolicy(param_dtype=torch.bfloat16))])
+def test_sequence_parallel_cuts_the_patches_and_keeps_a_pooled_position_whole(tp, policy):
+    """SigLIP-style attention pooling over 16 patches: the blocks' stream is cut over the sequence,
+    the pooled position (length 1) after it is kept whole; proven in fp32 and bf16."""
+    torch.manual_seed(0)
+    model = VisionTransformer(Config(heads=8), pool="map")
+    images = torch.randn(3, 3, 16, 16)  # other than the example's batch
+    proof = autoshard.check(model, {"dp": 2, "tp": tp}, example_inputs=(images,), sequence_parallel=True,
+                            mp_policy=policy)
+    assert proof.ok, str(proof)
+    if policy is None:
+        assert proof.max_output_error < 1e-5 and proof.max_gradient_error < 1e-5
+    assert sorted(_sequence_notes(proof.plan)) == ["attn_pool.mlp.fc2.weight", "attn_pool.proj.weight"]
+    assert _reduce_scatters(proof.plan) == 4  # attention and MLP of both blocks
     assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
 
 
