@@ -66,6 +66,11 @@ def check(
     mp_policy: MixedPrecisionPolicy | None = None,
     all_gather_quant: BlockQuant | None = None,
     trace_blocks_once: bool = True,
+    microbatches: int | None = None,
+    schedule: str = "1F1B",
+    stages_per_rank: int | None = None,
+    pp_split=None,
+    memory_per_rank: int | None = None,
 ) -> Proof:
     """Prove the plan for ``model`` on ``mesh`` in this process, without a process group.
 
@@ -84,7 +89,8 @@ def check(
         seed: seeds the weights, inputs and output gradients.
         rtol: the relative error allowed (default by compute dtype: 1e-4 fp32, 3e-2 bf16).
         The other options are :func:`autoshard`'s; ``mp_policy`` proves the code as it runs in
-        ``param_dtype``.
+        ``param_dtype``. On a mesh with a ``pp`` axis the stages, called one after another on one
+        microbatch, are proven against the unsharded graph.
 
     Returns:
         a :class:`~autoshard.proof.Proof`: ``ok``, the error of every output and gradient, the
@@ -97,7 +103,17 @@ def check(
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    return prove_on(model, _axes(mesh), example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
+    axes = _axes(mesh)
+    pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+                     pp_split=pp_split, memory_per_rank=memory_per_rank)
+    if axes.has_pp:
+        from autoshard.pipeline_proof import prove_stages
+
+        pplan = _pipeline_plan(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
+                               keep_reference=True)
+        return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
+    _refuse_pipeline_options(pipelined)
+    return prove_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
 
 
 def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
@@ -150,6 +166,11 @@ def plan(
     mp_policy: MixedPrecisionPolicy | None = None,
     all_gather_quant: BlockQuant | None = None,
     trace_blocks_once: bool = True,
+    microbatches: int | None = None,
+    schedule: str = "1F1B",
+    stages_per_rank: int | None = None,
+    pp_split=None,
+    memory_per_rank: int | None = None,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
@@ -163,7 +184,8 @@ def plan(
 
     Keyword Args:
         example_inputs, example_kwargs, on_indivisible, loss_parallel, dynamic_shapes,
-        sequence_parallel, mp_policy, all_gather_quant, trace_blocks_once: as
+        sequence_parallel, mp_policy, all_gather_quant, trace_blocks_once, and on a mesh with a
+        ``pp`` axis microbatches, schedule, stages_per_rank, pp_split, memory_per_rank: as
         :func:`autoshard`'s.
 
     Returns:
@@ -176,7 +198,13 @@ def plan(
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    return plan_result(model, _axes(mesh), example_inputs, example_kwargs, None, options).plan
+    axes = _axes(mesh)
+    pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+                     pp_split=pp_split, memory_per_rank=memory_per_rank)
+    if axes.has_pp:
+        return _pipeline_plan(model, axes, example_inputs, example_kwargs, None, options, pipelined).plan
+    _refuse_pipeline_options(pipelined)
+    return plan_result(model, axes, example_inputs, example_kwargs, None, options).plan
 
 
 def autoshard(
@@ -197,7 +225,13 @@ def autoshard(
     all_gather_quant: BlockQuant | None = None,
     trace_blocks_once: bool = True,
     check: bool | str = "auto",
-) -> fx.GraphModule:
+    loss_fn=None,
+    microbatches: int | None = None,
+    schedule: str = "1F1B",
+    stages_per_rank: int | None = None,
+    pp_split=None,
+    memory_per_rank: int | None = None,
+):
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
     The result, called on a rank's local batch, returns what ``model`` returns for it, as full
@@ -260,8 +294,21 @@ def autoshard(
             model holding values (not on meta) with at most :data:`AUTO_CHECK_MAX_ELEMENTS`
             parameter elements. ``True`` always, ``False`` never.
 
+        loss_fn, microbatches, schedule, stages_per_rank, pp_split, memory_per_rank: a mesh with a
+            ``pp`` axis (outermost: ``("pp", "dp", "tp")``, ``("pp", "tp")``, ...) cuts the model
+            into pipeline stages, see ``docs/pipeline.md``. ``loss_fn(output, target)`` runs on the
+            last stage, per microbatch; ``microbatches`` divides the dp-local batch (default: as
+            many as stages); ``schedule`` is a ``torch.distributed.pipelining`` schedule name
+            (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``,
+            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``), with
+            ``stages_per_rank`` stages per pp rank for the interleaved ones (default 2);
+            ``pp_split`` names the first block of every stage after the first (default: the split
+            that balances the stages' FLOPs); ``memory_per_rank`` (bytes) bounds each stage's
+            parameters, gradients, optimizer states and in-flight activations.
+
     Returns:
-        the sharded ``fx.GraphModule`` (its blocks are FSDP units).
+        the sharded ``fx.GraphModule`` (its blocks are FSDP units); on a mesh with a ``pp`` axis a
+        :class:`~autoshard.pipeline.Pipeline` (``step(inputs, targets)``, ``parameters()``).
 
     Example::
 
@@ -283,6 +330,13 @@ def autoshard(
         )
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
+    pipelined = dict(loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+                     pp_split=pp_split, memory_per_rank=memory_per_rank)
+    if axes.has_pp:
+        return _pipeline(model, axes, example_inputs, example_kwargs, plan, options, check, pipelined,
+                         sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
+                         activation_checkpointing=activation_checkpointing)
+    _refuse_pipeline_options(pipelined)
     proving = _proves(check, model, axes)
     planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=proving)
     final_plan, captured = planned.plan, planned.captured
@@ -307,6 +361,56 @@ def autoshard(
     sharded.autoshard_plan = final_plan
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded
+
+
+_PIPELINE_DEFAULTS = dict(loss_fn=None, microbatches=None, schedule="1F1B", stages_per_rank=None, pp_split=None,
+                          memory_per_rank=None)
+
+
+def _refuse_pipeline_options(pipelined: dict) -> None:
+    given = [k for k, v in pipelined.items() if v != _PIPELINE_DEFAULTS[k]]
+    if given:
+        raise ValueError(f"autoshard: {', '.join(given)} configure pipeline stages, and this mesh has no 'pp' axis")
+
+
+def _pipeline_plan(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, pipelined: dict,
+                   keep_reference: bool = False):
+    from autoshard.pipeline_plan import plan_pipeline
+
+    if not isinstance(example_inputs, tuple):
+        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
+    per_rank = pipelined["stages_per_rank"]
+    microbatches = pipelined["microbatches"]
+    if microbatches is None:
+        microbatches = axes.pp * (per_rank or (1 if pipelined["schedule"].lower() in ("gpipe", "1f1b") else 2))
+    tp_group = axes.stage_axes().group_name("tp") if axes.has_tp and axes.mesh is not None else "tp"
+    return plan_pipeline(model, axes, example_inputs, example_kwargs, plan, options,
+                         schedule=pipelined["schedule"], microbatches=microbatches, stages_per_rank=per_rank,
+                         pp_split=pipelined["pp_split"], memory_per_rank=pipelined["memory_per_rank"],
+                         tp_group=tp_group if axes.has_tp else None, keep_reference=keep_reference)
+
+
+def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, check, pipelined: dict, *,
+              sync_module_states, reshard_after_forward, activation_checkpointing):
+    """``autoshard()`` on a mesh with a pp axis: the stage plan, proven, and this rank's stages."""
+    from autoshard.pipeline import materialize_pipeline
+
+    if pipelined["loss_fn"] is None:
+        raise ValueError("autoshard: a mesh with a 'pp' axis trains through a schedule that runs the loss on the "
+                         "last stage: pass loss_fn=(output, target) -> loss")
+    if options.mp_policy is not None and not axes.stage_axes().has_dp:
+        raise ValueError("autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none")
+    proving = _proves(check, model, axes)
+    pplan = _pipeline_plan(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
+                           keep_reference=proving)
+    _check_agreement(pplan.plan, pplan.planned.captured.inputs, axes)
+    if proving:
+        from autoshard.pipeline_proof import prove_stages
+
+        prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs).raise_if_failed()
+    return materialize_pipeline(pplan, model, axes, pipelined["loss_fn"], sync_module_states=sync_module_states,
+                                reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
+                                activation_checkpointing=activation_checkpointing)
 
 
 def _check_agreement(final_plan: Plan, inputs, axes: MeshAxes) -> None:

@@ -1,6 +1,7 @@
 """Read the user's DeviceMesh into the axes autoshard knows.
 
-Three kinds of axis: ``tp`` (tensor parallel), the FSDP axis that shards
+Four kinds of axis: ``pp`` (pipeline stages, outermost: each pp coordinate runs
+its stages on the ``dp x tp`` sub-mesh below it, see :mod:`autoshard.pipeline`), ``tp`` (tensor parallel), the FSDP axis that shards
 parameters (``dp``, or ``dp_shard`` under HSDP) and, under HSDP,
 ``dp_replicate``, over which every FSDP shard is replicated and gradients are
 all-reduced after the reduce-scatter. The names are torchtitan's, so a mesh
@@ -17,10 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 DP, TP = "dp", "tp"
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
+PP = "pp"
 
-# Accepted axis names, outer to inner (data parallel outside tp, as FSDP2 composes with TP).
-MESH_SHAPES = ((DP, TP), (DP,), (TP,), (DP_REPLICATE, DP_SHARD, TP), (DP_REPLICATE, DP_SHARD))
-_ORDER = (DP_REPLICATE, DP_SHARD, DP, TP)
+# Accepted axis names, outer to inner (data parallel outside tp, as FSDP2 composes with TP; pipeline
+# stages outside both, as torchtitan builds its meshes): a stage's shapes, each with pp or without.
+STAGE_SHAPES = ((DP, TP), (DP,), (TP,), (DP_REPLICATE, DP_SHARD, TP), (DP_REPLICATE, DP_SHARD))
+MESH_SHAPES = STAGE_SHAPES + tuple((PP, *shape) for shape in STAGE_SHAPES) + ((PP,),)
+_ORDER = (PP, DP_REPLICATE, DP_SHARD, DP, TP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,26 @@ class MeshAxes:
     @property
     def dp_axes(self) -> tuple[str, ...]:
         """Every data-parallel axis, outer first: ``("dp_replicate", "dp_shard")`` or ``("dp",)``."""
-        return tuple(a for a in self.names if a != TP)
+        return tuple(a for a in self.names if a not in (TP, PP))
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages' ranks (1 without a pp axis)."""
+        return self.size(PP)
+
+    @property
+    def has_pp(self) -> bool:
+        return PP in self.names
+
+    def stage_axes(self) -> MeshAxes:
+        """The axes one pipeline stage is sharded over: these axes without ``pp``, on this rank's
+        ``dp x tp`` sub-mesh (the axes themselves without a pp axis). A pp-only mesh's stages run
+        whole, on one rank: no axis left."""
+        if not self.has_pp:
+            return self
+        sizes = tuple((a, n) for a, n in self.sizes if a != PP)
+        mesh = self.mesh[tuple(a for a, _ in sizes)] if self.mesh is not None and sizes else None
+        return MeshAxes(sizes, mesh)
 
     @property
     def dp(self) -> int:
@@ -111,9 +134,9 @@ def read_mesh(mesh: DeviceMesh) -> MeshAxes:
     if names not in MESH_SHAPES:
         raise ValueError(
             f"autoshard: mesh axes must be named ('dp', 'tp') (dp outer), ('dp',) or ('tp',), or for HSDP "
-            f"('dp_replicate', 'dp_shard', 'tp') or ('dp_replicate', 'dp_shard'); "
-            f"got mesh_dim_names={names or None} with shape {tuple(mesh.shape)}. "
-            "Create it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
+            f"('dp_replicate', 'dp_shard', 'tp') or ('dp_replicate', 'dp_shard'), each with 'pp' in front for "
+            f"pipeline stages (or ('pp',) alone); got mesh_dim_names={names or None} with shape "
+            f"{tuple(mesh.shape)}. Create it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
         )
     return MeshAxes(tuple(zip(names, (int(n) for n in mesh.shape), strict=True)), mesh)
 
@@ -126,7 +149,7 @@ def axes_from_sizes(sizes: dict[str, int]) -> MeshAxes:
         what = f"unknown mesh axes {unknown}" if unknown else f"mesh axes {sorted(sizes)} do not go together"
         raise ValueError(
             f"autoshard: {what}; expected 'dp' and/or 'tp', or 'dp_replicate' and 'dp_shard' (HSDP) "
-            "with or without 'tp'"
+            "with or without 'tp', each with or without 'pp'"
         )
     return MeshAxes(tuple((a, int(sizes[a])) for a in order))
 
@@ -134,7 +157,7 @@ def axes_from_sizes(sizes: dict[str, int]) -> MeshAxes:
 def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
     """``(index, count)``: which of ``count`` data-parallel batches this rank takes.
 
-    Ranks that differ only in ``tp`` take the same batch; under HSDP the index
+    Ranks that differ only in ``tp`` or ``pp`` take the same batch; under HSDP the index
     runs over ``(dp_replicate, dp_shard)`` coordinates, replicate outer. A
     tp-only mesh has one batch.
 

@@ -47,6 +47,7 @@ from autoshard.mesh import axes_from_sizes, dp_choice
 from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
 from autoshard.sharding import Collective, Role, Why, as_placement, dp_padding, placement_dim, placements_text
+from autoshard.stages import PipelineStages
 
 # 2: collectives are records (kind, direction, subject, cause, sharing); 1 (still loaded): prose
 PLAN_VERSION = 2
@@ -171,6 +172,8 @@ class Plan:
     all_gather_quant: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # why the blocks were traced one by one although trace_blocks_once asked for one trace
     trace_note: str = ""
+    # on a mesh with a pp axis: the stages, their costs and the schedule (see autoshard.stages)
+    pipeline: PipelineStages | None = None
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -218,7 +221,8 @@ class Plan:
             "breaks": [list(b) for b in self.breaks],
             "mixed_precision": dict(self.mixed_precision),
         } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {}) | (
-            {"trace_note": self.trace_note} if self.trace_note else {})
+            {"trace_note": self.trace_note} if self.trace_note else {}) | (
+            {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -249,6 +253,7 @@ class Plan:
             mixed_precision={str(k): str(v) for k, v in data.get("mixed_precision", {}).items()},
             all_gather_quant={str(k): str(v) for k, v in data.get("all_gather_quant", {}).items()},
             trace_note=str(data.get("trace_note", "")),
+            pipeline=PipelineStages.from_dict(data["pipeline"]) if data.get("pipeline") else None,
         )
 
     def __str__(self) -> str:
@@ -310,6 +315,8 @@ class Plan:
         if "tp" in self.mesh:
             out.append(self.breaks_line())
             out += self.tp_traffic_lines()
+        if self.pipeline is not None:
+            out += self.pipeline.lines()
         return "\n".join(out)
 
     def tp_traffic_lines(self) -> list[str]:

@@ -345,8 +345,9 @@ class RankSimulator(fx.Interpreter):
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
         if isinstance(module, fx.GraphModule):
-            nested = RankSimulator(module, self.tp, self.param, f"{self.prefix}{target}.", self.values, self.tally,
-                                   self.widen)
+            # a pipeline stage holds its parameters at the model's own FQNs (passes.stages.stitched)
+            prefix = self.prefix if getattr(module, "holds_model_fqns", False) else f"{self.prefix}{target}."
+            nested = RankSimulator(module, self.tp, self.param, prefix, self.values, self.tally, self.widen)
             return nested.run(*args, **kwargs)
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 

@@ -1,0 +1,298 @@
+"""Pipeline parallelism: a model planned by autoshard, cut into stages over the mesh's ``pp`` axis.
+
+Each pp coordinate runs its stages on the ``dp x tp`` sub-mesh below it, and inside a stage
+everything autoshard does without pp applies unchanged: the graph is planned and emitted once for
+the sub-mesh (captured at the microbatch's shapes), then cut into stages
+(:mod:`autoshard.passes.stages`) along the split :mod:`autoshard.stages` chose; each rank
+materializes only its own stages (FSDP2 per block and on the stage, DTensor parameters on tp).
+The stages run under ``torch.distributed.pipelining``: each is a ``PipelineStage`` on the pp
+group, and the schedule is torch's own (GPipe, 1F1B, interleaved, zero bubble), which splits the
+batch into microbatches, sends the values crossing each boundary and their gradients, runs the
+loss on the last stage, scales gradients to the microbatches' mean and tells FSDP2 when the last
+backward comes (one reduce-scatter per step, not per microbatch).
+
+Every stage's input and output shapes are known before the first step (static
+``PipelineStage`` metadata): the emitted code runs once on meta tensors, every tp rank simulated
+(:mod:`autoshard.passes.simulate`), which gives each crossing value's local shape, dtype and
+whether a gradient flows back through it. Shapes are then fixed, as the captured graph's are; no
+stage runs on uninitialized values to infer them (an int value crossing a boundary, a position id
+or a mask, is exactly as valid as it is in the user's model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from autoshard.mesh import PP, MeshAxes
+from autoshard.passes.partition import Partitioned
+from autoshard.passes.simulate import PerRank, RankSimulator
+from autoshard.passes.stages import StageGraph, StageSplit
+from autoshard.plan import Plan
+from autoshard.proof import stored_shards
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """A value's shape on one rank, its dtype and whether a gradient flows back through it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def example(self, device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device, requires_grad=self.requires_grad)
+
+
+def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -> dict[str, Crossing]:
+    """Every root value as one tp rank holds it, from running the emitted code on meta tensors."""
+    weights = {}
+    for fqn, entry in plan.params.items():
+        full = torch.empty(entry.shape, dtype=_param_dtype(root, fqn), device="meta")
+        weights[fqn] = PerRank([s.requires_grad_(True) for s in stored_shards(entry, full, tp)])
+
+    def param(fqn):
+        if fqn in weights:
+            return weights[fqn]
+        module, _, attr = fqn.rpartition(".")
+        value = getattr(root.get_submodule(module) if module else root, attr, None)
+        return PerRank([value.to("meta")] * tp) if isinstance(value, torch.Tensor) else None
+
+    inputs = [PerRank([v.to("meta") if isinstance(v, torch.Tensor) else v] * tp) for v in flat_inputs]
+    simulator = RankSimulator(root, tp, param)
+    with torch.enable_grad():
+        simulator.run(*inputs)
+    crossings = {}
+    for name, value in simulator.values.items():
+        first = value.values[0]
+        if isinstance(first, torch.Tensor) and "." not in name:
+            crossings[name] = Crossing(tuple(first.shape), first.dtype, first.requires_grad)
+    return crossings
+
+
+def _param_dtype(root: nn.Module, fqn: str) -> torch.dtype:
+    for name, value in root.named_parameters():
+        if name == fqn:
+            return value.dtype
+    for name, value in root.named_buffers():
+        if name == fqn:
+            return value.dtype
+    module, _, attr = fqn.rpartition(".")
+    found = getattr(root.get_submodule(module) if module else root, attr, None)
+    return found.dtype if isinstance(found, torch.Tensor) else torch.float32
+
+
+class Pipeline:
+    """A model trained over pipeline stages: this rank's stages, torch's schedule, the loss.
+
+    ``step(inputs, targets)`` runs one forward and backward of every microbatch of this rank's dp
+    batch and returns the loss averaged over the microbatches and the dp ranks (every rank gets
+    the number a single device computes for the global batch); gradients are those of that mean.
+    The optimizer is the user's, built from :meth:`parameters` (this rank's stages only).
+    ``state_dict()`` holds this rank's stages' entries under the model's own FQNs.
+    """
+
+    def __init__(self, modules: list[nn.Module], stage_graphs: list[StageGraph], schedule, plan: Plan,
+                 axes: MeshAxes, captured, loss_fn: Callable, split: StageSplit):
+        self.modules = modules
+        self.stage_graphs = stage_graphs
+        self.schedule = schedule
+        self.autoshard_plan = plan
+        self.axes = axes
+        self.captured = captured
+        self.loss_fn = loss_fn
+        self.split = split
+        self.indices = tuple(s.index for s in stage_graphs)
+        self.count = len(split.stages)
+        self.has_first = 0 in self.indices
+        self.has_last = self.count - 1 in self.indices
+
+    # --- training ---------------------------------------------------------------------------
+
+    def step(self, inputs, targets, kwargs: Mapping | None = None) -> torch.Tensor:
+        """One forward and backward of every microbatch; returns the global batch's mean loss.
+
+        ``inputs``: the model's positional input, or a tuple of them (``example_inputs``' form);
+        ``kwargs``: its keyword inputs. ``targets``: what ``loss_fn`` takes next to the model's
+        output, split into microbatches along dim 0 like the inputs. Every rank passes its dp
+        rank's batch and targets; each stage uses what it needs.
+        """
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        flat = self._flat(args, dict(kwargs or {})) if self.has_first else []
+        losses: list = []
+        call = dict(target=targets, losses=losses) if self.has_last else {}
+        self.schedule.step(*flat, **call)
+        loss = (torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last
+                else torch.zeros((), device=self._device))
+        return self._shared_loss(loss)
+
+    def _flat(self, args: tuple, kwargs: dict) -> list:
+        """The inputs as the first stage takes them: the captured graph's placeholders, in order."""
+        import torch.fx._pytree as fx_pytree
+
+        kwargs = self.captured.inputs.without_keywords_set_by_capture(kwargs)
+        return list(fx_pytree.tree_flatten_spec((args, kwargs), self.captured.gm._in_spec))
+
+    def _shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's mean loss averaged over the dp ranks, on every rank of the pp group."""
+        stage_axes = self.axes.stage_axes()
+        if self.has_last:
+            for axis in stage_axes.dp_axes:
+                dist.all_reduce(loss, group=stage_axes.submesh(axis).get_group())
+            loss /= stage_axes.data_parallel
+        pp_group = self.axes.mesh.get_group(PP)
+        last_rank = int(self.axes.mesh[PP].mesh[self.autoshard_plan.pipeline.stages[-1].rank])
+        dist.broadcast(loss, src=last_rank, group=pp_group)
+        return loss
+
+    @property
+    def _device(self) -> torch.device:
+        return torch.device(self.axes.mesh.device_type)
+
+    # --- parameters and state ---------------------------------------------------------------
+
+    def named_parameters(self):
+        for module in self.modules:
+            yield from module.named_parameters()
+
+    def parameters(self):
+        for _, param in self.named_parameters():
+            yield param
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state = {}
+        for module in self.modules:
+            state.update(module.state_dict())
+        return state
+
+    def load_state_dict(self, state: Mapping, strict: bool = True):
+        """Load this rank's stages' entries of ``state`` (a full state dict, or one holding only
+        these stages' keys); with ``strict`` every key of these stages must be there."""
+        missing = []
+        for module in self.modules:
+            own = {k: v for k, v in state.items() if k in module.state_dict()}
+            result = module.load_state_dict(own, strict=False)
+            missing += result.missing_keys
+        if strict and missing:
+            raise RuntimeError(f"autoshard: the state dict lacks this rank's stage entries {missing}")
+        return missing
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Accumulate gradients over steps without reducing them over dp (FSDP2's switch, on every
+        FSDP unit of this rank's stages); set True again for the step that reduces."""
+        for module in self.modules:
+            module.set_requires_gradient_sync(requires_gradient_sync)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every stage's gradients so that their norm over the whole model (every stage, and
+        every dp and tp shard) is at most ``max_norm``; returns that norm, the same on every rank."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        norm_type = float(norm_type)
+        by_mesh: dict = {}
+        for param in params:
+            key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(param.grad)
+        parts = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            parts.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+        local = torch.stack(parts) if parts else torch.zeros(1, device=self._device)
+        inf = math.isinf(norm_type)
+        local = local.max() if inf else (local ** norm_type).sum()
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                        group=self.axes.mesh.get_group(PP))
+        total = local if inf else local ** (1.0 / norm_type)
+        scale = min(1.0, float(max_norm) / (float(total) + 1e-6))
+        if scale < 1.0:
+            for param in params:
+                param.grad.mul_(scale)
+        return total
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(stages {list(self.indices)} of {self.count} on this rank, schedule "
+                f"{type(self.schedule).__name__})")
+
+
+def build_schedule(stage_modules: list[tuple[StageGraph, nn.Module]], crossings: Mapping[str, Crossing],
+                   count: int, schedule_spec, axes: MeshAxes, loss_fn: Callable, out_spec, flat_inputs: list,
+                   output_names: tuple[str, ...]):
+    """torch's ``PipelineStage`` for each of this rank's stages (shapes given, not inferred) and the
+    schedule over them."""
+    device = torch.device(axes.mesh.device_type)
+    group = axes.mesh.get_group(PP)
+    stages = []
+    for graph, module in stage_modules:
+        if graph.index == 0:
+            inputs = tuple(_example_input(v, device) for v in flat_inputs)
+        else:
+            inputs = tuple(crossings[name].example(device) for name in graph.receives)
+        names = output_names if graph.index == count - 1 else graph.sends
+        outputs = tuple(crossings[name].example(device) for name in names)
+        stages.append(PipelineStage(module, graph.index, count, device, input_args=inputs,
+                                    output_args=outputs, group=group))
+
+    def loss(output, target):
+        flat = list(output) if isinstance(output, (tuple, list)) else [output]
+        return loss_fn(pytree.tree_unflatten(flat, out_spec), target)
+
+    schedule_class = get_schedule_class(schedule_spec.name)
+    if schedule_spec.layout == "single":
+        return schedule_class(stages[0], n_microbatches=schedule_spec.microbatches, loss_fn=loss, scale_grads=True)
+    return schedule_class(stages, n_microbatches=schedule_spec.microbatches, loss_fn=loss, scale_grads=True)
+
+
+def _example_input(value, device) -> torch.Tensor:
+    return torch.empty(value.shape, dtype=value.dtype, device=device) if isinstance(value, torch.Tensor) else value
+
+
+def stage_part(graph: StageGraph, blocks: Mapping[str, fx.GraphModule]) -> Partitioned:
+    return Partitioned(graph.module, {b: blocks[b] for b in graph.blocks})
+
+
+def materialize_pipeline(pplan, model: nn.Module, axes: MeshAxes, loss_fn: Callable, *, sync_module_states: bool,
+                         reshard_after_forward: bool, mp_policy, activation_checkpointing) -> Pipeline:
+    """This rank's stages as sharded modules (see :func:`autoshard.passes.materialize.materialize`),
+    each a ``PipelineStage``, and the schedule over them."""
+    from autoshard.passes.checkpointing import apply_activation_checkpointing
+    from autoshard.passes.materialize import materialize
+    from autoshard.passes.verify import verify
+
+    stage_axes = axes.stage_axes()
+    stage_plan = pplan.planned.plan
+    aliases = pplan.planned.captured.aliases
+    parts = pplan.emitted.parts
+    mine = axes.mesh.get_local_rank(PP)
+    built = []
+    for graph in pplan.split.stages:
+        if pplan.plan.pipeline.stages[graph.index].rank != mine:
+            continue
+        held = set(graph.params)
+        plan = dataclasses.replace(stage_plan, params={f: e for f, e in stage_plan.params.items() if f in held},
+                                   units=tuple(u for u in stage_plan.units if u == "" or u in graph.blocks))
+        part = stage_part(graph, parts.blocks)
+        module = materialize(part, model, plan, stage_axes, {a: c for a, c in aliases.items() if c in held},
+                             sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
+                             mp_policy=mp_policy)
+        apply_activation_checkpointing(part.blocks, activation_checkpointing)
+        verify(module, plan, stage_axes)
+        built.append((graph, module))
+    spec = pplan.plan.pipeline.schedule
+    out_spec = pplan.planned.captured.gm._out_spec
+    schedule = build_schedule(built, pplan.crossings, len(pplan.split.stages), spec, axes, loss_fn, out_spec,
+                              pplan.flat_inputs, pplan.output_names)
+    return Pipeline([m for _, m in built], [g for g, _ in built], schedule, pplan.plan, axes,
+                    pplan.planned.captured, loss_fn, pplan.split)
