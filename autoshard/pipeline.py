@@ -55,22 +55,18 @@ class Crossing:
 
 
 def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -> dict[str, Crossing]:
-    """Every root value as one tp rank holds it, from running the emitted code on meta tensors."""
-    weights = {}
-    for fqn, entry in plan.params.items():
-        full = torch.empty(entry.shape, dtype=_param_dtype(root, fqn), device="meta")
-        weights[fqn] = PerRank([s.requires_grad_(True) for s in stored_shards(entry, full, tp)])
+    """Every root value as one tp rank holds it, from running the emitted code on fake tensors
+    (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def param(fqn):
-        if fqn in weights:
-            return weights[fqn]
-        module, _, attr = fqn.rpartition(".")
-        value = getattr(root.get_submodule(module) if module else root, attr, None)
-        return PerRank([value.to("meta")] * tp) if isinstance(value, torch.Tensor) else None
-
-    inputs = [PerRank([v.to("meta") if isinstance(v, torch.Tensor) else v] * tp) for v in flat_inputs]
-    simulator = RankSimulator(root, tp, param)
-    with torch.enable_grad():
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, torch.enable_grad():
+        weights = {}
+        for fqn, entry in plan.params.items():
+            full = torch.empty(entry.shape, dtype=_param_dtype(root, fqn))
+            weights[fqn] = PerRank([s.requires_grad_(True) for s in stored_shards(entry, full, tp)])
+        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * tp) for v in flat_inputs]
+        simulator = RankSimulator(root, tp, weights.get)
         simulator.run(*inputs)
     crossings = {}
     for name, value in simulator.values.items():

@@ -39,6 +39,7 @@ class PipelinePlan:
     micro_kwargs: dict
     flat_inputs: list
     output_names: tuple[str, ...]
+    costs: tuple  # UnitCost of every block, the split's input
 
 
 def microbatch_of(example_inputs: tuple, example_kwargs: dict | None, microbatches: int) -> tuple[tuple, dict]:
@@ -99,7 +100,7 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     stages = dataclasses.replace(stages, sends=_boundary_bytes(split, crossings))
     plan = dataclasses.replace(planned.plan, mesh={PP: axes.pp, **planned.plan.mesh}, pipeline=stages)
     return PipelinePlan(plan, planned, emitted, split, crossings, micro_inputs, micro_kwargs, flat_inputs,
-                        output_names)
+                        output_names, tuple(costs))
 
 
 def api_flat_inputs(captured, args: tuple, kwargs: dict) -> list:

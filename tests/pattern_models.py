@@ -690,6 +690,54 @@ class VisionTransformer(nn.Module):
         return self.head(x[:, 0] if self.attn_pool is None else self.attn_pool(x))
 
 
+class EmbeddingMixBlock(nn.Module):
+    """modded-nanogpt's block: it mixes the embedding ``x0`` back into the stream with learned
+    scalars before attention (a value every block reads, computed before the first), and its
+    attention skips padded keys by a mask made from the token ids."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.5]))
+        self.attention_norm = nn.RMSNorm(cfg.dim)
+        self.attention = QKVAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim)
+        self.feed_forward = SwiGLU(cfg)
+
+    def forward(self, x, x0, keep):
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        x = x + self.attention(self.attention_norm(x), keep)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class PaddedKeysAttention(QKVAttention):
+    def attend(self, q, k, v, keep):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+        mask = keep[:, None, None, :]  # [b, 1, 1, s]: attend to real tokens only
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+class EmbeddingMixDecoder(Decoder):
+    """Every block reads the embedding and a padding mask: both cross every pipeline boundary."""
+
+    def __init__(self, cfg: Config = Config(layers=4), pad: int = 0):
+        super().__init__(cfg, lambda c: _with_attention(EmbeddingMixBlock(c), PaddedKeysAttention(c)))
+        self.pad = pad
+
+    def forward(self, tokens):
+        x0 = F.rms_norm(self.tok_embeddings(tokens), (self.cfg.dim,))
+        keep = tokens != self.pad
+        h = x0
+        for layer in self.layers:
+            h = layer(h, x0, keep)
+        return self.output(self.norm(h))
+
+
+def _with_attention(block: nn.Module, attention: nn.Module) -> nn.Module:
+    block.attention = attention
+    return block
+
+
 # --- multi-head latent attention (DeepSeek-V2/V3) ------------------------------------------------
 
 
