@@ -60,8 +60,11 @@ def full_state_dict(sharded: nn.Module) -> OrderedDict:
     rank, save with DCP (:func:`save_checkpoint`) instead.
 
     Args:
-        sharded: the module :func:`autoshard.autoshard` returned.
+        sharded: the module :func:`autoshard.autoshard` returned (a pipeline's stages are gathered
+            over its pp axis too, with pickled CPU tensors: every rank gets every stage's entries).
     """
+    if type(sharded).__name__ == "Pipeline":
+        return _pipeline_full_state_dict(sharded)
     state = sharded.state_dict()
     full = OrderedDict()
     gathered: dict[tuple, torch.Tensor] = {}
@@ -74,6 +77,20 @@ def full_state_dict(sharded: nn.Module) -> OrderedDict:
         full[key] = gathered[identity] = tensor.to("cpu", copy=True).contiguous()
     if hasattr(state, "_metadata"):
         full._metadata = state._metadata
+    return full
+
+
+def _pipeline_full_state_dict(pipeline) -> OrderedDict:
+    mine = full_state_dict(pipeline.module)
+    from autoshard.mesh import PP
+
+    group = pipeline.axes.mesh.get_group(PP)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, dict(mine), group=group)
+    merged = {k: v for part in every for k, v in part.items()}
+    full = OrderedDict((k, merged[k]) for k in pipeline.state_dict_keys if k in merged)
+    if hasattr(mine, "_metadata"):
+        full._metadata = mine._metadata
     return full
 
 
@@ -98,6 +115,7 @@ def get_state_dict(sharded: nn.Module, optimizer: torch.optim.Optimizer | None =
     original layout, so the pair saves and loads on any mesh. Without an
     optimizer the second dict is empty.
     """
+    sharded = _module_of(sharded)
     optimizers = (optimizer,) if optimizer is not None else ()
     model_sd, optim_sd = dcp_state_dict.get_state_dict(sharded, optimizers)
     layout, params = _layout(sharded), dict(sharded.named_parameters())
@@ -124,6 +142,7 @@ def set_state_dict(
     stored layout of this module's mesh before
     ``torch.distributed.checkpoint.state_dict.set_state_dict`` loads them.
     """
+    sharded = _module_of(sharded)
     if optimizer is None:
         dcp_state_dict.set_model_state_dict(sharded, dict(model_state_dict))
         return
@@ -148,6 +167,12 @@ def set_state_dict(
     dcp_state_dict.set_state_dict(
         sharded, (optimizer,), model_state_dict=dict(model_state_dict), optim_state_dict=optim_state_dict
     )
+
+
+def _module_of(sharded) -> nn.Module:
+    """The module holding a pipeline's stages on this rank (:attr:`~autoshard.pipeline.Pipeline.module`),
+    or ``sharded`` itself: a pipeline checkpoints like a sharded module, each rank its own stages."""
+    return getattr(sharded, "module", sharded) if type(sharded).__name__ == "Pipeline" else sharded
 
 
 def _layout(module: nn.Module) -> StoredLayout:

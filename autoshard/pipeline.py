@@ -99,8 +99,10 @@ class Pipeline:
     """
 
     def __init__(self, modules: list[nn.Module], stage_graphs: list[StageGraph], schedule, plan: Plan,
-                 axes: MeshAxes, captured, loss_fn: Callable, split: StageSplit):
+                 axes: MeshAxes, captured, loss_fn: Callable, split: StageSplit, module: nn.Module):
         self.modules = modules
+        self.module = module  # this rank's stages as one module under the model's FQNs (state dicts, DCP)
+        self.state_dict_keys: tuple[str, ...] = ()  # the model's, in its order (a full state dict's)
         self.stage_graphs = stage_graphs
         self.schedule = schedule
         self.autoshard_plan = plan
@@ -158,34 +160,26 @@ class Pipeline:
     # --- parameters and state ---------------------------------------------------------------
 
     def named_parameters(self):
-        for module in self.modules:
-            yield from module.named_parameters()
+        return self.module.named_parameters()
 
     def parameters(self):
-        for _, param in self.named_parameters():
-            yield param
+        return self.module.parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for module in self.modules:
-            module.zero_grad(set_to_none=set_to_none)
+        self.module.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        state = {}
-        for module in self.modules:
-            state.update(module.state_dict())
-        return state
+        """This rank's stages' entries, under the model's FQNs and in its layout."""
+        return self.module.state_dict()
 
     def load_state_dict(self, state: Mapping, strict: bool = True):
-        """Load this rank's stages' entries of ``state`` (a full state dict, or one holding only
-        these stages' keys); with ``strict`` every key of these stages must be there."""
-        missing = []
-        for module in self.modules:
-            own = {k: v for k, v in state.items() if k in module.state_dict()}
-            result = module.load_state_dict(own, strict=False)
-            missing += result.missing_keys
-        if strict and missing:
-            raise RuntimeError(f"autoshard: the state dict lacks this rank's stage entries {missing}")
-        return missing
+        """Load this rank's stages' entries of ``state``: a full state dict of the model (the
+        other stages' entries are left to their ranks), or one holding these stages' keys."""
+        own = set(self.module.state_dict())
+        result = self.module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+        if strict and result.missing_keys:
+            raise RuntimeError(f"autoshard: the state dict lacks entries of this rank's stages: {result.missing_keys}")
+        return result
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Accumulate gradients over steps without reducing them over dp (FSDP2's switch, on every
@@ -290,5 +284,43 @@ def materialize_pipeline(pplan, model: nn.Module, axes: MeshAxes, loss_fn: Calla
     out_spec = pplan.planned.captured.gm._out_spec
     schedule = build_schedule(built, pplan.crossings, len(pplan.split.stages), spec, axes, loss_fn, out_spec,
                               pplan.flat_inputs, pplan.output_names)
-    return Pipeline([m for _, m in built], [g for g, _ in built], schedule, pplan.plan, axes,
-                    pplan.planned.captured, loss_fn, pplan.split)
+    held = {fqn for graph, _ in built for fqn in graph.params}
+    local_plan = dataclasses.replace(stage_plan, params={f: e for f, e in stage_plan.params.items() if f in held})
+    union = union_module([m for _, m in built], local_plan, stage_axes.tp, model)
+    pipeline = Pipeline([m for _, m in built], [g for g, _ in built], schedule, pplan.plan, axes,
+                        pplan.planned.captured, loss_fn, pplan.split, union)
+    pipeline.state_dict_keys = tuple(model.state_dict().keys())
+    return pipeline
+
+
+def union_module(stage_modules: list[nn.Module], plan: Plan, tp: int, model: nn.Module) -> nn.Module:
+    """One module holding the given stages' modules at their own FQNs (two stages' ``layers`` are
+    one container holding both stages' blocks), with the sharded module's state-dict hooks: its
+    state dict is this rank's share of the model's, as a sharded module's is of the whole."""
+    from autoshard.state_dict import install_state_dict_hooks
+
+    union = nn.Module()
+    merged: set[int] = set()
+
+    def graft(target: nn.Module, source: nn.Module) -> None:
+        for name, value in source._parameters.items():
+            target._parameters[name] = value
+        for name, value in source._buffers.items():
+            target.register_buffer(name, value, persistent=name not in source._non_persistent_buffers_set)
+        for name, child in source._modules.items():
+            existing = target._modules.get(name)
+            if existing is None or existing is child:
+                target._modules[name] = child
+                continue
+            if id(existing) not in merged:
+                container = nn.Module()
+                merged.add(id(container))
+                graft(container, existing)
+                target._modules[name] = existing = container
+            graft(existing, child)
+
+    for module in stage_modules:
+        graft(union, module)
+    union.autoshard_plan = plan
+    install_state_dict_hooks(union, plan, tp, model)
+    return union

@@ -72,8 +72,8 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     if options.loss_parallel:
         raise NotImplementedError("autoshard: loss_parallel with a pp axis: the last stage returns whole logits "
                                   "to the loss; plan without loss_parallel")
-    spec = schedule_of(schedule, microbatches, axes.pp, stages_per_rank)
     stage_axes = axes.stage_axes()
+    spec = schedule_of(schedule, microbatches, axes.pp, stages_per_rank, data_parallel=stage_axes.has_dp)
     micro_inputs, micro_kwargs = microbatch_of(example_inputs, example_kwargs, microbatches)
     planned = api.plan_result(model, stage_axes, micro_inputs, micro_kwargs, given, options,
                               keep_reference=keep_reference)
@@ -112,14 +112,15 @@ def api_flat_inputs(captured, args: tuple, kwargs: dict) -> list:
     return list(fx_pytree.tree_flatten_spec((args, kwargs), spec))
 
 
-def _boundary_bytes(split: StageSplit, crossings) -> tuple[tuple[int, int], ...]:
-    """Per boundary, one microbatch's bytes sent forward (every crossing value) and back (the
-    gradients of those a gradient flows through), on one rank."""
+def _boundary_bytes(split: StageSplit, crossings) -> tuple[tuple[int, int, int, int], ...]:
+    """Per boundary, one microbatch's sends on one rank: forward (every crossing value) and back
+    (the gradients of those a gradient flows through), as (messages, bytes) each: torch's stage
+    sends one message per tensor."""
     sizes = []
     for names in split.carried:
-        forward = sum(_nbytes(crossings[n]) for n in names)
-        backward = sum(_nbytes(crossings[n]) for n in names if crossings[n].requires_grad)
-        sizes.append((forward, backward))
+        back = [n for n in names if crossings[n].requires_grad]
+        sizes.append((len(names), sum(_nbytes(crossings[n]) for n in names),
+                      len(back), sum(_nbytes(crossings[n]) for n in back)))
     return tuple(sizes)
 
 

@@ -192,13 +192,20 @@ class Plan:
         """
         return retarget(self, sizes)
 
-    def predicted_comm(self, *, reshard_after_forward: bool = True, master_dtype=None):
+    def predicted_comm(self, *, reshard_after_forward: bool = True, master_dtype=None, pp_rank: int | None = None):
         """``{axis: {kind: (num_collectives, wire_bytes)}}`` of one training step, computed from
-        this plan alone (see :mod:`autoshard.predict`)."""
+        this plan alone (see :mod:`autoshard.predict`). On a plan with pipeline stages, ``pp`` holds
+        ``{"send": (messages, bytes)}`` of pp coordinate ``pp_rank`` (default: the rank that sends
+        most), and ``tp`` and ``dp`` are those of one microbatch through the whole model."""
         import torch
 
-        return predicted_comm(self, reshard_after_forward=reshard_after_forward,
+        comm = predicted_comm(self, reshard_after_forward=reshard_after_forward,
                               master_dtype=master_dtype or torch.float32)
+        if self.pipeline is not None:
+            ranks = sorted({s.rank for s in self.pipeline.stages})
+            rank = pp_rank if pp_rank is not None else max(ranks, key=lambda r: self.pipeline.pp_sends(r)[1])
+            comm["pp"] = {"send": self.pipeline.pp_sends(rank)}
+        return comm
 
     def to_parallelize_plan(self, model=None):
         """The equivalent ``parallelize_module`` plan and the weights it cannot express (see
