@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth zoo golden clean
+.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity zoo golden clean
 
 install: $(STAMP)
 
@@ -57,6 +57,16 @@ bench-check: $(STAMP)
 # seconds and the ratios to 2 blocks (goal: 32 blocks at most 1.5x, 80 blocks at most 2x).
 bench-depth: $(STAMP)
 	$(PY) benchmarks/bench_depth.py
+
+# Pipeline stages on pp=4 (4 ranks): the balanced split against torchtitan's equal split (goal: <= 0.85x step
+# time), each stage's measured time next to its predicted time, and the 2-D plan of the same ranks.
+bench-pp: $(STAMP)
+	$(PY) benchmarks/bench_pp.py
+
+# Pipeline parity matrix on 8 ranks: 3 models x pp2 x dp2 x tp2 and pp4 x tp2 x GPipe, 1F1B, Interleaved1F1B x 4 and 8
+# microbatches, each against one device (3 AdamW steps' losses, parameters after 3 SGD steps; goal <= 1e-5).
+pp-parity: $(STAMP)
+	$(PY) benchmarks/pp_parity.py
 
 # Every transformers family autoshard captures, planned and proven in one process on five meshes
 # (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4.

@@ -130,7 +130,8 @@ class Pipeline:
         losses: list = []
         call = dict(target=targets, losses=losses) if self.has_last else {}
         self.schedule.step(*flat, **call)
-        loss = (torch.stack([loss.detach().float() for loss in losses]).mean() if self.has_last
+        # each microbatch's loss was divided by the microbatches (see build_schedule): their sum is the mean
+        loss = (torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last
                 else torch.zeros((), device=self._device))
         return self._shared_loss(loss)
 
@@ -182,10 +183,16 @@ class Pipeline:
         return result
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """Accumulate gradients over steps without reducing them over dp (FSDP2's switch, on every
-        FSDP unit of this rank's stages); set True again for the step that reduces."""
-        for module in self.modules:
-            module.set_requires_gradient_sync(requires_gradient_sync)
+        """Accumulate gradients over steps without reducing them over dp: the steps after
+        ``False`` keep FSDP2's unsharded gradients, the first step after ``True`` reduces them all.
+        (torch's schedules reduce at every step's last backward; the stage skips that while off.)"""
+        for stage in self.pipeline_stages:
+            stage.requires_gradient_sync = bool(requires_gradient_sync)
+
+    @property
+    def pipeline_stages(self) -> list:
+        schedule = self.schedule
+        return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every stage's gradients so that their norm over the whole model (every stage, and
@@ -232,17 +239,49 @@ def build_schedule(stage_modules: list[tuple[StageGraph, nn.Module]], crossings:
             inputs = tuple(crossings[name].example(device) for name in graph.receives)
         names = output_names if graph.index == count - 1 else graph.sends
         outputs = tuple(crossings[name].example(device) for name in names)
-        stages.append(PipelineStage(module, graph.index, count, device, input_args=inputs,
-                                    output_args=outputs, group=group))
+        stage = _Stage(module, graph.index, count, device, input_args=inputs, output_args=outputs, group=group)
+        stage.example_args = inputs  # shapes and dtypes of what it takes (values uninitialized)
+        stages.append(stage)
+    microbatches = schedule_spec.microbatches
 
     def loss(output, target):
+        """The user's loss of one microbatch, divided by the microbatches: backward then leaves the
+        gradient of their mean, accumulating correctly across steps (torch's ``scale_grads``
+        divides the whole ``.grad``, earlier steps' included)."""
         flat = list(output) if isinstance(output, (tuple, list)) else [output]
-        return loss_fn(pytree.tree_unflatten(flat, out_spec), target)
+        return loss_fn(pytree.tree_unflatten(flat, out_spec), target) / microbatches
 
     schedule_class = get_schedule_class(schedule_spec.name)
     if schedule_spec.layout == "single":
-        return schedule_class(stages[0], n_microbatches=schedule_spec.microbatches, loss_fn=loss, scale_grads=True)
-    return schedule_class(stages, n_microbatches=schedule_spec.microbatches, loss_fn=loss, scale_grads=True)
+        return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+    return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+
+
+class _Stage(PipelineStage):
+    """torch's stage, which can leave a step's gradients unreduced over dp (accumulation).
+
+    The schedule reduces FSDP2's gradients at each step's last backward (``perform_reduce_grad``);
+    with ``requires_gradient_sync`` off this runs FSDP2's end of backward with its sync off
+    instead, so the unsharded gradients accumulate for the next synced step, as FSDP2 does
+    outside a pipeline."""
+
+    requires_gradient_sync = True
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.requires_gradient_sync or not isinstance(self.submod, FSDPModule):
+            return super().perform_reduce_grad(grad_scale_factor)
+        module = self.submod
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(False)
+        state = fully_shard.state(module)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        return None
 
 
 def _example_input(value, device) -> torch.Tensor:

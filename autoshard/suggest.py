@@ -1,8 +1,10 @@
 """Suggest a mesh: rank every way to split ``world_size`` ranks by a predicted step time.
 
-For each factorization ``dp x tp`` (``{"dp": n}`` and ``{"tp": n}`` included)
-and, when ``links`` says how many ranks share a node, each HSDP shape whose
-shard group fills a node, :func:`suggest_mesh` plans the model on that mesh
+For each factorization ``dp x tp`` (``{"dp": n}`` and ``{"tp": n}`` included),
+each ``pp x dp x tp`` with pipeline stages (1F1B, stages balanced by
+:mod:`autoshard.stages`; the pp rank with the most FLOPs sets the pace over
+``microbatches + pp - 1`` slots) and, when ``links`` says how many ranks share
+a node, each HSDP shape whose shard group fills a node, :func:`suggest_mesh` plans the model on that mesh
 (at the dp-local share of the global batch) and predicts:
 
 * **compute**: the FLOPs of every matmul and attention op of the captured
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, TP, axes_from_sizes
+from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP, axes_from_sizes
 from autoshard.options import PlanOptions
 from autoshard.sharding import Wire, rank_shape, tp_local_shape
 
@@ -147,6 +149,10 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
     rate = flops_per_second or _measure_flops(device)
     batch = next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor))
     candidates, skipped = [], []
+    for sizes in _pp_shapes(world_size):
+        found = _pp_candidate(model, sizes, example_inputs, example_kwargs, batch, mp_policy, rate, links,
+                              memory_per_rank, optimizer_states)
+        (candidates if isinstance(found, MeshCandidate) else skipped).append(found)
     for sizes in _shapes(world_size, links):
         data_parallel = axes_from_sizes(sizes).data_parallel
         if batch % data_parallel:
@@ -170,6 +176,57 @@ def suggest_mesh(model: nn.Module, world_size: int, *, example_inputs: tuple, ex
     if verbose:
         print(suggestion)
     return suggestion
+
+
+def _pp_shapes(world: int) -> list[dict[str, int]]:
+    """``pp x dp x tp`` (and ``pp x dp``, ``pp x tp``) for every pp size from 2 that divides ``world``."""
+    shapes = []
+    for pp in (d for d in range(2, world + 1) if world % d == 0):
+        rest = world // pp
+        for tp in (d for d in range(1, rest + 1) if rest % d == 0):
+            dp = rest // tp
+            shapes.append({PP: pp} | ({DP: dp} if dp > 1 else {}) | ({TP: tp} if tp > 1 else {}))
+    return shapes
+
+
+def _pp_candidate(model, sizes, example_inputs, example_kwargs, batch, mp_policy, rate, links: Links,
+                  memory_limit, states):
+    """A mesh with pipeline stages, 1F1B over twice as many microbatches as stages (or as many):
+    the pp rank with the most FLOPs sets the pace, ``microbatches + pp - 1`` times (the pipeline
+    fills and drains); each stage's tp and dp traffic is its share of the model's, and the pp sends
+    are the plan's; memory is the largest stage's. A string: why the mesh was skipped."""
+    from autoshard.api import _pipeline_plan
+
+    axes = axes_from_sizes(sizes)
+    data_parallel = axes.stage_axes().data_parallel
+    if batch % data_parallel:
+        return f"{sizes}: batch {batch} does not divide by {data_parallel}"
+    rows = batch // data_parallel
+    microbatches = next((m for m in (2 * axes.pp, axes.pp) if rows % m == 0), None)
+    if microbatches is None:
+        return f"{sizes}: the dp-local batch {rows} does not divide into {axes.pp} or {2 * axes.pp} microbatches"
+    local, local_kwargs = _share(example_inputs, rows), _share(example_kwargs or {}, rows)
+    pipelined = dict(loss_fn=None, microbatches=microbatches, schedule="1F1B", stages_per_rank=None, pp_split=None,
+                     memory_per_rank=None)
+    try:
+        pplan = _pipeline_plan(model, axes, local, local_kwargs, None, PlanOptions(mp_policy=mp_policy), pipelined)
+    except (ValueError, NotImplementedError) as err:
+        return f"{sizes}: {err}"
+    plan, stages = pplan.plan, pplan.plan.pipeline
+    per_rank: dict[int, float] = {}
+    for stage in stages.stages:
+        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + stage.flops
+    compute = max(per_rank.values()) * (microbatches + axes.pp - 1) / rate
+    spans = _spans(sizes)
+    comm = {}
+    for axis, kinds in plan.predicted_comm().items():
+        latency, per_byte = links.link(spans[axis])
+        ranks = axes.size(axis)
+        share = 1.0 if axis == PP else (microbatches if axis == TP else 1.0) / axes.pp
+        comm[axis] = sum(share * n * (_steps(kind, ranks) if axis != PP else 1) * latency + share * nbytes * per_byte
+                         for kind, (n, nbytes) in kinds.items())
+    memory = max(s.param_bytes * (2 + states) + s.activation_bytes * s.in_flight for s in stages.stages)
+    return MeshCandidate(dict(sizes), compute, comm, memory, memory_limit is None or memory <= memory_limit)
 
 
 def _shapes(world: int, links: Links) -> list[dict[str, int]]:

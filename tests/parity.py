@@ -219,3 +219,94 @@ def _data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
         inner = (getattr(tensor, name) for name in names)
         return [s for t in inner if isinstance(t, torch.Tensor) for s in _data_storages(t)]
     return [tensor.untyped_storage()]
+
+
+def hf_loss(output, targets):
+    """A Hugging Face causal LM's loss on its ``logits`` (the output is its ModelOutput)."""
+    return lm_loss(output.logits, targets)
+
+
+@dataclasses.dataclass
+class PipelineRun:
+    """A pipeline trained next to one device: per step (pipeline, reference) losses, parameters'
+    relative errors after the last step, and (with clipping) the gradient norms both measured."""
+
+    pipeline: object
+    optimizer: torch.optim.Optimizer
+    batches: list
+    local: object  # the dp slice of a global tensor on this rank
+    losses: list[tuple[float, float]]
+    param_errors: dict[str, float]
+    norms: list[tuple[float, float]]
+
+    def assert_parity(self, *, loss_tol: float, param_tol: float | None) -> None:
+        for got, want in self.losses:
+            assert abs(got - want) <= loss_tol * abs(want), self.losses
+        if param_tol is not None:
+            worst = max(self.param_errors.items(), key=lambda kv: kv[1])
+            assert worst[1] <= param_tol, worst
+
+
+def train_pipeline_both(build, mesh, loss_fn, *, schedule: str, microbatches: int, optimizer: str,
+                        steps: int = 3, batch: int = 8, seq: int = 16, padding_mask: bool = False,
+                        clip: float | None = None, accumulate: int = 1, check: bool = False) -> PipelineRun:
+    """Train ``build()`` through :func:`autoshard.autoshard` on a pp ``mesh`` and on one device.
+
+    Every rank draws the same global batches (``batch`` rows per dp rank) and trains on its dp slice;
+    the reference trains on the whole batch. ``accumulate`` steps of the pipeline (dp sync off but
+    for the last) make one optimizer step, as ``accumulate`` summed losses do on one device.
+    ``clip``: both clip their gradients to that fraction of one device's first norm."""
+    from autoshard.checkpoint import full_state_dict
+
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    index, count = dp_rank_and_size(mesh)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    rows = batch * count
+    batches = [(torch.randint(0, vocab, (rows, seq), generator=gen), torch.randint(0, vocab, (rows, seq), generator=gen))
+               for _ in range(steps * accumulate)]
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[::2, seq - 3:] = 0
+
+    def local(t):
+        return t.chunk(count)[index]
+
+    def kwargs(global_mask):
+        return {"attention_mask": global_mask} if padding_mask else {}
+
+    pipe = autoshard.autoshard(model, mesh, example_inputs=(local(batches[0][0]),), example_kwargs=kwargs(local(mask)),
+                               loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, check=check)
+
+    def make(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.1)
+        return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+
+    opt, ref_opt = make(pipe.parameters()), make(reference.parameters())
+    losses, norms, limit = [], [], None
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        got = want = 0.0
+        for i, (tokens, targets) in enumerate(batches[step * accumulate:(step + 1) * accumulate]):
+            if accumulate > 1:
+                pipe.set_requires_gradient_sync(i == accumulate - 1)
+            got += pipe.step(local(tokens), local(targets), kwargs=kwargs(local(mask))).item()
+            ref_loss = loss_fn(reference(tokens, **kwargs(mask)), targets)
+            ref_loss.backward()
+            want += ref_loss.item()
+        if accumulate > 1:
+            pipe.set_requires_gradient_sync(True)
+        if clip is not None:
+            if limit is None:
+                limit = clip * torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+            want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), limit).item()
+            norms.append((pipe.clip_grad_norm_(limit).item(), want_norm))
+        opt.step()
+        ref_opt.step()
+        losses.append((got, want))
+    state = full_state_dict(pipe)
+    errors = {k: rel_error(v, reference.state_dict()[k]) for k, v in state.items()}
+    return PipelineRun(pipe, opt, batches, local, losses, errors, norms)
