@@ -1,9 +1,9 @@
 """Read the user's DeviceMesh into the axes autoshard knows.
 
 Four kinds of axis: ``pp`` (pipeline stages, outermost: each pp coordinate runs
-its stages on the ``dp x tp`` sub-mesh below it, see :mod:`autoshard.pipeline`), ``tp`` (tensor parallel), the FSDP axis that shards
-parameters (``dp``, or ``dp_shard`` under HSDP) and, under HSDP,
-``dp_replicate``, over which every FSDP shard is replicated and gradients are
+its stages on the ``dp x tp`` sub-mesh below it, see :mod:`autoshard.pipeline`),
+``tp`` (tensor parallel), the FSDP axis that shards parameters (``dp``, or
+``dp_shard`` under HSDP) and, under HSDP, ``dp_replicate``, over which every FSDP shard is replicated and gradients are
 all-reduced after the reduce-scatter. The names are torchtitan's, so a mesh
 built for a torchtitan job is accepted as it is. Planning needs only the
 shard axis and tp: a plan's per-parameter dp choice (``S(0)``, ``S(1)`` or

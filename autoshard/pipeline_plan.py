@@ -21,8 +21,7 @@ from autoshard.options import PlanOptions
 from autoshard.passes.stages import StageSplit, split_stages
 from autoshard.pipeline import Crossing, local_values
 from autoshard.plan import Plan
-from autoshard.stages import (PipelineStages, Schedule, balance, given_split, pipeline_stages, schedule_of,
-                              unit_costs)
+from autoshard.stages import PipelineStages, Schedule, balance, given_split, pipeline_stages, schedule_of, unit_costs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -190,7 +190,8 @@ class Why:
 
 
 def _indivisible_dict(indivisible: Indivisible) -> dict:
-    return {k: v for k, v in dataclasses.asdict(indivisible).items() if k not in ("multiple", "kernel") or v not in (1, "")}
+    return {k: v for k, v in dataclasses.asdict(indivisible).items()
+            if k not in ("multiple", "kernel") or v not in (1, "")}
 
 
 def _indivisible_from(data: Mapping | None) -> Indivisible | None:

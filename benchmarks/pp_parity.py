@@ -77,7 +77,8 @@ def main() -> None:
     passed = 0
     for row in rows:
         if "error" in row:
-            print(f"{row['model']:<14} {row['mesh']:<16} {row['schedule']:<16} {row['microbatches']:>3}  {row['error']}")
+            print(f"{row['model']:<14} {row['mesh']:<16} {row['schedule']:<16} {row['microbatches']:>3}  "
+                  f"{row['error']}")
             continue
         ok = row["loss_error"] <= 1e-5 and row["param_error"] <= 1e-5
         passed += ok

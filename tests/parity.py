@@ -265,7 +265,7 @@ def train_pipeline_both(build, mesh, loss_fn, *, schedule: str, microbatches: in
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model.cfg.vocab_size
     gen = torch.Generator().manual_seed(7)
     rows = batch * count
-    batches = [(torch.randint(0, vocab, (rows, seq), generator=gen), torch.randint(0, vocab, (rows, seq), generator=gen))
+    batches = [tuple(torch.randint(0, vocab, (rows, seq), generator=gen) for _ in range(2))
                for _ in range(steps * accumulate)]
     mask = torch.ones(rows, seq, dtype=torch.long)
     mask[::2, seq - 3:] = 0

@@ -20,7 +20,7 @@ from autoshard import checkpoint
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 from tests.distributed import distributed_tests, remove_shared, shared_directory
-from tests.parity import hf_loss, lm_loss, rel_error, train_pipeline_both
+from tests.parity import hf_loss, lm_loss, train_pipeline_both
 
 
 def _mesh_3d():

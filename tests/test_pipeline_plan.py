@@ -179,7 +179,8 @@ def test_a_parameter_read_on_two_stages_is_refused_by_name():
     (dict(microbatches=3), r"dp-local batch \(4 rows.*does not divide into microbatches=3"),
     (dict(schedule="Zigzag"), r"schedule 'Zigzag' is not one of torch.distributed.pipelining's"),
     (dict(pp_split=["layers.1", "layers.9"]), r"pp_split names \['layers.9'\], which are not blocks"),
-    (dict(pp_split=["layers.1", "layers.2"]), r"pp_split gives 3 stages \(2 split points\), the mesh and schedule run 2"),
+    (dict(pp_split=["layers.1", "layers.2"]), r"pp_split gives 3 stages \(2 split points\), the mesh and schedule "
+                                              r"run 2"),
     (dict(pp_split=["layers.0"]), r"must name each stage's first block in forward order"),
     (dict(schedule="1F1B", microbatches=1), r"1F1B needs at least as many microbatches as stages \(2\), got 1"),
     (dict(schedule="Interleaved1F1B", microbatches=4), r"8 pipeline stages \(pp=4 x 2 per rank\) need at least as "
