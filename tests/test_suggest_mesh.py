@@ -28,17 +28,34 @@ def test_every_factorization_is_priced_from_its_own_plan():
     suggestion = autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), links=FAST, flops_per_second=1e10,
                                         verbose=False)
     meshes = [c.mesh for c in suggestion.candidates]
-    assert sorted(map(str, meshes)) == sorted(map(str, [{"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4}]))
+    flat = [m for m in meshes if "pp" not in m]
+    assert sorted(map(str, flat)) == sorted(map(str, [{"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4}]))
     steps = [c.step_s for c in suggestion.candidates]
     assert steps == sorted(steps) and suggestion.best == meshes[0]
-    for candidate in suggestion.candidates:
+    for candidate in (c for c in suggestion.candidates if "pp" not in c.mesh):
         plan = autoshard.plan(_llama(), candidate.mesh, example_inputs=(TOKENS[: 8 // candidate.mesh.get("dp", 1)],))
         assert set(candidate.comm_s) == set(plan.predicted_comm())
         assert candidate.compute_s > 0 and candidate.memory_bytes > 0
     # tp splits the matmuls, dp the batch: compute per rank is about a quarter on every mesh
-    computes = {str(c.mesh): c.compute_s for c in suggestion.candidates}
+    computes = {str(c.mesh): c.compute_s for c in suggestion.candidates if "pp" not in c.mesh}
     assert max(computes.values()) < 1.5 * min(computes.values())
     assert "rank  mesh" in str(suggestion)
+
+
+def test_pipeline_meshes_are_priced_too():
+    """pp x dp x tp shapes, 1F1B over twice as many microbatches as stages: the busiest pp rank's FLOPs
+    over microbatches + pp - 1 slots, the plan's pp sends on the link, the largest stage's memory;
+    4 stages of a 2-block model are skipped, and said."""
+    suggestion = autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), links=FAST, flops_per_second=1e10,
+                                        verbose=False)
+    pp = {str(c.mesh): c for c in suggestion.candidates if "pp" in c.mesh}
+    assert set(pp) == {str({"pp": 2, "dp": 2}), str({"pp": 2, "tp": 2})}
+    for candidate in pp.values():
+        assert "pp" in candidate.comm_s and candidate.comm_s["pp"] > 0 and candidate.compute_s > 0
+    plan = autoshard.plan(_llama(), {"pp": 2, "tp": 2}, example_inputs=(TOKENS,), microbatches=4)
+    busiest = max(s.flops for s in plan.pipeline.stages)
+    assert pp[str({"pp": 2, "tp": 2})].compute_s == pytest.approx(busiest * (4 + 2 - 1) / 1e10)
+    assert any("{'pp': 4}" in s and "4 pipeline stages" in s for s in suggestion.skipped)
 
 
 def test_slow_links_favour_less_communication_and_memory_limits_demote():
