@@ -83,6 +83,9 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
         raise ValueError("autoshard: a pp axis cuts the model between blocks, and this model has none "
                          "(no nn.ModuleList of repeated layers was found)")
     costs = unit_costs(captured.gm.graph, planned.layout_plan.layouts, planned.plan, stage_axes, blocks)
+    saved = api._as_plan(given)
+    if pp_split is None and saved is not None and saved.pipeline is not None:
+        pp_split = [stage.units[0] for stage in saved.pipeline.stages[1:]]  # a saved plan's stages, kept
     if pp_split is not None:
         runs, chosen = given_split(pp_split, blocks, count), "given"
     else:

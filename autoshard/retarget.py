@@ -44,6 +44,14 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
     old = mesh_axes(plan.mesh)
     if new.to_dict() == old.to_dict():
         return plan
+    if new.has_pp or old.has_pp:
+        if new.has_pp and new.to_dict() != old.to_dict():
+            raise ValueError(
+                f"autoshard: pipeline stages are planned for one mesh ({mesh_text(old)}), from its costs; a plan is "
+                f"not moved to {mesh_text(new)} with them: plan afresh with autoshard.plan(model, {new.to_dict()}, ...)")
+        # a pipeline plan read for its stage sub-mesh (its roles, as every stage applies them)
+        plan = dataclasses.replace(plan, mesh=old.stage_axes().to_dict(), pipeline=None)
+        return retarget(plan, sizes)
     if new.has_tp and not old.has_tp:
         raise ValueError(
             f"autoshard: the plan for mesh {mesh_text(old)} has no tp axis, so it cannot be used on {mesh_text(new)}: "

@@ -327,8 +327,10 @@ def test_a_plan_without_tp_is_not_retargeted_to_a_tp_mesh():
     assert plan.for_mesh({"dp": 2}) == autoshard.plan(MLPStack(), {"dp": 2}, example_inputs=(FEATURES,))
     with pytest.raises(ValueError, match=r"plan for mesh dp=4 has no tp axis, so it cannot be used on dp=2 x tp=2"):
         plan.for_mesh({"dp": 2, "tp": 2})
-    with pytest.raises(ValueError, match=r"unknown mesh axes \['pp'\]"):
-        plan.for_mesh({"pp": 2})
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['ep'\]"):
+        plan.for_mesh({"ep": 2})
+    with pytest.raises(ValueError, match=r"pipeline stages are planned for one mesh \(dp=4\).* plan afresh"):
+        plan.for_mesh({"pp": 2, "dp": 2})
     with pytest.raises(ValueError, match=r"mesh axes \['dp', 'dp_shard'\] do not go together"):
         plan.for_mesh({"dp": 2, "dp_shard": 2})
     with pytest.raises(ValueError, match=r"mesh axes \['dp_shard'\] do not go together"):
