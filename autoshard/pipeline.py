@@ -60,10 +60,12 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # where the example lives (never the default device, which training code may point elsewhere)
+    device = next((v.device for v in flat_inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
     with mode, torch.enable_grad():
         weights = {}
         for fqn, entry in plan.params.items():
-            full = torch.empty(entry.shape, dtype=_param_dtype(root, fqn))
+            full = torch.empty(entry.shape, dtype=_param_dtype(root, fqn), device=device)
             weights[fqn] = PerRank([s.requires_grad_(True) for s in stored_shards(entry, full, tp)])
         inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * tp) for v in flat_inputs]
         simulator = RankSimulator(root, tp, weights.get)

@@ -47,8 +47,9 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
     if new.has_pp or old.has_pp:
         if new.has_pp and new.to_dict() != old.to_dict():
             raise ValueError(
-                f"autoshard: pipeline stages are planned for one mesh ({mesh_text(old)}), from its costs; a plan is "
-                f"not moved to {mesh_text(new)} with them: plan afresh with autoshard.plan(model, {new.to_dict()}, ...)")
+                f"autoshard: pipeline stages are planned for one mesh ({mesh_text(old)}), from its costs; a plan "
+                f"is not moved to {mesh_text(new)} with them: plan afresh with "
+                f"autoshard.plan(model, {new.to_dict()}, ...)")
         # a pipeline plan read for its stage sub-mesh (its roles, as every stage applies them)
         plan = dataclasses.replace(plan, mesh=old.stage_axes().to_dict(), pipeline=None)
         return retarget(plan, sizes)

@@ -394,7 +394,7 @@ def check_suggest_mesh_probes_the_mesh_device(ctx):
     """suggest_mesh's FLOP and link probes run on the device the process group communicates on
     (the CPU under gloo), with the default device elsewhere: every op they run returns tensors
     there; the links measured are the same on every rank, and suggest_mesh ranks the meshes of 2
-    ranks with them."""
+    ranks with them (pipeline stages included)."""
     model = _llama()
     tokens, _ = _batch()
     with elsewhere():
@@ -408,7 +408,8 @@ def check_suggest_mesh_probes_the_mesh_device(ctx):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (links, suggestion.links))
     assert all(pair == everyone[0] for pair in everyone), everyone
-    assert {tuple(c.mesh.items()) for c in suggestion.candidates} == {(("dp", 2),), (("tp", 2),)}, suggestion
+    assert {tuple(c.mesh.items()) for c in suggestion.candidates} == {(("dp", 2),), (("tp", 2),), (("pp", 2),)}, (
+        suggestion)
 
 
 CHECKS = [
