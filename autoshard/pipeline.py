@@ -317,7 +317,7 @@ def materialize_pipeline(pplan, model: nn.Module, axes: MeshAxes, loss_fn: Calla
         part = stage_part(graph, parts.blocks)
         module = materialize(part, model, plan, stage_axes, {a: c for a, c in aliases.items() if c in held},
                              sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
-                             mp_policy=mp_policy)
+                             mp_policy=mp_policy, device=torch.device(axes.mesh.device_type))
         apply_activation_checkpointing(part.blocks, activation_checkpointing)
         verify(module, plan, stage_axes)
         built.append((graph, module))

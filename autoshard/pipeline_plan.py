@@ -99,7 +99,10 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat_inputs)
     output = next(n for n in parts.root.graph.nodes if n.op == "output")
     output_names = tuple(n.name for n in pytree.tree_leaves(output.args[0]))
-    stages = dataclasses.replace(stages, sends=_boundary_bytes(split, crossings))
+    root = {fqn for fqn, entry in planned.plan.params.items() if not entry.unit}
+    held = tuple(dataclasses.replace(stage, root_params=tuple(f for f in graph.params if f in root))
+                 for stage, graph in zip(stages.stages, split.stages, strict=True))
+    stages = dataclasses.replace(stages, stages=held, sends=_boundary_bytes(split, crossings))
     plan = dataclasses.replace(planned.plan, mesh={PP: axes.pp, **planned.plan.mesh}, pipeline=stages)
     return PipelinePlan(plan, planned, emitted, split, crossings, micro_inputs, micro_kwargs, flat_inputs,
                         output_names, tuple(costs))

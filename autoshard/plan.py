@@ -274,7 +274,7 @@ class Plan:
             stored = "x".join(map(str, p.stored_shape)) or "scalar"
             stored += " (T)" if p.transposed else ""
             stored += f" [{'|'.join(map(str, p.sections))}]" if p.sections else ""
-            row = [fqn, p.role, stored, *(str(p.placements.get(a, "-")) for a in axes), p.unit or "<root>"]
+            row = [fqn, p.role, stored, *(self._placement_cell(fqn, p, a) for a in axes), p.unit or "<root>"]
             if spec:
                 row.append(p.gather.describe(spec) if p.gather is not None else "-")
             rows.append(row + (["; ".join(map(str, p.collectives)) or "-"] if has_tp else []))
@@ -325,6 +325,12 @@ class Plan:
         if self.pipeline is not None:
             out += self.pipeline.lines()
         return "\n".join(out)
+
+    def _placement_cell(self, fqn: str, entry: ParamSharding, axis: str) -> str:
+        """A parameter's placement on ``axis``; on ``pp``, the stage holding it."""
+        if axis == "pp" and self.pipeline is not None:
+            return next((f"stage {s.index}" for s in self.pipeline.stages if s.holds(fqn, entry.unit)), "-")
+        return str(entry.placements.get(axis, "-"))
 
     def tp_traffic_lines(self) -> list[str]:
         """Per FSDP unit: the tp collectives of one training step and their wire bytes per rank."""

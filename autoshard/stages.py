@@ -156,6 +156,7 @@ class Stage:
     param_bytes: int
     activation_bytes: int
     in_flight: int
+    root_params: tuple[str, ...] = ()  # the root's parameters it holds (where the graph reads them)
 
     @property
     def memory(self) -> int:
@@ -163,12 +164,17 @@ class Stage:
         return self.param_bytes * (2 + OPTIMIZER_STATES) + self.activation_bytes * self.in_flight
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"units": list(self.units)}
+        return dataclasses.asdict(self) | {"units": list(self.units), "root_params": list(self.root_params)}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Stage:
         return cls(int(data["index"]), int(data["rank"]), tuple(data["units"]), float(data["flops"]),
-                   int(data["param_bytes"]), int(data["activation_bytes"]), int(data["in_flight"]))
+                   int(data["param_bytes"]), int(data["activation_bytes"]), int(data["in_flight"]),
+                   tuple(data.get("root_params", ())))
+
+    def holds(self, fqn: str, unit: str) -> bool:
+        """Whether this stage holds parameter ``fqn`` of FSDP unit ``unit``."""
+        return unit in self.units if unit else fqn in self.root_params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,10 +57,13 @@ def materialize(
     sync_module_states: bool = True,
     reshard_after_forward: bool = True,
     mp_policy=None,
+    device: torch.device | None = None,
 ) -> fx.GraphModule:
+    """``device``: where the shards go when ``axes`` has no mesh (a pipeline stage of a pp-only
+    mesh runs whole on its rank); else the mesh's device."""
     root = part.root
     _follow_module_order(root, model)
-    device = torch.device(axes.mesh.device_type)
+    device = device if axes.mesh is None else torch.device(axes.mesh.device_type)
     _copy_buffers(root, model, device, sync_module_states, axes)
     deferred = parameters_on_meta(model)  # shards are allocated after FSDP2 has cut them
     originals = dict(model.named_parameters())
@@ -194,7 +197,7 @@ def _broadcast_from_first_rank(value: torch.Tensor, axes: MeshAxes) -> None:
     axis, each from coordinate 0 of that axis: the ranks outside never join.
     """
     mesh = axes.mesh
-    if mesh.size() == 1:
+    if mesh is None or mesh.size() == 1:  # a pp-only stage: its one rank holds it
         return
     if mesh.size() == dist.get_world_size():
         dist.broadcast(value, src=0)
