@@ -215,3 +215,19 @@ def test_a_schedule_name_is_taken_in_any_case_and_interleaving_lays_stages_out_l
     assert [s.rank for s in plan.pipeline.stages] == [0, 1, 1, 0]
     assert dataclasses.asdict(plan.pipeline.schedule) == {"name": "ZBVZeroBubble", "microbatches": 4,
                                                           "stages_per_rank": 2}
+
+
+@pytest.mark.parametrize("sizes", [{"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"pp": 2, "dp": 4},
+                                   {"pp": 4}])
+def test_every_pp_mesh_shape_plans_and_proves(sizes):
+    """HSDP, dp alone and pp alone below the stages: the stage plan is the sub-mesh's, the stitched
+    stages prove."""
+    model = _llama()
+    proof = autoshard.check(model, sizes, example_inputs=(TOKENS,), microbatches=4)
+    assert proof.ok, str(proof)
+    assert dict(proof.plan.mesh) == sizes
+    stage_axes = {a: n for a, n in sizes.items() if a != "pp"}
+    flat = autoshard.plan(model, stage_axes or {"dp": 1}, example_inputs=(TOKENS[:1],)) if stage_axes else None
+    if flat is not None:
+        assert {f: p.placements for f, p in proof.plan.params.items()} == {f: p.placements for f, p in
+                                                                            flat.params.items()}
