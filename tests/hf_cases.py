@@ -135,6 +135,11 @@ def bart_with_cache() -> hf.BartForConditionalGeneration:
     return hf.BartForConditionalGeneration(config)
 
 
+def qwen2_4_blocks() -> hf.Qwen2ForCausalLM:
+    """The qwen2 case with 4 blocks: enough for two pipeline stages on each of two ranks."""
+    return hf.Qwen2ForCausalLM(hf.Qwen2Config(**{**_DECODER, "num_hidden_layers": 4}))
+
+
 def llama_4_blocks() -> hf.LlamaForCausalLM:
     """A 4-block Llama at a Llama-2 vocabulary (32000), hidden 256, 8 heads of which 4 are kv
     heads: the model ``autoshard.testing.check`` is measured on (``benchmarks/bench_check.py``)."""

@@ -280,8 +280,8 @@ def train_pipeline_both(build, mesh, loss_fn, *, schedule: str, microbatches: in
                                loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, check=check)
 
     def make(params):
-        if optimizer == "sgd":
-            return torch.optim.SGD(params, lr=0.1)
+        if optimizer in ("sgd", "sgd-momentum"):
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9 if optimizer == "sgd-momentum" else 0.0)
         return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
 
     opt, ref_opt = make(pipe.parameters()), make(reference.parameters())

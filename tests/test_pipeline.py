@@ -1,9 +1,9 @@
 """Pipeline parallelism on 8 gloo ranks: torch's schedules against one device, sends, checkpoints.
 
-One process group: ``pp2 x dp2 x tp2`` and ``pp4 x tp2`` meshes over the same 8 ranks. Each run
-is compared with one device training on the same global batch (every rank builds the reference).
-The whole matrix (three models, both meshes, every schedule, 4 and 8 microbatches) runs in
-``benchmarks/pp_parity.py``; these checks take one run of each kind.
+One process group, a ``pp2 x dp2 x tp2`` mesh over its 8 ranks. Each run is compared with one
+device training on the same global batch (every rank builds the reference). The whole matrix
+(three models, ``pp2 x dp2 x tp2`` and ``pp4 x tp2``, GPipe, 1F1B and interleaved, 4 and 8
+microbatches) runs in ``make pp-parity``; these checks take one run of each kind.
 """
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ def _mesh_3d():
     return init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def _mesh_pp4():
-    return init_device_mesh("cpu", (4, 2), mesh_dim_names=("pp", "tp"))
-
-
 def _llama(layers: int = 4):
     torch.manual_seed(0)
     return Llama(LlamaConfig(num_layers=layers))
@@ -50,12 +46,17 @@ class _Sends(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def check_pp2_dp2_tp2_llama_1f1b_parity_placements_and_sends(ctx):
-    """3 SGD steps within 1e-5 of one device; this rank holds only its stage's parameters, every linear
-    weight the block (S(0), S(1)) on its dp x tp mesh; the pp sends of a step are the plan's."""
+def check_pp2_dp2_tp2_llama_1f1b_parity_placements_sends_clipping_checkpoint(ctx):
+    """1F1B over 4 microbatches, each step clipped to a tenth of one device's first gradient norm:
+    3 SGD (momentum) steps within 1e-5 of one device clipping alike, the norm over every stage one
+    device's. This rank holds only its stage's parameters, every linear weight the block (S(0), S(1))
+    on its dp x tp mesh; the pp sends of a step are the plan's; the checkpoint loads without pp."""
     mesh = _mesh_3d()
-    run = train_pipeline_both(_llama, mesh, lm_loss, schedule="1F1B", microbatches=4, optimizer="sgd")
+    run = train_pipeline_both(_llama, mesh, lm_loss, schedule="1F1B", microbatches=4, optimizer="sgd-momentum",
+                              clip=0.1)
     run.assert_parity(loss_tol=1e-5, param_tol=1e-5)
+    for got, want in run.norms:
+        assert abs(got - want) <= 1e-5 * want, (got, want)
     pipe = run.pipeline
     plan = pipe.autoshard_plan
     stage = plan.pipeline.stages[mesh.get_local_rank("pp")]
@@ -72,10 +73,11 @@ def check_pp2_dp2_tp2_llama_1f1b_parity_placements_and_sends(ctx):
     pipe.zero_grad()
     predicted = plan.predicted_comm(pp_rank=mesh.get_local_rank("pp"))["pp"]["send"]
     assert (sends.messages, sends.bytes) == predicted and predicted[0] > 0, ((sends.messages, sends.bytes), predicted)
+    _checkpoint_moves_from_pp_to_2x2_and_one_process(ctx, run)
 
 
-def _checkpoint_moves_from_pp_to_2x2_and_one_process(ctx, run, build, kwargs):
-    """Model and AdamW state saved on pp2 x dp2 x tp2 load on 2x2 (ranks 0-3, no pp) and into the plain
+def _checkpoint_moves_from_pp_to_2x2_and_one_process(ctx, run):
+    """Model and momentum saved on pp2 x dp2 x tp2 load on 2x2 (ranks 0-3, no pp) and into the plain
     model on one process, the model bit-equal."""
     import autoshard
 
@@ -83,20 +85,19 @@ def _checkpoint_moves_from_pp_to_2x2_and_one_process(ctx, run, build, kwargs):
     pipe = run.pipeline
     path = checkpoint.save_checkpoint(directory, 1, pipe, run.optimizer)
     saved = checkpoint.full_state_dict(pipe)
-    assert set(saved) == set(build().state_dict())
+    assert set(saved) == set(_llama().state_dict())
     solo = dist.new_group([0])
     if ctx.in_2d:
-        on_2x2 = autoshard.autoshard(build(), ctx.mesh_2d, example_inputs=(run.batches[0][0][:4],),
-                                     example_kwargs=kwargs, check=False)
-        torch.nn.init.zeros_(on_2x2.get_parameter("model.norm.weight"))
-        optimizer = torch.optim.AdamW(on_2x2.parameters(), lr=1e-2, eps=1e-6)
+        on_2x2 = autoshard.autoshard(_llama(), ctx.mesh_2d, example_inputs=(run.batches[0][0][:4],), check=False)
+        torch.nn.init.zeros_(on_2x2.get_parameter("norm.weight"))
+        optimizer = torch.optim.SGD(on_2x2.parameters(), lr=0.1, momentum=0.9)
         assert checkpoint.load_checkpoint(path, on_2x2, optimizer, process_group=ctx.group_2d) == 1
         for key, value in checkpoint.full_state_dict(on_2x2).items():
             assert torch.equal(value, saved[key]), key
-        assert len(optimizer.state) == len(list(on_2x2.parameters()))  # every moment came back
+        assert len(optimizer.state) == len(list(on_2x2.parameters()))  # every momentum came back
     if ctx.rank == 0:
-        plain = build()
-        torch.nn.init.zeros_(plain.model.norm.weight)
+        plain = _llama()
+        torch.nn.init.zeros_(plain.norm.weight)
         assert checkpoint.load_checkpoint(path, plain, process_group=solo) == 1
         for key, value in plain.state_dict().items():
             assert torch.equal(value, saved[key]), key
@@ -104,43 +105,20 @@ def _checkpoint_moves_from_pp_to_2x2_and_one_process(ctx, run, build, kwargs):
     assert os.path.basename(path) == "step_00000001"
 
 
-def check_pp2_dp2_tp2_hf_qwen2_gpipe_adamw_and_checkpoint(ctx):
-    """Hugging Face Qwen2 with an attention mask (built from the inputs, read by both stages), GPipe
-    over 8 microbatches of one row: 3 AdamW steps within 1e-5 of one device; its checkpoint loads
-    without pp."""
-    run = train_pipeline_both(hf_cases._qwen2, _mesh_3d(), hf_loss, schedule="GPipe", microbatches=8,
-                              optimizer="adamw", padding_mask=True)
+def check_pp2_dp2_tp2_hf_qwen2_interleaved_adamw_with_accumulation(ctx):
+    """Hugging Face Qwen2 with an attention mask (built from the inputs, read on every stage),
+    interleaved 1F1B with two stages per rank (rank 0 runs stages 0 and 2), each AdamW step after two
+    pipeline steps (the first with the dp sync off): within 1e-5 of one device summing the two
+    batches' mean losses."""
+    run = train_pipeline_both(hf_cases.qwen2_4_blocks, _mesh_3d(), hf_loss, schedule="Interleaved1F1B",
+                              microbatches=4, optimizer="adamw", padding_mask=True, steps=2, accumulate=2)
     run.assert_parity(loss_tol=1e-5, param_tol=None)
-    mask = torch.ones(4, 16, dtype=torch.long)
-    mask[::2, 13:] = 0
-    _checkpoint_moves_from_pp_to_2x2_and_one_process(ctx, run, hf_cases._qwen2, {"attention_mask": mask})
-
-
-def check_pp2_dp2_tp2_hf_llama_interleaved_with_accumulation(ctx):
-    """Interleaved 1F1B, two stages per rank (rank 0 runs stages 0 and 2), each SGD step after two
-    pipeline steps (the first with the dp sync off): 2 steps within 1e-5 of one device summing the
-    two batches' mean losses."""
-    run = train_pipeline_both(hf_cases.llama_4_blocks, _mesh_3d(), hf_loss, schedule="Interleaved1F1B",
-                              microbatches=4, optimizer="sgd", seq=16, steps=2, accumulate=2)
-    run.assert_parity(loss_tol=1e-5, param_tol=1e-5)
     assert [s.rank for s in run.pipeline.autoshard_plan.pipeline.stages] == [0, 1, 0, 1]
 
 
-def check_pp4_tp2_clipping_over_every_stage(ctx):
-    """pp4 x tp2, 1F1B over 8 microbatches: the gradient norm over all stages is one device's, and
-    clipping to a tenth of it then 3 SGD steps stays within 1e-5 of one device clipping alike."""
-    run = train_pipeline_both(_llama, _mesh_pp4(), lm_loss, schedule="1F1B", microbatches=8, optimizer="sgd",
-                              clip=0.1)
-    run.assert_parity(loss_tol=1e-5, param_tol=1e-5)
-    for got, want in run.norms:
-        assert abs(got - want) <= 1e-5 * want, (got, want)
-
-
 CHECKS = [
-    check_pp2_dp2_tp2_llama_1f1b_parity_placements_and_sends,
-    check_pp2_dp2_tp2_hf_qwen2_gpipe_adamw_and_checkpoint,
-    check_pp2_dp2_tp2_hf_llama_interleaved_with_accumulation,
-    check_pp4_tp2_clipping_over_every_stage,
+    check_pp2_dp2_tp2_llama_1f1b_parity_placements_sends_clipping_checkpoint,
+    check_pp2_dp2_tp2_hf_qwen2_interleaved_adamw_with_accumulation,
 ]
 
 outcomes, test_check = distributed_tests(CHECKS, world_size=8)
