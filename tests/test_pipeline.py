@@ -27,7 +27,7 @@ def _mesh_3d():
     return init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def _llama(layers: int = 4):
+def _llama(layers: int = 2):
     torch.manual_seed(0)
     return Llama(LlamaConfig(num_layers=layers))
 
