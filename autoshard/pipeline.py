@@ -62,10 +62,11 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # where the example lives (never the default device, which training code may point elsewhere)
     device = next((v.device for v in flat_inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    dtypes = _param_dtypes(root)
     with mode, torch.enable_grad():
         weights = {}
         for fqn, entry in plan.params.items():
-            full = torch.empty(entry.shape, dtype=_param_dtype(root, fqn), device=device)
+            full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
             weights[fqn] = PerRank([s.requires_grad_(True) for s in stored_shards(entry, full, tp)])
         inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * tp) for v in flat_inputs]
         simulator = RankSimulator(root, tp, weights.get)
@@ -78,16 +79,17 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -
     return crossings
 
 
-def _param_dtype(root: nn.Module, fqn: str) -> torch.dtype:
-    for name, value in root.named_parameters():
-        if name == fqn:
-            return value.dtype
-    for name, value in root.named_buffers():
-        if name == fqn:
-            return value.dtype
-    module, _, attr = fqn.rpartition(".")
-    found = getattr(root.get_submodule(module) if module else root, attr, None)
-    return found.dtype if isinstance(found, torch.Tensor) else torch.float32
+def _param_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+    return {name: value.dtype for name, value in (*root.named_parameters(), *root.named_buffers())}
+
+
+def flat_inputs(captured, args: tuple, kwargs: dict) -> list:
+    """``args`` and ``kwargs`` as the captured graph's placeholders take them, in order (the first
+    stage's inputs)."""
+    import torch.fx._pytree as fx_pytree
+
+    kwargs = captured.inputs.without_keywords_set_by_capture(dict(kwargs))
+    return list(fx_pytree.tree_flatten_spec((args, kwargs), captured.gm._in_spec))
 
 
 class Pipeline:
@@ -128,7 +130,7 @@ class Pipeline:
         rank's batch and targets; each stage uses what it needs.
         """
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        flat = self._flat(args, dict(kwargs or {})) if self.has_first else []
+        flat = flat_inputs(self.captured, args, dict(kwargs or {})) if self.has_first else []
         losses: list = []
         call = dict(target=targets, losses=losses) if self.has_last else {}
         self.schedule.step(*flat, **call)
@@ -136,13 +138,6 @@ class Pipeline:
         loss = (torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last
                 else torch.zeros((), device=self._device))
         return self._shared_loss(loss)
-
-    def _flat(self, args: tuple, kwargs: dict) -> list:
-        """The inputs as the first stage takes them: the captured graph's placeholders, in order."""
-        import torch.fx._pytree as fx_pytree
-
-        kwargs = self.captured.inputs.without_keywords_set_by_capture(kwargs)
-        return list(fx_pytree.tree_flatten_spec((args, kwargs), self.captured.gm._in_spec))
 
     def _shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's mean loss averaged over the dp ranks, on every rank of the pp group."""

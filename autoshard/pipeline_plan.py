@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from autoshard.mesh import PP, MeshAxes
 from autoshard.options import PlanOptions
 from autoshard.passes.stages import StageSplit, split_stages
-from autoshard.pipeline import Crossing, local_values
+from autoshard.pipeline import Crossing, flat_inputs, local_values
 from autoshard.plan import Plan
 from autoshard.stages import PipelineStages, Schedule, balance, given_split, pipeline_stages, schedule_of, unit_costs
 
@@ -95,8 +95,8 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     stage_of_block = {unit: stage.index for stage in stages.stages for unit in stage.units}
     parts = emitted.parts
     split = split_stages(parts, stage_of_block, count, frozenset(planned.plan.params))
-    flat_inputs = api_flat_inputs(captured, micro_inputs, micro_kwargs)
-    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat_inputs)
+    flat = flat_inputs(captured, micro_inputs, micro_kwargs)
+    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat)
     output = next(n for n in parts.root.graph.nodes if n.op == "output")
     output_names = tuple(n.name for n in pytree.tree_leaves(output.args[0]))
     root = {fqn for fqn, entry in planned.plan.params.items() if not entry.unit}
@@ -104,17 +104,8 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
                  for stage, graph in zip(stages.stages, split.stages, strict=True))
     stages = dataclasses.replace(stages, stages=held, sends=_boundary_bytes(split, crossings))
     plan = dataclasses.replace(planned.plan, mesh={PP: axes.pp, **planned.plan.mesh}, pipeline=stages)
-    return PipelinePlan(plan, planned, emitted, split, crossings, micro_inputs, micro_kwargs, flat_inputs,
+    return PipelinePlan(plan, planned, emitted, split, crossings, micro_inputs, micro_kwargs, flat,
                         output_names, tuple(costs))
-
-
-def api_flat_inputs(captured, args: tuple, kwargs: dict) -> list:
-    """The graph's placeholders' values for ``args`` and ``kwargs``, in the order its code takes them."""
-    import torch.fx._pytree as fx_pytree
-
-    kwargs = captured.inputs.without_keywords_set_by_capture(dict(kwargs))
-    spec = captured.gm._in_spec
-    return list(fx_pytree.tree_flatten_spec((args, kwargs), spec))
 
 
 def _boundary_bytes(split: StageSplit, crossings) -> tuple[tuple[int, int, int, int], ...]:

@@ -193,17 +193,6 @@ class PipelineStages:
         """Each stage's predicted compute time per microbatch (forward + backward) at ``flops_per_second``."""
         return [s.flops / flops_per_second for s in self.stages]
 
-    def step_seconds(self, flops_per_second: float) -> float:
-        """A step's predicted compute time: every microbatch passes the slowest stage, and the pipeline
-        fills and drains through the others (``(m + n - 1)`` slowest-stage steps for ``n`` stages
-        per rank group; each rank runs its stages one after another)."""
-        per_rank: dict[int, float] = {}
-        for stage, t in zip(self.stages, self.seconds(flops_per_second), strict=True):
-            per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + t
-        slowest = max(per_rank.values())
-        pp = len(per_rank)
-        return slowest * (self.schedule.microbatches + pp - 1)
-
     def to_dict(self) -> dict:
         return {"schedule": self.schedule.to_dict(), "chosen": self.chosen,
                 "stages": [s.to_dict() for s in self.stages], "sends": [list(b) for b in self.sends]}
