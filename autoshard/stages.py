@@ -34,6 +34,7 @@ import torch.fx as fx
 from autoshard.mesh import MeshAxes
 from autoshard.passes.partition import BlockOwners
 from autoshard.sharding import rank_shape
+from autoshard.suggest import ATTENTION, MATMULS, matmul_flops
 
 # torch.distributed.pipelining's schedules (``get_schedule_class`` names, any case), by how many
 # stages each pp rank runs and how they are laid out: "single" one, "looped" stages r, r + pp, ...
@@ -48,12 +49,8 @@ SCHEDULES = {
     "dualpipev": ("DualPipeV", "v"),
 }
 OPTIMIZER_STATES = 2  # AdamW's two fp32 moments, the usual optimizer's
-_MATMULS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, torch.ops.aten.linear.default,
-    torch.ops.aten._grouped_mm.default,
-}
-_ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default}
+# the ops whose FLOPs a stage's cost counts: suggest_mesh's matmuls and attention, and grouped GEMMs
+_COUNTED = MATMULS | ATTENTION | {torch.ops.aten._grouped_mm.default}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,15 +287,7 @@ def _reader_block(graph: fx.Graph, fqn: str, owners: BlockOwners, blocks: tuple[
 
 
 def _flops(node: fx.Node) -> float:
-    out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor) or node.target not in _MATMULS | _ATTENTION:
-        return 0.0
-    if node.target in _ATTENTION:
-        q, k = (a.meta["val"] for a in node.args[:2])
-        return 4.0 * q.numel() * k.shape[-2]
-    first = node.args[1] if node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) \
-        else node.args[0]
-    return 2.0 * out.numel() * int(first.meta["val"].shape[-1])
+    return matmul_flops(node) if node.target in _COUNTED else 0.0
 
 
 def _held_bytes(node: fx.Node, tp: int) -> int:

@@ -45,11 +45,11 @@ from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP, axes_from_sizes
 from autoshard.options import PlanOptions
 from autoshard.sharding import Wire, rank_shape, tp_local_shape
 
-_MATMULS = {
+MATMULS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, torch.ops.aten.linear.default,
 }
-_ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default}
+ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +254,8 @@ def _candidate(sizes, plan, captured, layout_plan, rate, links: Links, memory_li
     axes = axes_from_sizes(sizes)
     flops = 0.0
     for node in captured.gm.graph.nodes:
-        if node.op == "call_function" and node.target in _MATMULS | _ATTENTION:
-            work = _flops(node)
+        if node.op == "call_function" and node.target in MATMULS | ATTENTION:
+            work = matmul_flops(node)
             flops += work / axes.tp if layout_plan.layouts.get(node) is not None else work
     compute = 3 * flops / rate  # forward, and backward's two products per forward one
     comm = {}
@@ -282,11 +282,12 @@ def _spans(sizes: dict[str, int]) -> dict[str, int]:
     return spans
 
 
-def _flops(node) -> float:
+def matmul_flops(node) -> float:
+    """One forward's FLOPs of a matmul, grouped GEMM or attention node, from its values' shapes."""
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor):
         return 0.0
-    if node.target in _ATTENTION:
+    if node.target in ATTENTION:
         q, k = (a.meta["val"] for a in node.args[:2])
         return 4.0 * q.numel() * k.shape[-2]  # q @ k^T and attn @ v
     with_bias = node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
