@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 DP, TP = "dp", "tp"
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
 PP = "pp"
+CP = "cp"
 
 # Accepted axis names, outer to inner (data parallel outside tp, as FSDP2 composes with TP; pipeline
 # stages outside both, as torchtitan builds its meshes): a stage's shapes, each with pp or without.

@@ -34,9 +34,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.node import map_aggregate
 
-from autoshard import collectives
+from autoshard import collectives, context_ops
 from autoshard.errors import describe
-from autoshard.mesh import TP
+from autoshard.mesh import CP, TP
 from autoshard.predict import Tally
 from autoshard.sharding import Wire, sum_on_wire, widens
 
@@ -196,7 +196,38 @@ def _as_sharded_dtensor(xs: PerRank, dim, group_name) -> PerRank:
     return PerRank(xs.values, sharded_dim=dim)
 
 
+def _cp_positions(xs: PerRank, seq, cp, group_name) -> PerRank:
+    return PerRank([context_ops.local_positions(r, cp, seq, x.device) for r, x in enumerate(xs.values)])
+
+
+def _cp_gather(tally, xs, dim, cp, group_name):
+    """Every rank's cut part in sequence order; backward: the ranks' gradients summed, each keeping its part."""
+    def forward(v):
+        tally.add(CP, Wire.ALL_GATHER, _wire(v), len(v))
+        return _copies(context_ops.to_global_order(_cat(v, dim), dim, cp), len(v))
+
+    def backward(g):
+        tally.add(CP, Wire.REDUCE_SCATTER, _wire(g[:1]), len(g))
+        return _chunks(context_ops.to_rank_order(_sum(g), dim, cp), len(g), dim)
+
+    return _across(forward, backward, xs)
+
+
+def _cp_all_reduce(tally, xs, cp, group_name):
+    def forward(v):
+        tally.add(CP, Wire.ALL_REDUCE, _wire(v[:1]), len(v))
+        return _copies(_sum(v), len(v))
+
+    def backward(g):
+        tally.add(CP, Wire.ALL_REDUCE, _wire(g[:1]), len(g))
+        return _copies(_sum(g), len(g))
+
+    return _across(forward, backward, xs)
+
+
 _TENSOR_COLLECTIVES = {
+    context_ops.CP_GATHER: _cp_gather,
+    context_ops.CP_ALL_REDUCE: _cp_all_reduce,
     collectives.ENTER_TP: _enter_tp,
     collectives.REDUCE_PARTIAL: _reduce_partial,
     collectives.GATHER_SHARDS: _gather_shards,
@@ -331,6 +362,8 @@ class RankSimulator(fx.Interpreter):
             return _TENSOR_COLLECTIVES[target](self.tally, x.values, *rest, **kw)
         if target is collectives.TAKE_SHARDS:
             return _take_shards(self.tally, list(args[0]), *on_rank(args[1:], 0))
+        if target is context_ops.CP_POSITIONS:
+            return _cp_positions(args[0], *on_rank(args[1:], 0))
         if target is collectives.VOCAB_SHARD_IDS:
             return _vocab_shard_ids(args[0], *on_rank(args[1:], 0))
         if target is collectives.as_sharded_dtensor:

@@ -1,0 +1,167 @@
+"""The context-parallel ops: one cp rank's positions and the two collectives over the ``cp`` axis.
+
+Under context parallelism each rank of a cp group holds ``2 * cp`` chunks' worth of the sequence
+in the load-balanced order Megatron and torch use: rank ``r`` holds chunks ``r`` and
+``2*cp - 1 - r``, so under a causal mask every rank attends to the same number of keys. A dim cut
+this way is called *cut*; its local length is ``seq // cp`` and its entries are the global
+positions :func:`local_positions` gives.
+
+=====================  ===========================================  =========================
+op                     forward                                      backward
+=====================  ===========================================  =========================
+``cp_positions``       this rank's global positions (int64)         (none: integer)
+``cp_gather``          all-gather a cut dim, in global order        reduce-scatter (sum)
+``cp_all_reduce``      sum over the cp ranks                        all-reduce (sum)
+=====================  ===========================================  =========================
+
+Each backward is its forward's adjoint: every cp rank back-propagates its own copy of the loss, so
+the sum over the cp ranks of a parameter's gradients is ``cp`` times the single-device gradient,
+and FSDP, which averages gradients over ``dp x cp``, leaves exactly the data-parallel mean
+(``docs/context-parallel.md``). Groups are named by ``ProcessGroup.group_name``, and the cp size is
+an argument so that shapes are known without a process group (planning, fake tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoshard.collectives import _group_rank
+
+_LIB = "autoshard"
+
+
+def chunk_length(seq: int, cp: int) -> int:
+    """The length of one of the ``2 * cp`` chunks of a sequence of ``seq`` positions."""
+    return seq // (2 * cp)
+
+
+def local_positions(rank: int, cp: int, seq: int, device=None) -> torch.Tensor:
+    """Rank ``rank``'s global positions: chunk ``rank`` then chunk ``2*cp - 1 - rank``."""
+    chunk = chunk_length(seq, cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def slot_of_chunk(cp: int) -> list[int]:
+    """For each global chunk, its slot among the ranks' gathered chunks (rank-major, two per rank)."""
+    return [2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1 for c in range(2 * cp)]
+
+
+def chunk_of_slot(cp: int) -> list[int]:
+    """For each slot of the gathered chunks (rank-major), its global chunk."""
+    slots = slot_of_chunk(cp)
+    inverse = [0] * (2 * cp)
+    for chunk, slot in enumerate(slots):
+        inverse[slot] = chunk
+    return inverse
+
+
+def _reorder(x: torch.Tensor, dim: int, cp: int, order: list[int]) -> torch.Tensor:
+    """``x`` with its ``dim`` (``2 * cp`` equal chunks) in ``order``: chunk ``i`` of the result is
+    chunk ``order[i]`` of ``x``."""
+    dim = dim % x.dim()
+    chunks = x.unflatten(dim, (2 * cp, x.shape[dim] // (2 * cp)))
+    picked = chunks.index_select(dim, torch.tensor(order, device=x.device))
+    return picked.flatten(dim, dim + 1)
+
+
+def to_global_order(gathered: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """The ranks' chunks, concatenated rank after rank along ``dim``, put in sequence order."""
+    return _reorder(gathered, dim, cp, slot_of_chunk(cp))
+
+
+def to_rank_order(whole: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """A whole sequence along ``dim`` with its chunks in rank order (rank 0's two, then rank 1's, ...)."""
+    return _reorder(whole, dim, cp, chunk_of_slot(cp))
+
+
+# --- cp_positions: this rank's global positions --------------------------------
+
+
+@torch.library.custom_op(f"{_LIB}::cp_positions", mutates_args=())
+def cp_positions(like: torch.Tensor, seq: int, cp: int, group_name: str) -> torch.Tensor:
+    """The global positions of this rank's part of a sequence of ``seq``, on ``like``'s device."""
+    return local_positions(_group_rank(group_name), cp, seq, like.device)
+
+
+@cp_positions.register_fake
+def _(like, seq, cp, group_name):
+    return like.new_empty((seq // cp,), dtype=torch.int64)
+
+
+# --- cp_gather: all-gather of a cut dim, in sequence order; reduce-scatter backward ---
+
+
+def _gather(x: torch.Tensor, dim: int, cp: int, group_name: str) -> torch.Tensor:
+    dim = dim % x.dim()
+    stacked = torch.ops._c10d_functional.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), cp, group_name)
+    stacked = torch.ops._c10d_functional.wait_tensor(stacked).movedim(0, dim)
+    return to_global_order(stacked, dim, cp).contiguous()
+
+
+def _scatter_sum(grad: torch.Tensor, dim: int, cp: int, group_name: str) -> torch.Tensor:
+    dim = dim % grad.dim()
+    ranked = to_rank_order(grad, dim, cp).movedim(dim, 0).contiguous()
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(ranked, "sum", cp, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out).movedim(0, dim).contiguous()
+
+
+@torch.library.custom_op(f"{_LIB}::cp_gather", mutates_args=())
+def cp_gather(x: torch.Tensor, dim: int, cp: int, group_name: str) -> torch.Tensor:
+    """Every cp rank's part of ``x``'s cut ``dim``, the whole sequence in order (keys and values
+    for attention, an output returned whole)."""
+    return _gather(x, dim, cp, group_name)
+
+
+@cp_gather.register_fake
+def _(x, dim, cp, group_name):
+    shape = list(x.shape)
+    shape[dim] *= cp
+    return x.new_empty(shape)
+
+
+def _cp_gather_backward(ctx, grad):
+    return _scatter_sum(grad, ctx.dim, ctx.cp, ctx.group_name), None, None, None
+
+
+def _keep_gather(ctx, inputs, output):
+    ctx.dim, ctx.cp, ctx.group_name = inputs[1], inputs[2], inputs[3]
+
+
+cp_gather.register_autograd(_cp_gather_backward, setup_context=_keep_gather)
+
+
+# --- cp_all_reduce: a sum over the cp ranks; all-reduce backward -------------------
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+@torch.library.custom_op(f"{_LIB}::cp_all_reduce", mutates_args=())
+def cp_all_reduce(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
+    """A sum over a cut dim finished across the cp ranks (a loss's token sum, its token count)."""
+    return _all_reduce(x, group_name)
+
+
+@cp_all_reduce.register_fake
+def _(x, cp, group_name):
+    return torch.empty_like(x)
+
+
+def _cp_all_reduce_backward(ctx, grad):
+    return _all_reduce(grad, ctx.group_name), None, None
+
+
+def _keep_group(ctx, inputs, output):
+    ctx.group_name = inputs[2]
+
+
+cp_all_reduce.register_autograd(_cp_all_reduce_backward, setup_context=_keep_group)
+
+CP_POSITIONS = torch.ops.autoshard.cp_positions.default
+CP_GATHER = torch.ops.autoshard.cp_gather.default
+CP_ALL_REDUCE = torch.ops.autoshard.cp_all_reduce.default
+CP_OPS = (CP_POSITIONS, CP_GATHER, CP_ALL_REDUCE)

@@ -1,0 +1,117 @@
+"""Prove a graph cut over cp in one process: every cp rank run side by side, against the unsharded graph.
+
+The cp ranks run as :class:`~autoshard.passes.simulate.RankSimulator` runs tp ranks: every value is
+one tensor per rank, the cp collectives combine the ranks' values as the real ones do. Each rank is
+given the whole batch (as in a real job) and back-propagates the same output cotangents, so the sum
+over ranks of a parameter's gradients is ``cp`` times the unsharded gradient (FSDP's average over
+``dp x cp`` divides it back, see :mod:`autoshard.context_ops`). Every output on every rank and every
+parameter gradient (summed over ranks, divided by cp) is compared with the unsharded run.
+
+Weights are the model's own (copies) and the inputs are the example's: the rewrite's correctness
+depends on positions and shapes, not on values, and the model's weights keep its numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autoshard.mesh import CP
+from autoshard.passes.simulate import PerRank, RankSimulator
+from autoshard.predict import Tally
+from autoshard.rounding import Measure
+
+_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextProof:
+    """Errors of the cp ranks against one device (``|a - b| / |b|``): outputs (worst rank) and
+    gradients (summed over ranks / cp); ``cp_collectives``: kind -> (count, ring bytes per rank)."""
+
+    cp: int
+    tolerance: float
+    outputs: tuple[Measure, ...]
+    gradients: tuple[Measure, ...]
+    seconds: float
+    cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return all(m.ok for m in (*self.outputs, *self.gradients))
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            from autoshard.proof import ProofError
+
+            bad = [f"{m.what}: {m.error:.2e} > {m.allowed:.0e}" for m in (*self.outputs, *self.gradients) if not m.ok]
+            raise ProofError(f"autoshard: the graph cut over cp={self.cp} differs from one device: " + "; ".join(bad))
+
+
+def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, inputs: list, weights: dict,
+                  *, seed: int = 0, rtol: float | None = None) -> ContextProof:
+    """Run ``cut`` on ``cp`` simulated ranks and ``reference`` on one, on flat ``inputs`` and ``weights``
+    (``get_attr`` target -> tensor); compare outputs and gradients."""
+    start = time.perf_counter()
+    trained = {name: w for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
+
+    def leaves(ranks: int) -> dict[str, PerRank]:
+        return {name: PerRank([w.detach().clone().requires_grad_(name in trained) for _ in range(ranks)])
+                for name, w in weights.items()}
+
+    ref_params, cp_params = leaves(1), leaves(cp)
+    ref_out = _flat(RankSimulator(reference, 1, ref_params.get).run(*inputs))
+    tally = Tally()
+    cut_out = _flat(RankSimulator(cut, cp, cp_params.get, tally=tally).run(*inputs))
+    gen = torch.Generator().manual_seed(seed)
+    cotangents = [torch.randn(o.values[0].shape, generator=gen, dtype=o.values[0].dtype)
+                  if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in ref_out]
+    dtype = next((o.values[0].dtype for o in ref_out if isinstance(o, PerRank) and o.values[0].is_floating_point()),
+                 torch.float32)
+    tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-5)
+    _backward(ref_out, cotangents)
+    _backward(cut_out, cotangents)
+    outputs = []
+    for i, (ref, got) in enumerate(zip(ref_out, cut_out, strict=True)):
+        if not isinstance(ref, PerRank) or not isinstance(ref.values[0], torch.Tensor):
+            continue
+        error = max(_rel(g.detach(), ref.values[0].detach()) for g in got.values)
+        outputs.append(Measure(f"output {i}", error, allowed=tolerance))
+    gradients = []
+    for name in trained:
+        ref_grad = ref_params[name].values[0].grad
+        grads = [p.grad for p in cp_params[name].values if p.grad is not None]
+        if ref_grad is None and not grads:
+            continue
+        total = sum(grads) / cp if grads else torch.zeros_like(ref_grad)
+        ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(total)
+        gradients.append(Measure(f"grad {name}", _rel(total, ref_grad), allowed=tolerance))
+    return ContextProof(cp, tolerance, tuple(outputs), tuple(gradients), time.perf_counter() - start,
+                        tally.result().get(CP, {}))
+
+
+def _flat(out) -> list:
+    return pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, PerRank))
+
+
+def _backward(outputs: list, cotangents: list) -> None:
+    total = None
+    for out, cot in zip(outputs, cotangents, strict=True):
+        if cot is None or not isinstance(out, PerRank):
+            continue
+        for value in out.values:
+            if value.requires_grad:
+                term = (value.float() * cot.float()).sum()
+                total = term if total is None else total + term
+    if total is not None:
+        total.backward()
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.double().norm().item()
+    diff = (actual.double() - expected.double()).norm().item()
+    return diff / scale if scale > 0 else diff

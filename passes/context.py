@@ -1,0 +1,648 @@
+"""Cut the sequence over the ``cp`` axis: rewrite a captured graph into one cp rank's graph.
+
+Inputs arrive whole (every rank of a cp group is given the same batch). A value holding the data's
+sequence is *cut* where it first meets a parameter (the token ids an embedding reads, the hidden
+states a linear reads): its sequence dim (dim 1, ``[batch, seq, ...]``) keeps this rank's positions
+only (:func:`autoshard.context_ops.local_positions`, two chunks load-balanced for causal attention).
+From there the cut follows each op's layout rule, as tp layouts do:
+
+* ops that work position by position (pointwise ops, views, norms, linears, embeddings, reductions
+  over other dims) keep the cut; a whole value they meet along the cut dim (a rotary table, a mask,
+  shifted labels, a position bias) is indexed at this rank's positions, locally: no communication,
+  and whatever computed it (``arange(seq)``, position ids, cumulative sums over whole values) keeps
+  computing on every position, so every value derived from positions is right without being named;
+* attention (SDPA, or the matmul-softmax-matmul form) reads every rank's keys and values: they are
+  all-gathered over cp (``cp_gather``, whose backward reduce-scatters their gradients, the approach
+  the Llama 3 paper describes). A causal SDPA (``is_causal``) becomes two SDPA calls, one per local
+  chunk, the first chunk against the first half of the keys only; an explicit mask is indexed at
+  this rank's query positions;
+* a sum or mean over the cut dim (a loss over tokens) is finished with ``cp_all_reduce``; a
+  token-mean loss divides the all-reduced sum by the all-reduced count, so ignored labels count as
+  on one device;
+* an op that mixes positions along the cut dim (a cumulative sum, a shift, a convolution over the
+  sequence) reads the cut value all-gathered whole, and the plan names it;
+* an op with no rule raises ``NotImplementedError`` naming the node and its source line.
+
+Graph outputs still cut are all-gathered whole, so the result returns what the model returns.
+The rewritten graph's values get their local shapes by fake-tensor propagation; tp then plans it as
+it plans any graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from autoshard.context_ops import CP_ALL_REDUCE, CP_GATHER, CP_POSITIONS
+from autoshard.errors import describe
+
+aten = torch.ops.aten
+
+SEQ_DIM = 1  # inputs and activations are [batch, seq, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """A dim cut over cp. The dim's whole size is ``before * seq * after`` (a view merged the
+    sequence with ``before`` outer and ``after`` inner elements); this rank holds
+    ``before * (seq // cp) * after`` of them."""
+
+    dim: int
+    before: int = 1
+    after: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+    """What cutting the sequence did: the sequence length, cp, the nodes whose input was gathered
+    whole because they mix positions (``node: why``), the attention rewritten and the cut inputs."""
+
+    seq: int
+    cp: int
+    gathered_whole: tuple[tuple[str, str], ...]
+    attention: tuple[str, ...]
+    entries: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        out = [f"cp={self.cp}: sequence of {self.seq} cut in {2 * self.cp} chunks of {self.seq // (2 * self.cp)}, "
+               f"rank r holding chunks r and {2 * self.cp - 1}-r"]
+        out += [f"  attention over every rank's keys and values: {', '.join(self.attention)}"] if self.attention else []
+        out += [f"  read whole (all-gathered): {name}: {why}" for name, why in self.gathered_whole]
+        return out
+
+
+class _Gather(Exception):
+    """An op that mixes positions along its input's cut dim: its cut inputs are read whole."""
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SAME_SHAPE = {aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default,
+               aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+               aten.to.device, aten.to.other, aten.type_as.default, aten.dropout.default,
+               aten.feature_dropout.default, aten.alpha_dropout.default, aten.fill.Scalar,
+               aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+               aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarSelf,
+               aten.where.ScalarOther, aten.copy.default}
+_SUMS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
+_REDUCTIONS = {aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
+               aten.logsumexp.default, aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default,
+               aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default}
+_ALONG_DIM = {aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int,
+              aten.cumsum.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
+              aten.diff.default}
+_SDPA = aten.scaled_dot_product_attention.default
+_NLL = (aten.nll_loss_forward.default, aten.nll_loss.default, aten.nll_loss_nd.default)
+
+
+def cut_sequence(gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str]) -> ContextPlan:
+    """Rewrite ``gm`` (captured for whole sequences of ``seq``) into one cp rank's code, in place."""
+    if seq % (2 * cp):
+        raise ValueError(f"autoshard: context parallelism cuts the sequence in 2*cp = {2 * cp} chunks, and the "
+                         f"sequence length {seq} (dim {SEQ_DIM} of the first input) does not divide by {2 * cp}")
+    rewriter = _Rewriter(gm, seq, cp, group_name, params)
+    rewriter.run()
+    gm.graph.lint()
+    gm.recompile()
+    refresh_shapes(gm)
+    return ContextPlan(seq, cp, tuple(rewriter.gathered_whole), tuple(rewriter.attention), tuple(rewriter.entries))
+
+
+def refresh_shapes(gm: fx.GraphModule) -> None:
+    """Every node's ``meta["val"]`` recomputed (fake tensors) for the rewritten, local shapes."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    mode = detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+    mode.allow_non_fake_inputs = True
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    value = _val(node)
+    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str]):
+        self.gm, self.graph = gm, gm.graph
+        self.seq, self.cp, self.group = seq, cp, group_name
+        self.local = seq // cp
+        self.params = params
+        self.cut: dict[fx.Node, Cut | tuple | None] = {}
+        self.data: set[fx.Node] = set()  # values computed from the inputs
+        self.indices: dict[tuple[int, int], fx.Node] = {}
+        self.gathers: dict[fx.Node, fx.Node] = {}
+        self.positions: fx.Node | None = None
+        self.gathered_whole: list[tuple[str, str]] = []
+        self.attention: list[str] = []
+        self.entries: list[str] = []
+        self.dead: list[fx.Node] = []  # nodes replaced, erased once the walk is done
+
+    # --- driving -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        nodes = list(self.graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        like = next((n for n in placeholders if isinstance(_val(n), torch.Tensor)), None)
+        if like is None:
+            raise ValueError("autoshard: context parallelism needs a tensor input holding the sequence")
+        self.data.update(placeholders)
+        with self.graph.inserting_after(placeholders[-1]):
+            self.positions = self.graph.call_function(CP_POSITIONS, (like, self.seq, self.cp, self.group))
+        for node in nodes:
+            if node.op == "call_function":
+                if any(a in self.data for a in node.all_input_nodes):
+                    self.data.add(node)
+                self._visit(node)
+            elif node.op == "output":
+                self._output(node)
+        for node in reversed(self.dead):
+            for user in list(node.users):
+                if user.target is operator.getitem and not user.users:
+                    self.graph.erase_node(user)
+            if not node.users:
+                self.graph.erase_node(node)
+
+    def _visit(self, node: fx.Node) -> None:
+        if not any(self._cut_of(a) for a in node.all_input_nodes):
+            self._maybe_enter(node)
+        if not any(self._cut_of(a) for a in node.all_input_nodes):
+            self.cut[node] = None
+            return
+        try:
+            self.cut[node] = self._rule(node)
+        except _Gather as why:
+            for value in node.all_input_nodes:
+                if self._cut_of(value):
+                    node.replace_input_with(value, self._gather(value, node))
+            self.gathered_whole.append((node.name, str(why)))
+            self.cut[node] = None
+
+    def _cut_of(self, value) -> Cut | tuple | None:
+        return self.cut.get(value) if isinstance(value, fx.Node) else None
+
+    def _maybe_enter(self, node: fx.Node) -> None:
+        """Cut, on arrival at ``node``, a whole data value holding the sequence that meets a parameter."""
+        reads_param = any(a.op == "get_attr" and a.target in self.params for a in node.all_input_nodes)
+        if not reads_param:
+            return
+        for value in node.all_input_nodes:
+            shape = _shape(value)
+            if value in self.data and shape is not None and len(shape) > SEQ_DIM and shape[SEQ_DIM] == self.seq:
+                node.replace_input_with(value, self._index(value, Cut(SEQ_DIM), node))
+                self.entries.append(value.name)
+
+    def _output(self, node: fx.Node) -> None:
+        def whole(arg):
+            if isinstance(arg, fx.Node) and isinstance(self._cut_of(arg), Cut):
+                return self._gather(arg, node)
+            if isinstance(arg, fx.Node) and isinstance(self._cut_of(arg), tuple):
+                raise NotImplementedError(f"autoshard: {describe(arg)} is a graph output holding cut values")
+            return arg
+
+        node.args = fx.node.map_aggregate(node.args, whole)
+
+    # --- building blocks -------------------------------------------------------------------------
+
+    def _insert(self, before: fx.Node, target, args, kwargs=None, like: fx.Node | None = None) -> fx.Node:
+        """A new node before ``before``; ``like``: the node whose whole (pre-cut) value it stands for
+        (every rule reads whole shapes: they are made local only once the walk is done)."""
+        with self.graph.inserting_before(before):
+            new = self.graph.call_function(target, tuple(args), kwargs or {})
+        new.meta["stack_trace"] = before.meta.get("stack_trace")
+        if like is not None and "val" in like.meta:
+            new.meta["val"] = like.meta["val"]
+        return new
+
+    def _index_for(self, before: int, after: int, at: fx.Node) -> fx.Node:
+        """This rank's entries of a dim of ``before * seq * after``, as an index (cached)."""
+        key = (before, after)
+        if key not in self.indices:
+            first_use = next(iter(n for n in self.graph.nodes if n is self.positions)).next
+            index = self.positions
+            if before > 1 or after > 1:
+                index = self._insert(first_use, _merged_index, (self.positions, self.seq, before, after))
+            self.indices[key] = index
+        return self.indices[key]
+
+    def _index(self, value: fx.Node, cut: Cut, consumer: fx.Node) -> fx.Node:
+        """``value`` (whole) cut as ``cut`` at ``consumer``."""
+        index = self._index_for(cut.before, cut.after, consumer)
+        new = self._insert(consumer, aten.index_select.default, (value, cut.dim, index), like=value)
+        self.cut[new] = cut
+        return new
+
+    def _gather(self, value: fx.Node, consumer: fx.Node) -> fx.Node:
+        """``value`` (cut) whole again: all-gathered over cp in sequence order (cached)."""
+        if value in self.gathers:
+            return self.gathers[value]
+        cut = self._cut_of(value)
+        assert isinstance(cut, Cut)
+        shape = _shape(value)
+        anchor = value.next
+        if cut.before == 1 and cut.after == 1:
+            new = self._insert(anchor, CP_GATHER, (value, cut.dim, self.cp, self.group), like=value)
+        else:
+            split = [*shape[:cut.dim], cut.before, self.local, cut.after, *shape[cut.dim + 1:]]
+            view = self._insert(anchor, aten.reshape.default, (value, split))
+            gathered = self._insert(anchor, CP_GATHER, (view, cut.dim + 1, self.cp, self.group))
+            whole = list(shape)
+            whole[cut.dim] = cut.before * self.seq * cut.after
+            new = self._insert(anchor, aten.reshape.default, (gathered, whole), like=value)
+        self.cut[new] = None
+        self.gathers[value] = new
+        return new
+
+    def _global(self, cut: Cut) -> int:
+        return cut.before * self.seq * cut.after
+
+    # --- rules -------------------------------------------------------------------------------------
+
+    def _rule(self, node: fx.Node):
+        target = node.target
+        if target is operator.getitem:
+            parent = self._cut_of(node.args[0])
+            return parent[node.args[1]] if isinstance(parent, tuple) else parent
+        if target is _SDPA:
+            return self._sdpa(node)
+        if target in _VIEWS:
+            return self._view(node)
+        if target in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                      aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
+                      aten.select.int, aten.slice.Tensor, aten.narrow.default, aten.unflatten.int,
+                      aten.flatten.using_ints):
+            return self._dim_map(node)
+        if target in _SUMS or target in _REDUCTIONS:
+            return self._reduce(node)
+        if target in _ALONG_DIM:
+            return self._along(node)
+        if target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default,
+                      aten.addmm.default):
+            return self._matmul(node)
+        if target is aten.embedding.default:
+            return self._embedding(node)
+        if target in (aten.native_layer_norm.default, aten.layer_norm.default, aten.rms_norm.default,
+                      aten._fused_rms_norm.default):
+            return self._norm(node)
+        if target in (aten.cat.default, aten.stack.default):
+            return self._cat(node)
+        if target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+                      aten.split.sizes):
+            return self._split(node)
+        if target is aten.native_dropout.default:
+            cut = self._pointwise(node, node.args[:1])
+            return (cut, cut)
+        if target in _NLL:
+            return self._nll(node)
+        if target is aten.index_select.default and self._cut_of(node.args[0]) and not self._cut_of(node.args[2]):
+            cut = self._cut_of(node.args[0])
+            if cut.dim == int(node.args[1]) % len(_shape(node.args[0])):
+                raise _Gather("index_select along the sequence")
+            return cut
+        if target in _SAME_SHAPE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+            return self._pointwise(node, node.all_input_nodes)
+        if target in (aten.pad.default, aten.constant_pad_nd.default, aten.convolution.default,
+                      aten.conv1d.default, aten.index.Tensor, aten.gather.default, aten.sort.default,
+                      aten.topk.default, aten.scatter.src, aten.scatter_add.default):
+            raise _Gather(f"{_op_name(target)} may mix positions along the sequence")
+        raise NotImplementedError(
+            f"autoshard: context parallelism has no rule for {describe(node)} ({_op_name(target)}), which reads "
+            f"values cut along the sequence")
+
+    def _pointwise(self, node: fx.Node, values) -> Cut:
+        out_ndim = len(_shape(node)) if _shape(node) is not None else 0
+        target_cut = None
+        for value in values:
+            cut = self._cut_of(value)
+            if isinstance(cut, Cut):
+                aligned = cut.dim + out_ndim - len(_shape(value))
+                if target_cut is None:
+                    target_cut = dataclasses.replace(cut, dim=aligned)
+                elif dataclasses.replace(cut, dim=aligned) != target_cut:
+                    node.replace_input_with(value, self._gather(value, node))
+        assert target_cut is not None
+        for value in values:
+            if self._cut_of(value) is None and isinstance(_val(value), torch.Tensor):
+                shape = _shape(value)
+                at = target_cut.dim - (out_ndim - len(shape))
+                if at >= 0 and shape[at] == self._global(target_cut):
+                    node.replace_input_with(value, self._index(value, dataclasses.replace(target_cut, dim=at), node))
+                elif at >= 0 and shape[at] != 1:
+                    raise NotImplementedError(f"autoshard: {describe(node)} broadcasts '{value.name}' of size "
+                                              f"{shape[at]} against a sequence of {self._global(target_cut)}")
+        return target_cut
+
+    def _dim_map(self, node: fx.Node) -> Cut:
+        """Ops that move, add or drop dims: where the cut dim goes (or a gather if it is sliced)."""
+        target, src = node.target, node.args[0]
+        cut = self._cut_of(src)
+        in_shape, out_shape = _shape(src), _shape(node)
+        nd_in, nd_out = len(in_shape), len(out_shape)
+        dim = cut.dim
+        if target is aten.unsqueeze.default:
+            at = node.args[1] % nd_out
+            return dataclasses.replace(cut, dim=dim + (at <= dim))
+        if target in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(in_shape) if s == 1]
+            dims = [d % nd_in for d in (dims if isinstance(dims, (list, tuple)) else [dims]) if in_shape[d % nd_in] == 1]
+            return dataclasses.replace(cut, dim=dim - sum(d < dim for d in dims))
+        if target in (aten.transpose.int, aten.t.default):
+            a, b = (node.args[1] % nd_in, node.args[2] % nd_in) if target is aten.transpose.int else (0, 1)
+            return dataclasses.replace(cut, dim=b if dim == a else a if dim == b else dim)
+        if target is aten.permute.default:
+            order = [d % nd_in for d in node.args[1]]
+            return dataclasses.replace(cut, dim=order.index(dim))
+        if target is aten.expand.default:
+            new_dim = dim + nd_out - nd_in
+            sizes = list(node.args[1])
+            if sizes[new_dim] == self._global(cut):
+                sizes[new_dim] = -1
+                node.args = (src, sizes, *node.args[2:])
+            return dataclasses.replace(cut, dim=new_dim)
+        if target in (aten.select.int, aten.slice.Tensor, aten.narrow.default):
+            at = node.args[1] % nd_in if len(node.args) > 1 else 0
+            if at == dim:
+                if target is aten.slice.Tensor and _covers(node, self._global(cut)):
+                    return cut
+                raise _Gather(f"{_op_name(target)} along the sequence")
+            return dataclasses.replace(cut, dim=dim - (target is aten.select.int and at < dim))
+        if target is aten.unflatten.int:
+            at = node.args[1] % nd_in
+            if at == dim:
+                return self._view(node)
+            return dataclasses.replace(cut, dim=dim + (nd_out - nd_in if at < dim else 0))
+        if target is aten.flatten.using_ints:
+            start, end = node.args[1] % nd_in, node.args[2] % nd_in
+            if start <= dim <= end:
+                return self._view(node)
+            return dataclasses.replace(cut, dim=dim - (end - start) if dim > end else dim)
+        raise AssertionError(target)
+
+    def _view(self, node: fx.Node) -> Cut:
+        """A reshape: the out dim holding the sequence factor, and its shape argument made local."""
+        src = node.args[0]
+        cut = self._cut_of(src)
+        in_shape, out_shape = _shape(src), _shape(node)
+        outer = cut.before
+        for size in in_shape[:cut.dim]:
+            outer *= size
+        # the flat offset structure: outer * seq * inner, row-major
+        prefix = 1
+        for j, size in enumerate(out_shape):
+            if outer % prefix == 0 and (prefix * size) % (outer * self.seq) == 0 and prefix <= outer:
+                before = outer // prefix
+                after = (prefix * size) // (outer * self.seq)
+                new = Cut(j, before, after)
+                if node.target in _VIEWS:
+                    sizes = list(node.args[1])
+                    if sizes[j] != -1:
+                        sizes[j] = before * self.local * after
+                    node.args = (src, sizes, *node.args[2:])
+                elif node.target is aten.unflatten.int:
+                    sizes = list(node.args[2])
+                    k = j - node.args[1] % len(in_shape)
+                    if sizes[k] != -1:
+                        sizes[k] = before * self.local * after
+                    node.args = (src, node.args[1], sizes)
+                return new
+            prefix *= size
+        raise _Gather("a view that splits the sequence dim")
+
+    def _reduce(self, node: fx.Node):
+        src = node.args[0]
+        cut = self._cut_of(src)
+        nd_in = len(_shape(src))
+        if node.target in (aten.sum.default, aten.mean.default):
+            dims, keep = list(range(nd_in)), False
+        else:
+            raw = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            dims = list(range(nd_in)) if raw is None else [d % nd_in for d in (raw if isinstance(raw, (list, tuple))
+                                                                               else [raw])]
+            keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        if cut.dim not in dims:
+            return dataclasses.replace(cut, dim=cut.dim if keep else cut.dim - sum(d < cut.dim for d in dims))
+        if node.target not in _SUMS:
+            raise _Gather(f"{_op_name(node.target)} over the sequence")
+        # a sum over the cut dim: finished over cp; a mean is a sum over the whole count
+        users = list(node.users)
+        anchor = node.next
+        total = node
+        if node.target in (aten.mean.dim, aten.mean.default):
+            total = self._insert(anchor, aten.mul.Tensor, (node, 1.0 / self.cp))
+        reduced = self._insert(anchor, CP_ALL_REDUCE, (total, self.cp, self.group))
+        for user in users:
+            user.replace_input_with(node, reduced)
+        self.cut[total] = None
+        self.cut[reduced] = None
+        return None
+
+    def _along(self, node: fx.Node):
+        src = node.args[0]
+        cut = self._cut_of(src)
+        nd = len(_shape(src))
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("dims"))
+        dims = [d % nd for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        if cut.dim in dims:
+            raise _Gather(f"{_op_name(node.target)} along the sequence")
+        return cut
+
+    def _matmul(self, node: fx.Node):
+        target = node.target
+        if target is aten.addmm.default:
+            a, b = node.args[1], node.args[2]
+        else:
+            a, b = node.args[0], node.args[1]
+        if target is aten.linear.default or self._cut_of(b) is None:
+            cut = self._cut_of(a)
+            nd_a = len(_shape(a))
+            if cut is None or cut.dim == nd_a - 1:
+                raise _Gather("a matmul contracting the sequence")
+            out_nd = len(_shape(node))
+            return dataclasses.replace(cut, dim=cut.dim + out_nd - nd_a)
+        # the right operand (keys, values) holds the sequence: read it whole
+        node.replace_input_with(b, self._gather(b, node))
+        if self._cut_of(a) is None:
+            return None
+        return self._matmul(node)
+
+    def _embedding(self, node: fx.Node) -> Cut:
+        ids = node.args[1]
+        cut = self._cut_of(ids)
+        if cut is None:
+            raise _Gather("an embedding table cut along the sequence")
+        return cut
+
+    def _norm(self, node: fx.Node):
+        src = node.args[0]
+        cut = self._cut_of(src)
+        nd = len(_shape(src))
+        normalized = len(node.args[1])
+        if cut is None or cut.dim >= nd - normalized:
+            raise _Gather("a norm over the sequence")
+        if node.target in (aten.native_layer_norm.default, aten._fused_rms_norm.default):
+            return (cut, cut, cut)
+        return cut
+
+    def _cat(self, node: fx.Node):
+        values = list(node.args[0])
+        shapes = [_shape(v) for v in values]
+        out_nd = len(_shape(node))
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out_nd
+        first = next(self._cut_of(v) for v in values if self._cut_of(v))
+        stacked = node.target is aten.stack.default
+        if not stacked and first.dim == dim:
+            raise _Gather("a concatenation along the sequence")
+        out_dim = first.dim + (1 if stacked and dim <= first.dim else 0)
+        want = dataclasses.replace(first, dim=out_dim)
+        new_values = []
+        for value, shape in zip(values, shapes, strict=True):
+            cut = self._cut_of(value)
+            expected = dataclasses.replace(want, dim=want.dim - (1 if stacked and dim <= first.dim else 0))
+            if cut == expected:
+                new_values.append(value)
+            elif cut is None and shape[expected.dim] == self._global(expected):
+                new_values.append(self._index(value, expected, node))
+            else:
+                raise _Gather("a concatenation of values cut differently")
+        node.args = (new_values, *node.args[1:])
+        return want
+
+    def _split(self, node: fx.Node):
+        src = node.args[0]
+        cut = self._cut_of(src)
+        nd = len(_shape(src))
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if node.target is aten.unbind.int:
+            dim = node.args[1] if len(node.args) > 1 else 0
+        dim %= nd
+        if dim == cut.dim:
+            raise _Gather(f"{_op_name(node.target)} along the sequence")
+        pieces = len(_val(node))
+        out = dataclasses.replace(cut, dim=cut.dim - (node.target is aten.unbind.int and dim < cut.dim))
+        return tuple(out for _ in range(pieces))
+
+    def _sdpa(self, node: fx.Node):
+        args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), node.args))
+        args.update(node.kwargs)
+        q, k, v = args["query"], args["key"], args["value"]
+        mask = args.get("attn_mask")
+        qcut = self._cut_of(q)
+        nd = len(_shape(q))
+        if not isinstance(qcut, Cut) or qcut.dim != nd - 2 or qcut.before != 1 or qcut.after != 1:
+            raise NotImplementedError(f"autoshard: {describe(node)}: context parallelism needs the queries cut along "
+                                      f"their sequence dim (-2)")
+        keys, values = [self._gather(x, node) if self._cut_of(x) else x for x in (k, v)]
+        if isinstance(mask, fx.Node):
+            mask = self._mask_rows(mask, node)
+        self.attention.append(node.name)
+        rest = {n: args[n] for n in ("dropout_p", "scale", "enable_gqa") if n in args}
+        if not args.get("is_causal", False):
+            node.args, node.kwargs = (q, keys, values), {**rest, "attn_mask": mask}
+            return qcut
+        if mask is not None:
+            raise NotImplementedError(f"autoshard: {describe(node)} has both a mask and is_causal")
+        if _shape(keys)[-2] != self.seq:
+            raise NotImplementedError(f"autoshard: {describe(node)} is causal over {_shape(keys)[-2]} keys, not the "
+                                      f"sequence of {self.seq}")
+        node.replace_all_uses_with(self._causal(node, q, keys, values, rest))
+        return qcut
+
+    def _mask_rows(self, mask: fx.Node, node: fx.Node) -> fx.Node:
+        """An attention mask read at this rank's query positions, every key whole."""
+        cut, shape = self._cut_of(mask), _shape(mask)
+        rows = len(shape) - 2
+        if isinstance(cut, Cut) and cut.dim != rows:
+            mask = self._gather(mask, node)
+            cut = None
+        if cut is None and shape[rows] == self.seq:
+            return self._index(mask, Cut(rows), node)
+        return mask
+
+    def _causal(self, node: fx.Node, q, keys, values, rest) -> fx.Node:
+        """Causal attention of this rank's two chunks: the first (chunk r < cp) needs only the
+        first half of the keys; each chunk's mask compares its global positions with the keys'."""
+        chunk = self.local // 2
+        half = self.seq // 2
+        anchor = node.next
+        qa = self._insert(anchor, aten.slice.Tensor, (q, -2, 0, chunk))
+        qb = self._insert(anchor, aten.slice.Tensor, (q, -2, chunk, 2 * chunk))
+        ka = self._insert(anchor, aten.slice.Tensor, (keys, -2, 0, half))
+        va = self._insert(anchor, aten.slice.Tensor, (values, -2, 0, half))
+        pa = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, 0, chunk))
+        pb = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, chunk, 2 * chunk))
+        ma = self._insert(anchor, _causal_mask, (pa, half))
+        mb = self._insert(anchor, _causal_mask, (pb, self.seq))
+        oa = self._insert(anchor, _SDPA, (qa, ka, va), {**rest, "attn_mask": ma})
+        ob = self._insert(anchor, _SDPA, (qb, keys, values), {**rest, "attn_mask": mb})
+        out = self._insert(anchor, aten.cat.default, ([oa, ob], -2), like=node)
+        for new in (qa, qb, ka, va, pa, pb, ma, mb, oa, ob):
+            self.cut[new] = None
+        self.cut[out] = self._cut_of(q)
+        self.dead.append(node)
+        return out
+
+    def _nll(self, node: fx.Node):
+        """A loss over tokens: sums over cp; a mean divides by the all-reduced count of tokens that count."""
+        logits, target = node.args[0], node.args[1]
+        lcut = self._cut_of(logits)
+        if not isinstance(lcut, Cut) or lcut.dim != 0:
+            raise _Gather("a loss whose rows are not the cut tokens")
+        if self._cut_of(target) is None:
+            node.replace_input_with(target, self._index(target, lcut, node))
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        if reduction == 0:  # none
+            return (lcut, None) if node.target is aten.nll_loss_forward.default else lcut
+        if node.target is not aten.nll_loss_forward.default:
+            raise NotImplementedError(f"autoshard: {describe(node)}: a reduced loss op other than nll_loss_forward")
+        users = list(node.users)
+        anchor = node.next
+        node.args = (*node.args[:3], 2, *node.args[4:])  # summed here, divided by the whole count below
+        loss = self._insert(anchor, operator.getitem, (node, 0))
+        count = self._insert(anchor, operator.getitem, (node, 1))
+        loss = self._insert(anchor, CP_ALL_REDUCE, (loss, self.cp, self.group))
+        count = self._insert(anchor, CP_ALL_REDUCE, (count, self.cp, self.group))
+        if reduction == 1:
+            loss = self._insert(anchor, aten.div.Tensor, (loss, count))
+        for user in users:
+            assert user.target is operator.getitem
+            user.replace_all_uses_with(loss if user.args[1] == 0 else count)
+            self.dead.append(user)
+        for new in list(self.graph.nodes):
+            if new in (loss, count):
+                self.cut[new] = None
+        return (None, None)
+
+
+def _covers(node: fx.Node, size: int) -> bool:
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    return (start in (0, None)) and (end is None or end >= size) and step == 1
+
+
+def _op_name(target) -> str:
+    return getattr(target, "__name__", str(target))
+
+
+@torch.fx.wrap
+def _merged_index(positions: torch.Tensor, seq: int, before: int, after: int) -> torch.Tensor:
+    """This rank's entries of a dim of ``before * seq * after`` (a view merged the sequence in)."""
+    outer = torch.arange(before, device=positions.device).unsqueeze(1) * seq + positions.unsqueeze(0)
+    inner = torch.arange(after, device=positions.device)
+    return (outer.unsqueeze(-1) * after + inner).flatten()
+
+
+@torch.fx.wrap
+def _causal_mask(positions: torch.Tensor, keys: int) -> torch.Tensor:
+    """``[len(positions), keys]``: query at global position ``p`` sees keys ``0..p``."""
+    return positions.unsqueeze(1) >= torch.arange(keys, device=positions.device).unsqueeze(0)
