@@ -354,7 +354,8 @@ class _Rewriter:
             return dataclasses.replace(cut, dim=dim + (at <= dim))
         if target in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
             dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(in_shape) if s == 1]
-            dims = [d % nd_in for d in (dims if isinstance(dims, (list, tuple)) else [dims]) if in_shape[d % nd_in] == 1]
+            dims = [d % nd_in for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+            dims = [d for d in dims if in_shape[d] == 1]
             return dataclasses.replace(cut, dim=dim - sum(d < dim for d in dims))
         if target in (aten.transpose.int, aten.t.default):
             a, b = (node.args[1] % nd_in, node.args[2] % nd_in) if target is aten.transpose.int else (0, 1)
@@ -532,7 +533,8 @@ class _Rewriter:
         return tuple(out for _ in range(pieces))
 
     def _sdpa(self, node: fx.Node):
-        args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), node.args))
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        args = dict(zip(names[:len(node.args)], node.args, strict=True))
         args.update(node.kwargs)
         q, k, v = args["query"], args["key"], args["value"]
         mask = args.get("attn_mask")
