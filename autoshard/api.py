@@ -14,6 +14,7 @@ import dataclasses
 import gc
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
@@ -24,7 +25,7 @@ from autoshard.agreement import check_ranks_agree
 from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.carry import check_activations_carry
 from autoshard.errors import in_stage
-from autoshard.mesh import MeshAxes, axes_from_sizes, dp_choice, read_mesh
+from autoshard.mesh import CP, MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
 from autoshard.passes.alternatives import settle
 from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module, parameters_on_meta
@@ -113,6 +114,9 @@ def check(
                                keep_reference=True)
         return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
     _refuse_pipeline_options(pipelined)
+    if axes.has_cp:
+        planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
+        return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol)
     return prove_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
 
 
@@ -343,7 +347,9 @@ def autoshard(
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     tp_group = axes.group_name("tp") if axes.has_tp else None
     emitted = _emit(planned, axes, tp_group, options, keep_planned=proving)
-    if proving:
+    if proving and axes.has_cp:
+        prove_cut(planned, model, example_inputs, example_kwargs, axes).raise_if_failed()
+    elif proving:
         prove(emitted.subject, model, example_inputs, example_kwargs).raise_if_failed()
     parts = emitted.parts
     sharded = materialize(
@@ -443,6 +449,8 @@ class PlanResult:
     sites: Sites
     layout_plan: LayoutPlan
     reference: fx.GraphModule | None = None
+    # on a mesh with a cp axis: a copy of the graph cut over cp, before tp (kept only for a proof)
+    context_graph: fx.GraphModule | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,6 +512,10 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
     else:
         captured = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     reference = copy_graph_module(captured.gm) if keep_reference else None
+    context, context_graph = None, None
+    if axes.has_cp:
+        context = _cut_sequence(captured, axes, options, example_inputs)
+        context_graph = copy_graph_module(captured.gm) if keep_reference else None
     with in_stage("discover", captured.gm.graph):
         sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
@@ -531,11 +543,55 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
         final = with_quantized_gathers(final, axes, options.all_gather_quant)
     if captured.trace_note:
         final = dataclasses.replace(final, trace_note=captured.trace_note)
+    if context is not None:
+        final = dataclasses.replace(final, context=context.to_dict())
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:
             check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
-    return PlanResult(final, captured, sites, layout_plan, reference)
+    return PlanResult(final, captured, sites, layout_plan, reference, context_graph)
+
+
+def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, example_inputs: tuple):
+    """The captured graph rewritten into one cp rank's code (see :mod:`autoshard.passes.context`)."""
+    from autoshard.passes.context import SEQ_DIM, cut_sequence
+
+    if options.sequence_parallel:
+        raise ValueError("autoshard: sequence_parallel cuts the sequence over tp, and the mesh's cp axis cuts it "
+                         "already: use one of them (cp keeps every activation cut, attention included)")
+    if options.dynamic_shapes is not None:
+        raise NotImplementedError("autoshard: context parallelism cuts a sequence of fixed length; capture with "
+                                  "dynamic_shapes=None")
+    if options.loss_parallel:
+        raise NotImplementedError("autoshard: loss_parallel with a cp axis: the logits come back whole over cp")
+    first = example_inputs[0] if example_inputs else None
+    if not isinstance(first, torch.Tensor) or first.dim() <= SEQ_DIM:
+        what = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+        raise ValueError("autoshard: context parallelism cuts dim 1 ([batch, seq, ...]) of the first input, and "
+                         f"the first example input is {what}")
+    group = axes.group_name(CP) if axes.mesh is not None else CP
+    with in_stage("cut the sequence", captured.gm.graph):
+        return cut_sequence(captured.gm, int(first.shape[SEQ_DIM]), axes.cp, group, set(captured.param_shapes))
+
+
+def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+              axes: MeshAxes, rtol: float | None = None):
+    """The graph cut over cp, every cp rank simulated, against the unsharded graph
+    (see :mod:`autoshard.context_proof`)."""
+    from autoshard.context_proof import prove_context
+    from autoshard.pipeline import flat_inputs
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    weights = {}
+    for node in planned.reference.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            weights[node.target] = params[node.target].detach().cpu().clone().requires_grad_(
+                params[node.target].requires_grad)
+        elif node.op == "get_attr" and node.target in buffers:
+            weights[node.target] = buffers[node.target].detach().cpu().clone()
+    inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
+    return prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol)
 
 
 def _emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,
@@ -577,8 +633,8 @@ def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:
     if check not in (True, False, "auto"):
         raise ValueError(f"autoshard: check must be True, False or 'auto', got {check!r}")
     if check != "auto":
-        return bool(check) and axes.has_tp
-    if not axes.has_tp or parameters_on_meta(model):
+        return bool(check) and (axes.has_tp or axes.has_cp)
+    if not (axes.has_tp or axes.has_cp) or parameters_on_meta(model):
         return False
     return sum(p.numel() for p in model.parameters()) <= AUTO_CHECK_MAX_ELEMENTS
 

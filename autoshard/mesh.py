@@ -24,8 +24,10 @@ CP = "cp"
 # Accepted axis names, outer to inner (data parallel outside tp, as FSDP2 composes with TP; pipeline
 # stages outside both, as torchtitan builds its meshes): a stage's shapes, each with pp or without.
 STAGE_SHAPES = ((DP, TP), (DP,), (TP,), (DP_REPLICATE, DP_SHARD, TP), (DP_REPLICATE, DP_SHARD))
-MESH_SHAPES = STAGE_SHAPES + tuple((PP, *shape) for shape in STAGE_SHAPES) + ((PP,),)
-_ORDER = (PP, DP_REPLICATE, DP_SHARD, DP, TP)
+# context parallelism: cp between the data axes and tp (torchtitan's order); FSDP shards over dp x cp
+CP_SHAPES = ((CP,), (DP, CP), (CP, TP), (DP, CP, TP), (DP_REPLICATE, DP_SHARD, CP, TP), (DP_REPLICATE, DP_SHARD, CP))
+MESH_SHAPES = STAGE_SHAPES + tuple((PP, *shape) for shape in STAGE_SHAPES) + ((PP,),) + CP_SHAPES
+_ORDER = (PP, DP_REPLICATE, DP_SHARD, DP, CP, TP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +50,30 @@ class MeshAxes:
 
     @property
     def shard_axis(self) -> str | None:
-        """The axis FSDP2 shards parameters over: ``dp_shard`` under HSDP, else ``dp``."""
-        return next((a for a in (DP_SHARD, DP) if a in self.names), None)
+        """The axis FSDP2 shards parameters over: ``dp_shard`` under HSDP, else ``dp``; on a mesh
+        with a cp axis FSDP shards over it too (:attr:`fsdp_axes`), and over it alone without dp."""
+        return next((a for a in (DP_SHARD, DP, CP) if a in self.names), None)
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The axes FSDP2 shards parameters over, flattened into one: the shard axis, and cp
+        (whose ranks hold the same parameters and sum their gradients, as torchtitan's ``dp_shard_cp``)."""
+        return tuple(a for a in (DP_SHARD, DP, CP) if a in self.names)
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
-        """Every data-parallel axis, outer first: ``("dp_replicate", "dp_shard")`` or ``("dp",)``."""
-        return tuple(a for a in self.names if a not in (TP, PP))
+        """Every data-parallel axis, outer first: ``("dp_replicate", "dp_shard")`` or ``("dp",)``.
+        cp is none: its ranks take the same batch."""
+        return tuple(a for a in self.names if a not in (TP, PP, CP))
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks, which cut the sequence (1 without a cp axis)."""
+        return self.size(CP)
+
+    @property
+    def has_cp(self) -> bool:
+        return CP in self.names
 
     @property
     def pp(self) -> int:
@@ -77,8 +96,11 @@ class MeshAxes:
 
     @property
     def dp(self) -> int:
-        """FSDP's shard degree (what padding and a shard's size depend on)."""
-        return self.size(self.shard_axis) if self.shard_axis else 1
+        """FSDP's shard degree (what padding and a shard's size depend on): dp x cp with a cp axis."""
+        degree = 1
+        for axis in self.fsdp_axes:
+            degree *= self.size(axis)
+        return degree
 
     @property
     def replicas(self) -> int:
@@ -88,7 +110,7 @@ class MeshAxes:
     @property
     def data_parallel(self) -> int:
         """Ranks that see different batches: ``dp_replicate * dp_shard`` (or ``dp``)."""
-        return self.dp * self.replicas
+        return self.size(DP) * self.size(DP_SHARD) * self.replicas
 
     @property
     def tp(self) -> int:
@@ -111,9 +133,23 @@ class MeshAxes:
         return self.mesh if self.mesh.ndim == 1 else self.mesh[axis]
 
     def dp_mesh(self) -> DeviceMesh:
-        """The mesh ``fully_shard`` takes: 1-D for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+        """The mesh ``fully_shard`` takes: 1-D for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP;
+        with a cp axis the shard axis and cp flattened into one (``dp_cp`` or ``dp_shard_cp``)."""
         assert self.mesh is not None, "planning-only MeshAxes has no DeviceMesh"
+        if self.has_cp and len(self.fsdp_axes) > 1:
+            name = "_".join(self.fsdp_axes)
+            flat = self.mesh[self.fsdp_axes]._flatten(name)
+            return self.mesh[(DP_REPLICATE, name)] if self.is_hsdp else flat
+        if self.has_cp:
+            return self.mesh[self.fsdp_axes]
         return self.mesh if self.mesh.ndim == len(self.dp_axes) else self.mesh[self.dp_axes]
+
+    def dp_groups(self) -> tuple:
+        """The process groups a gradient FSDP2 ignores is averaged over, inner first (FSDP2's order)."""
+        mesh = self.dp_mesh()
+        if mesh.ndim == 1:
+            return (mesh.get_group(),)
+        return tuple(mesh.get_group(i) for i in reversed(range(mesh.ndim)))
 
     def group_name(self, axis: str) -> str:
         return self.submesh(axis).get_group().group_name
@@ -124,7 +160,7 @@ class MeshAxes:
 
 def dp_choice(placements) -> str | None:
     """A plan entry's placement on the FSDP shard axis (``dp`` or ``dp_shard``), if it has one."""
-    return placements.get(DP, placements.get(DP_SHARD))
+    return placements.get(DP, placements.get(DP_SHARD, placements.get(CP)))
 
 
 def read_mesh(mesh: DeviceMesh) -> MeshAxes:
@@ -136,7 +172,8 @@ def read_mesh(mesh: DeviceMesh) -> MeshAxes:
         raise ValueError(
             f"autoshard: mesh axes must be named ('dp', 'tp') (dp outer), ('dp',) or ('tp',), or for HSDP "
             f"('dp_replicate', 'dp_shard', 'tp') or ('dp_replicate', 'dp_shard'), each with 'pp' in front for "
-            f"pipeline stages (or ('pp',) alone); got mesh_dim_names={names or None} with shape "
+            f"pipeline stages (or ('pp',) alone), or with 'cp' before 'tp' for context parallelism "
+            f"(('dp', 'cp', 'tp'), ('cp',), ...); got mesh_dim_names={names or None} with shape "
             f"{tuple(mesh.shape)}. Create it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
         )
     return MeshAxes(tuple(zip(names, (int(n) for n in mesh.shape), strict=True)), mesh)
@@ -150,7 +187,7 @@ def axes_from_sizes(sizes: dict[str, int]) -> MeshAxes:
         what = f"unknown mesh axes {unknown}" if unknown else f"mesh axes {sorted(sizes)} do not go together"
         raise ValueError(
             f"autoshard: {what}; expected 'dp' and/or 'tp', or 'dp_replicate' and 'dp_shard' (HSDP) "
-            "with or without 'tp', each with or without 'pp'"
+            "with or without 'tp', each with or without 'pp', or with 'cp' (context parallelism) before 'tp'"
         )
     return MeshAxes(tuple((a, int(sizes[a])) for a in order))
 

@@ -174,6 +174,8 @@ class Plan:
     trace_note: str = ""
     # on a mesh with a pp axis: the stages, their costs and the schedule (see autoshard.stages)
     pipeline: PipelineStages | None = None
+    # on a mesh with a cp axis: how the sequence is cut (autoshard.passes.context.ContextPlan.to_dict())
+    context: Mapping = dataclasses.field(default_factory=dict)
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -229,7 +231,8 @@ class Plan:
             "mixed_precision": dict(self.mixed_precision),
         } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {}) | (
             {"trace_note": self.trace_note} if self.trace_note else {}) | (
-            {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {})
+            {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}) | (
+            {"context": dict(self.context)} if self.context else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -261,6 +264,7 @@ class Plan:
             all_gather_quant={str(k): str(v) for k, v in data.get("all_gather_quant", {}).items()},
             trace_note=str(data.get("trace_note", "")),
             pipeline=PipelineStages.from_dict(data["pipeline"]) if data.get("pipeline") else None,
+            context=dict(data.get("context", {})),
         )
 
     def __str__(self) -> str:
@@ -324,12 +328,18 @@ class Plan:
             out += self.tp_traffic_lines()
         if self.pipeline is not None:
             out += self.pipeline.lines()
+        if self.context:
+            from autoshard.passes.context import ContextPlan
+
+            out += ContextPlan.from_dict(self.context).lines()
         return "\n".join(out)
 
     def _placement_cell(self, fqn: str, entry: ParamSharding, axis: str) -> str:
         """A parameter's placement on ``axis``; on ``pp``, the stage holding it."""
         if axis == "pp" and self.pipeline is not None:
             return next((f"stage {s.index}" for s in self.pipeline.stages if s.holds(fqn, entry.unit)), "-")
+        if axis == "cp" and axis not in entry.placements:  # FSDP shards over dp x cp as one axis
+            return str(entry.placements.get(axes_from_sizes(dict(self.mesh)).shard_axis, "-"))
         return str(entry.placements.get(axis, "-"))
 
     def tp_traffic_lines(self) -> list[str]:

@@ -263,7 +263,9 @@ def param_placements(
     if axes.is_hsdp:
         placements[DP_REPLICATE] = REPLICATED  # HSDP replicates every shard; only the shard axis is a choice
     if axes.has_dp:
-        placements[axes.shard_axis] = dp_placement or default_dp_placement(role, shape, tp_dim)
+        chosen = dp_placement or default_dp_placement(role, shape, tp_dim)
+        for axis in axes.fsdp_axes:  # with a cp axis FSDP shards over dp x cp as one axis
+            placements[axis] = chosen
     if axes.has_tp:
         placements[TP] = REPLICATED if tp_dim is None else shard_on(tp_dim)
     return placements

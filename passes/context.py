@@ -67,6 +67,16 @@ class ContextPlan:
     attention: tuple[str, ...]
     entries: tuple[str, ...]
 
+    def to_dict(self) -> dict:
+        return {"seq": self.seq, "cp": self.cp, "gathered_whole": [list(g) for g in self.gathered_whole],
+                "attention": list(self.attention), "entries": list(self.entries)}
+
+    @classmethod
+    def from_dict(cls, data) -> ContextPlan:
+        gathered = tuple((str(n), str(w)) for n, w in data.get("gathered_whole", ()))
+        return cls(int(data["seq"]), int(data["cp"]), gathered, tuple(data.get("attention", ())),
+                   tuple(data.get("entries", ())))
+
     def lines(self) -> list[str]:
         out = [f"cp={self.cp}: sequence of {self.seq} cut in {2 * self.cp} chunks of {self.seq // (2 * self.cp)}, "
                f"rank r holding chunks r and {2 * self.cp - 1}-r"]
@@ -214,12 +224,17 @@ class _Rewriter:
 
     # --- building blocks -------------------------------------------------------------------------
 
-    def _insert(self, before: fx.Node, target, args, kwargs=None, like: fx.Node | None = None) -> fx.Node:
-        """A new node before ``before``; ``like``: the node whose whole (pre-cut) value it stands for
-        (every rule reads whole shapes: they are made local only once the walk is done)."""
+    def _insert(self, before: fx.Node, target, args, kwargs=None, like: fx.Node | None = None,
+                owner: fx.Node | None = None) -> fx.Node:
+        """A new node before ``before``, in the block of ``owner`` (default ``before``); ``like``: the
+        node whose whole (pre-cut) value it stands for (every rule reads whole shapes: they are made
+        local only once the walk is done)."""
         with self.graph.inserting_before(before):
             new = self.graph.call_function(target, tuple(args), kwargs or {})
-        new.meta["stack_trace"] = before.meta.get("stack_trace")
+        owner = owner if owner is not None else before
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in owner.meta:
+                new.meta[key] = owner.meta[key]
         if like is not None and "val" in like.meta:
             new.meta["val"] = like.meta["val"]
         return new
@@ -251,14 +266,14 @@ class _Rewriter:
         shape = _shape(value)
         anchor = value.next
         if cut.before == 1 and cut.after == 1:
-            new = self._insert(anchor, CP_GATHER, (value, cut.dim, self.cp, self.group), like=value)
+            new = self._insert(anchor, CP_GATHER, (value, cut.dim, self.cp, self.group), like=value, owner=value)
         else:
             split = [*shape[:cut.dim], cut.before, self.local, cut.after, *shape[cut.dim + 1:]]
-            view = self._insert(anchor, aten.reshape.default, (value, split))
-            gathered = self._insert(anchor, CP_GATHER, (view, cut.dim + 1, self.cp, self.group))
+            view = self._insert(anchor, aten.reshape.default, (value, split), owner=value)
+            gathered = self._insert(anchor, CP_GATHER, (view, cut.dim + 1, self.cp, self.group), owner=value)
             whole = list(shape)
             whole[cut.dim] = cut.before * self.seq * cut.after
-            new = self._insert(anchor, aten.reshape.default, (gathered, whole), like=value)
+            new = self._insert(anchor, aten.reshape.default, (gathered, whole), like=value, owner=value)
         self.cut[new] = None
         self.gathers[value] = new
         return new
@@ -439,8 +454,8 @@ class _Rewriter:
         anchor = node.next
         total = node
         if node.target in (aten.mean.dim, aten.mean.default):
-            total = self._insert(anchor, aten.mul.Tensor, (node, 1.0 / self.cp))
-        reduced = self._insert(anchor, CP_ALL_REDUCE, (total, self.cp, self.group))
+            total = self._insert(anchor, aten.mul.Tensor, (node, 1.0 / self.cp), owner=node)
+        reduced = self._insert(anchor, CP_ALL_REDUCE, (total, self.cp, self.group), owner=node)
         for user in users:
             user.replace_input_with(node, reduced)
         self.cut[total] = None
@@ -576,17 +591,17 @@ class _Rewriter:
         chunk = self.local // 2
         half = self.seq // 2
         anchor = node.next
-        qa = self._insert(anchor, aten.slice.Tensor, (q, -2, 0, chunk))
-        qb = self._insert(anchor, aten.slice.Tensor, (q, -2, chunk, 2 * chunk))
-        ka = self._insert(anchor, aten.slice.Tensor, (keys, -2, 0, half))
-        va = self._insert(anchor, aten.slice.Tensor, (values, -2, 0, half))
-        pa = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, 0, chunk))
-        pb = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, chunk, 2 * chunk))
-        ma = self._insert(anchor, _causal_mask, (pa, half))
-        mb = self._insert(anchor, _causal_mask, (pb, self.seq))
-        oa = self._insert(anchor, _SDPA, (qa, ka, va), {**rest, "attn_mask": ma})
-        ob = self._insert(anchor, _SDPA, (qb, keys, values), {**rest, "attn_mask": mb})
-        out = self._insert(anchor, aten.cat.default, ([oa, ob], -2), like=node)
+        qa = self._insert(anchor, aten.slice.Tensor, (q, -2, 0, chunk), owner=node)
+        qb = self._insert(anchor, aten.slice.Tensor, (q, -2, chunk, 2 * chunk), owner=node)
+        ka = self._insert(anchor, aten.slice.Tensor, (keys, -2, 0, half), owner=node)
+        va = self._insert(anchor, aten.slice.Tensor, (values, -2, 0, half), owner=node)
+        pa = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, 0, chunk), owner=node)
+        pb = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, chunk, 2 * chunk), owner=node)
+        ma = self._insert(anchor, _causal_mask, (pa, half), owner=node)
+        mb = self._insert(anchor, _causal_mask, (pb, self.seq), owner=node)
+        oa = self._insert(anchor, _SDPA, (qa, ka, va), {**rest, "attn_mask": ma}, owner=node)
+        ob = self._insert(anchor, _SDPA, (qb, keys, values), {**rest, "attn_mask": mb}, owner=node)
+        out = self._insert(anchor, aten.cat.default, ([oa, ob], -2), like=node, owner=node)
         for new in (qa, qb, ka, va, pa, pb, ma, mb, oa, ob):
             self.cut[new] = None
         self.cut[out] = self._cut_of(q)
@@ -609,12 +624,12 @@ class _Rewriter:
         users = list(node.users)
         anchor = node.next
         node.args = (*node.args[:3], 2, *node.args[4:])  # summed here, divided by the whole count below
-        loss = self._insert(anchor, operator.getitem, (node, 0))
-        count = self._insert(anchor, operator.getitem, (node, 1))
-        loss = self._insert(anchor, CP_ALL_REDUCE, (loss, self.cp, self.group))
-        count = self._insert(anchor, CP_ALL_REDUCE, (count, self.cp, self.group))
+        loss = self._insert(anchor, operator.getitem, (node, 0), owner=node)
+        count = self._insert(anchor, operator.getitem, (node, 1), owner=node)
+        loss = self._insert(anchor, CP_ALL_REDUCE, (loss, self.cp, self.group), owner=node)
+        count = self._insert(anchor, CP_ALL_REDUCE, (count, self.cp, self.group), owner=node)
         if reduction == 1:
-            loss = self._insert(anchor, aten.div.Tensor, (loss, count))
+            loss = self._insert(anchor, aten.div.Tensor, (loss, count), owner=node)
         for user in users:
             assert user.target is operator.getitem
             user.replace_all_uses_with(loss if user.args[1] == 0 else count)

@@ -21,6 +21,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autoshard.context_ops import CP_ALL_REDUCE, CP_GATHER
+
 aten = torch.ops.aten
 
 class Partial(enum.Enum):
@@ -568,6 +570,18 @@ def _batched_matmul(node, layouts, tp):
     return None
 
 
+def _along_cp(node, layouts, tp):
+    """A cp collective (``cp_gather`` along the sequence, ``cp_all_reduce``) works on each tp shard
+    alike, unless it gathers the very dim tp shards."""
+    found = _single_sharded_input(node, layouts)
+    if found is None:
+        return None
+    value, dim = found
+    if node.target is CP_GATHER and _norm(node.args[1], _ndim(value)) == dim:
+        return None
+    return Decision(dim, dict(layouts))
+
+
 def _sym_size(node, layouts, tp):
     """The size of a dim other than the sharded one is the same on every rank."""
     found = _single_sharded_input(node, layouts)
@@ -598,6 +612,7 @@ _ELEMENTWISE_LIKE = (
 
 _RULES = (
     (_ELEMENTWISE_LIKE, _pointwise),
+    ((CP_GATHER, CP_ALL_REDUCE), _along_cp),
     ((aten._assert_tensor_metadata.default,), _metadata_check),
     ((aten.sym_size.int,), _sym_size),
     ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),

@@ -127,7 +127,7 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
     if axes.has_tp:
         tp = entry.placements[TP]
         if axes.has_dp and not sharded_by_fsdp(entry.placements):
-            dp_replicated = [Replicate()] * len(axes.dp_axes)
+            dp_replicated = [Replicate()] * (axes.mesh.ndim - 1)
             stored = distribute_tensor(stored, axes.mesh, [*dp_replicated, tp], src_data_rank=None)
         else:
             stored = distribute_tensor(stored, axes.submesh(TP), [tp], src_data_rank=None)
@@ -335,7 +335,7 @@ def _average_grads_over_dp(root: nn.Module, replicated_dp: set[str], axes: MeshA
     Under HSDP the sum runs over ``dp_shard`` and then ``dp_replicate``, the
     order FSDP2 reduces its own gradients in, and is divided by both sizes.
     """
-    groups = tuple(axes.submesh(axis).get_group() for axis in reversed(axes.dp_axes))
+    groups = axes.dp_groups()
     params = dict(root.named_parameters())
     for param in {params[f] for f in replicated_dp if f in params}:
         param.register_post_accumulate_grad_hook(lambda p, groups=groups: _average_grad(p, groups))

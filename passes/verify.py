@@ -37,7 +37,9 @@ def verify(sharded: fx.GraphModule, plan: Plan, axes: MeshAxes) -> None:
 def _placements_by_axis(param, axes: MeshAxes) -> dict:
     """``{"dp": Shard(0), "tp": Shard(1)}``; an axis the tensor is not on counts as replicated."""
     got = {axis: REPLICATED for axis in axes.names}
+    flattened = "_".join(axes.fsdp_axes)  # FSDP's one axis over dp x cp (MeshAxes.dp_mesh)
     if isinstance(param, DTensor):
         for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements, strict=True):
-            got[axis] = placement
+            for name in (axes.fsdp_axes if axis == flattened else (axis,)):
+                got[name] = placement
     return got

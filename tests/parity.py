@@ -59,7 +59,7 @@ def mean_over_dp(value: torch.Tensor, mesh) -> torch.Tensor:
         return value.detach()
     total = value.detach().clone()
     for axis in mesh.mesh_dim_names:
-        if axis != "tp":
+        if axis not in ("tp", "cp"):  # tp and cp ranks hold the same loss
             dist.all_reduce(total, group=mesh.get_group(axis))
     return total / size
 
