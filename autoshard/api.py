@@ -544,7 +544,10 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
     if captured.trace_note:
         final = dataclasses.replace(final, trace_note=captured.trace_note)
     if context is not None:
-        final = dataclasses.replace(final, context=context.to_dict())
+        from autoshard.passes.context import cp_traffic
+
+        traffic = cp_traffic(captured.gm, layout_plan.layouts, axes.tp)
+        final = dataclasses.replace(final, context=context.to_dict() | {"collectives": [list(t) for t in traffic]})
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:

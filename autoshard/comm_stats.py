@@ -28,6 +28,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard.collectives  # noqa: F401  (defines torch.ops.autoshard.*)
+import autoshard.context_ops  # noqa: F401  (defines torch.ops.autoshard.cp_*)
 from autoshard.sharding import Wire, sum_on_wire, widens
 
 _funcol = torch.ops._c10d_functional
@@ -39,6 +40,8 @@ _AUTOSHARD = {
     torch.ops.autoshard.gather_shards: (Wire.ALL_GATHER, 2),
     torch.ops.autoshard.reduce_scatter_partial: (Wire.REDUCE_SCATTER, 2),
     torch.ops.autoshard.gather_for_colwise: (Wire.ALL_GATHER, 2),
+    torch.ops.autoshard.cp_gather: (Wire.ALL_GATHER, 3),
+    torch.ops.autoshard.cp_all_reduce: (Wire.ALL_REDUCE, 2),
 }
 _FUNCTIONAL = {
     _funcol.all_reduce: (Wire.ALL_REDUCE, 2),

@@ -19,7 +19,12 @@ counts a running step (ring-model wire bytes per rank), without running anything
   weight with a quantized all-gather as its 1-byte values plus one fp32 scale
   per block. A parameter replicated over dp adds one gradient all-reduce per
   dp axis. Under HSDP each unit's reduced shard is all-reduced once over
-  ``dp_replicate``.
+  ``dp_replicate``. On a mesh with a ``cp`` axis FSDP shards over ``dp x cp``
+  flattened and its traffic is reported as ``fsdp``.
+* **cp**: every collective the sequence cut records (``plan.context``): per
+  all-gather of keys, values or an output the bytes of the whole tensor (its tp
+  shard under tp) and, where a gradient flows back, a reduce-scatter as large;
+  an all-reduce of a loss's sum or count, twice where a gradient flows.
 * The optimizer step of any ``torch.optim`` optimizer on the sharded
   parameters communicates nothing (gradient clipping would).
 
@@ -34,7 +39,7 @@ from collections import defaultdict
 
 import torch
 
-from autoshard.mesh import DP_REPLICATE, TP, MeshAxes, axes_from_sizes, dp_choice
+from autoshard.mesh import CP, DP_REPLICATE, TP, MeshAxes, axes_from_sizes, dp_choice
 from autoshard.sharding import REPLICATED, WIRE_KINDS, Wire, rank_shape, sharded_by_fsdp, sum_on_wire, widens
 
 KINDS = (Wire.ALL_REDUCE, Wire.ALL_GATHER, Wire.REDUCE_SCATTER, Wire.ALL_TO_ALL)
@@ -79,6 +84,8 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
                 tally.add(TP, kind, nbytes, axes.tp)
     if axes.has_dp:
         _fsdp(plan, axes, tally, reshard_after_forward, master_dtype, param_dtype, reduce_dtype)
+    for kind, nbytes in plan.context.get("collectives", ()):  # the sequence cut over cp
+        tally.add(CP, kind, nbytes, axes.cp)
     return tally.result()
 
 
@@ -133,7 +140,8 @@ def _tp_sends(plan, reduce_dtype, tp: int) -> dict[str, list[tuple[str, int]]]:
 
 
 def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
-    shard_axis, shards = axes.shard_axis, axes.dp
+    # with a cp axis FSDP runs on dp x cp flattened: its traffic is "fsdp", apart from the cp ops' own
+    shard_axis, shards = ("fsdp" if axes.has_cp else axes.shard_axis), axes.dp
     gathered_dtype = param_dtype or master
     reduced_dtype = reduce_dtype or master
     spec = plan.quant_spec()

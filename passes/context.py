@@ -130,7 +130,10 @@ def refresh_shapes(gm: fx.GraphModule) -> None:
     vals = [n.meta.get("val") for n in placeholders]
     mode = detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
     mode.allow_non_fake_inputs = True
+    attrs = {n: n.meta["val"] for n in gm.graph.nodes if n.op == "get_attr" and "val" in n.meta}
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+    for node, val in attrs.items():  # parameters keep their shapes, and the requires_grad FakeTensorProp drops
+        node.meta["val"] = val
 
 
 def _val(node):
@@ -319,6 +322,8 @@ class _Rewriter:
             return (cut, cut)
         if target in _NLL:
             return self._nll(node)
+        if target is aten.cross_entropy_loss.default:
+            return self._cross_entropy(node)
         if target is aten.index_select.default and self._cut_of(node.args[0]) and not self._cut_of(node.args[2]):
             cut = self._cut_of(node.args[0])
             if cut.dim == int(node.args[1]) % len(_shape(node.args[0])):
@@ -638,6 +643,73 @@ class _Rewriter:
             if new in (loss, count):
                 self.cut[new] = None
         return (None, None)
+
+
+    def _loss_rows(self, node: fx.Node) -> Cut:
+        """The cut of a loss's rows (its input's, class dim excluded), its target cut to match."""
+        logits, target = node.args[0], node.args[1]
+        lcut = self._cut_of(logits)
+        if not isinstance(lcut, Cut) or lcut.dim == 1 and len(_shape(logits)) > 1:
+            raise _Gather("a loss whose class dim is cut")
+        tcut = dataclasses.replace(lcut, dim=lcut.dim if lcut.dim == 0 else lcut.dim - 1)
+        if self._cut_of(target) is None:
+            node.replace_input_with(target, self._index(target, tcut, node))
+        elif self._cut_of(target) != tcut:
+            raise _Gather("a loss whose targets are cut unlike its inputs")
+        return lcut
+
+    def _cross_entropy(self, node: fx.Node):
+        """``cross_entropy``: rows summed here, over cp, and a mean divided by the whole count of
+        targets that are not ``ignore_index`` (what one device divides by, label smoothing included)."""
+        lcut = self._loss_rows(node)
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        args = dict(zip(names[:len(node.args)], node.args, strict=True)) | dict(node.kwargs)
+        reduction = args.get("reduction", 1)
+        if reduction == 0:
+            return dataclasses.replace(lcut, dim=lcut.dim if lcut.dim == 0 else lcut.dim - 1)
+        if reduction == 1 and args.get("weight") is not None:
+            raise NotImplementedError(f"autoshard: {describe(node)}: a class-weighted mean loss under context "
+                                      f"parallelism")
+        users = list(node.users)
+        anchor = node.next
+        node.args, node.kwargs = (args["input"], args["target"]), {
+            **{k: v for k, v in args.items() if k not in ("input", "target")}, "reduction": 2}
+        total = self._insert(anchor, CP_ALL_REDUCE, (node, self.cp, self.group), owner=node)
+        loss = total
+        if reduction == 1:
+            counted = self._insert(anchor, aten.ne.Scalar, (node.args[1], args.get("ignore_index", -100)), owner=node)
+            count = self._insert(anchor, aten.sum.default, (counted,),
+                                 {"dtype": _val(node).dtype}, owner=node)
+            count = self._insert(anchor, CP_ALL_REDUCE, (count, self.cp, self.group), owner=node)
+            loss = self._insert(anchor, aten.div.Tensor, (total, count), owner=node)
+        for user in users:
+            user.replace_input_with(node, loss)
+        for new in (total, loss):
+            self.cut[new] = None
+        return None
+
+
+def cp_traffic(gm: fx.GraphModule, layouts: dict, tp: int) -> tuple[tuple[str, int], ...]:
+    """``(kind, bytes)`` of each cp collective one training step runs, forward and backward, for
+    :func:`autoshard.predict.predicted_comm`: a gather's bytes are those of the whole tensor it
+    makes (its tp shard under tp), its backward reduce-scatters as many; an all-reduce's backward is
+    one more where a gradient flows."""
+    from autoshard.passes.propagate import _carries_grad
+
+    carries = _carries_grad(gm)
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (CP_GATHER, CP_ALL_REDUCE):
+            continue
+        value = _val(node)
+        nbytes = value.numel() * value.element_size()
+        if isinstance(layouts.get(node), int):
+            nbytes //= tp
+        forward, backward = ("all_gather", "reduce_scatter") if node.target is CP_GATHER else ("all_reduce",) * 2
+        out.append((forward, nbytes))
+        if node.args[0] in carries:
+            out.append((backward, nbytes))
+    return tuple(out)
 
 
 def _covers(node: fx.Node, size: int) -> bool:
