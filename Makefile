@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity zoo golden clean
+.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo golden clean
 
 install: $(STAMP)
 
@@ -67,6 +67,15 @@ bench-pp: $(STAMP)
 # microbatches, each against one device (3 AdamW steps' losses, parameters after 3 SGD steps; goal <= 1e-5).
 pp-parity: $(STAMP)
 	$(PY) benchmarks/pp_parity.py
+
+# Context parallelism at sequence 4096: cp=4 against the same 4 ranks as dp=4 and as tp=4 (step time, bytes
+# per step, activations held for backward), and the attention work of each rank (load balance).
+bench-cp: $(STAMP)
+	$(PY) benchmarks/bench_cp.py
+
+# Every cp mesh (cp4, dp2 x cp2, cp2 x tp2) and model (example Llama, HF Llama / Qwen2 / Mistral) against one device.
+cp-parity: $(STAMP)
+	$(PY) benchmarks/cp_parity.py
 
 # Every transformers family autoshard captures, planned and proven in one process on five meshes
 # (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4.

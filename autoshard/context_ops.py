@@ -35,8 +35,11 @@ def chunk_length(seq: int, cp: int) -> int:
     return seq // (2 * cp)
 
 
-def local_positions(rank: int, cp: int, seq: int, device=None) -> torch.Tensor:
-    """Rank ``rank``'s global positions: chunk ``rank`` then chunk ``2*cp - 1 - rank``."""
+def local_positions(rank: int, cp: int, seq: int, device=None, balanced: bool = True) -> torch.Tensor:
+    """Rank ``rank``'s global positions: chunk ``rank`` then chunk ``2*cp - 1 - rank`` (or, not
+    ``balanced``, the ``rank``-th of ``cp`` contiguous pieces)."""
+    if not balanced:
+        return torch.arange(rank * (seq // cp), (rank + 1) * (seq // cp), device=device)
     chunk = chunk_length(seq, cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
@@ -80,13 +83,13 @@ def to_rank_order(whole: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
 
 
 @torch.library.custom_op(f"{_LIB}::cp_positions", mutates_args=())
-def cp_positions(like: torch.Tensor, seq: int, cp: int, group_name: str) -> torch.Tensor:
+def cp_positions(like: torch.Tensor, seq: int, cp: int, group_name: str, balanced: bool = True) -> torch.Tensor:
     """The global positions of this rank's part of a sequence of ``seq``, on ``like``'s device."""
-    return local_positions(_group_rank(group_name), cp, seq, like.device)
+    return local_positions(_group_rank(group_name), cp, seq, like.device, balanced)
 
 
 @cp_positions.register_fake
-def _(like, seq, cp, group_name):
+def _(like, seq, cp, group_name, balanced=True):
     return like.new_empty((seq // cp,), dtype=torch.int64)
 
 

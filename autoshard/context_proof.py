@@ -115,3 +115,60 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.double().norm().item()
     diff = (actual.double() - expected.double()).norm().item()
     return diff / scale if scale > 0 else diff
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionWork:
+    """Attention FLOPs each cp rank runs in one forward, read from the emitted code's SDPA calls:
+    ``executed`` counts every (query, key) pair a call computes, ``useful`` only those its mask
+    lets through (``4 * head_dim`` FLOPs per pair and head: scores and the weighted sum)."""
+
+    executed: tuple[float, ...]
+    useful: tuple[float, ...]
+
+    @staticmethod
+    def spread(values) -> float:
+        """Largest deviation from the mean, relative to it."""
+        mean = sum(values) / len(values)
+        return max(abs(v - mean) for v in values) / mean
+
+    @staticmethod
+    def ratio(values) -> float:
+        """Most over least."""
+        return max(values) / min(values)
+
+
+def attention_work(cut: fx.GraphModule, cp: int, inputs: list, weights: dict) -> AttentionWork:
+    """Run ``cut`` on ``cp`` simulated ranks (no gradients) and count each rank's attention FLOPs."""
+    executed, useful = [0.0] * cp, [0.0] * cp
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+
+    class Counting(RankSimulator):
+        def call_function(self, target, args, kwargs):
+            if target is sdpa:
+                from autoshard.passes.simulate import on_rank
+
+                for rank in range(self.tp):
+                    a, k = on_rank(args, rank), on_rank(kwargs, rank)
+                    q, key = a[0], a[1]
+                    mask = a[3] if len(a) > 3 else k.get("attn_mask")
+                    causal = a[5] if len(a) > 5 else k.get("is_causal", False)
+                    pairs = q.shape[-2] * key.shape[-2]
+                    batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
+                    seen = pairs
+                    if mask is not None:
+                        seen = mask.expand(*q.shape[:-1], key.shape[-2]).float().sum().item() / batch_heads
+                        if mask.dtype != torch.bool:
+                            seen = (mask.expand(*q.shape[:-1], key.shape[-2]) > -torch.inf).float().sum().item() \
+                                / batch_heads
+                    elif causal:
+                        seen = torch.ones(q.shape[-2], key.shape[-2]).tril().sum().item()
+                    flops = 4 * batch_heads * q.shape[-1]
+                    executed[rank] += flops * pairs
+                    useful[rank] += flops * seen
+            return super().call_function(target, args, kwargs)
+
+    params = {name: PerRank([w.detach()] * cp) for name, w in weights.items()}
+    with torch.no_grad():
+        Counting(cut, cp, params.get).run(*inputs)
+    return AttentionWork(tuple(executed), tuple(useful))

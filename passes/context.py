@@ -108,12 +108,16 @@ _SDPA = aten.scaled_dot_product_attention.default
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss.default, aten.nll_loss_nd.default)
 
 
-def cut_sequence(gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str]) -> ContextPlan:
-    """Rewrite ``gm`` (captured for whole sequences of ``seq``) into one cp rank's code, in place."""
+def cut_sequence(gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str],
+                 balanced: bool = True) -> ContextPlan:
+    """Rewrite ``gm`` (captured for whole sequences of ``seq``) into one cp rank's code, in place.
+
+    ``balanced=False`` cuts the sequence in ``cp`` contiguous pieces instead, and causal attention
+    reads every key: the layout load balancing is measured against (``benchmarks/bench_cp.py``)."""
     if seq % (2 * cp):
         raise ValueError(f"autoshard: context parallelism cuts the sequence in 2*cp = {2 * cp} chunks, and the "
                          f"sequence length {seq} (dim {SEQ_DIM} of the first input) does not divide by {2 * cp}")
-    rewriter = _Rewriter(gm, seq, cp, group_name, params)
+    rewriter = _Rewriter(gm, seq, cp, group_name, params, balanced)
     rewriter.run()
     gm.graph.lint()
     gm.recompile()
@@ -146,7 +150,7 @@ def _shape(node) -> tuple[int, ...] | None:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str]):
+    def __init__(self, gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str], balanced: bool):
         self.gm, self.graph = gm, gm.graph
         self.seq, self.cp, self.group = seq, cp, group_name
         self.local = seq // cp
@@ -160,6 +164,8 @@ class _Rewriter:
         self.attention: list[str] = []
         self.entries: list[str] = []
         self.dead: list[fx.Node] = []  # nodes replaced, erased once the walk is done
+        self.masks: dict[tuple[int, int, int], fx.Node] = {}
+        self.balanced = balanced
 
     # --- driving -------------------------------------------------------------------------------
 
@@ -171,7 +177,8 @@ class _Rewriter:
             raise ValueError("autoshard: context parallelism needs a tensor input holding the sequence")
         self.data.update(placeholders)
         with self.graph.inserting_after(placeholders[-1]):
-            self.positions = self.graph.call_function(CP_POSITIONS, (like, self.seq, self.cp, self.group))
+            self.positions = self.graph.call_function(CP_POSITIONS, (like, self.seq, self.cp, self.group,
+                                                                     self.balanced))
         for node in nodes:
             if node.op == "call_function":
                 if any(a in self.data for a in node.all_input_nodes):
@@ -579,6 +586,16 @@ class _Rewriter:
         node.replace_all_uses_with(self._causal(node, q, keys, values, rest))
         return qcut
 
+    def _causal_mask(self, start: int, end: int, keys: int) -> fx.Node:
+        """Whether local queries ``start:end`` see each of the first ``keys`` keys; made once, next
+        to the positions, and read by every layer."""
+        key = (start, end, keys)
+        if key not in self.masks:
+            anchor = self.positions.next
+            rows = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, start, end), owner=self.positions)
+            self.masks[key] = self._insert(anchor, _causal_mask, (rows, keys), owner=self.positions)
+        return self.masks[key]
+
     def _mask_rows(self, mask: fx.Node, node: fx.Node) -> fx.Node:
         """An attention mask read at this rank's query positions, every key whole."""
         cut, shape = self._cut_of(mask), _shape(mask)
@@ -600,14 +617,18 @@ class _Rewriter:
         qb = self._insert(anchor, aten.slice.Tensor, (q, -2, chunk, 2 * chunk), owner=node)
         ka = self._insert(anchor, aten.slice.Tensor, (keys, -2, 0, half), owner=node)
         va = self._insert(anchor, aten.slice.Tensor, (values, -2, 0, half), owner=node)
-        pa = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, 0, chunk), owner=node)
-        pb = self._insert(anchor, aten.slice.Tensor, (self.positions, 0, chunk, 2 * chunk), owner=node)
-        ma = self._insert(anchor, _causal_mask, (pa, half), owner=node)
-        mb = self._insert(anchor, _causal_mask, (pb, self.seq), owner=node)
-        oa = self._insert(anchor, _SDPA, (qa, ka, va), {**rest, "attn_mask": ma}, owner=node)
-        ob = self._insert(anchor, _SDPA, (qb, keys, values), {**rest, "attn_mask": mb}, owner=node)
+        if not self.balanced:  # every query against every key (a contiguous cut, for comparison)
+            out = self._insert(anchor, _SDPA, (q, keys, values),
+                               {**rest, "attn_mask": self._causal_mask(0, self.local, self.seq)}, like=node, owner=node)
+            self.cut[out] = self._cut_of(q)
+            self.dead.append(node)
+            return out
+        oa = self._insert(anchor, _SDPA, (qa, ka, va), {**rest, "attn_mask": self._causal_mask(0, chunk, half)},
+                          owner=node)
+        ob = self._insert(anchor, _SDPA, (qb, keys, values),
+                          {**rest, "attn_mask": self._causal_mask(chunk, 2 * chunk, self.seq)}, owner=node)
         out = self._insert(anchor, aten.cat.default, ([oa, ob], -2), like=node, owner=node)
-        for new in (qa, qb, ka, va, pa, pb, ma, mb, oa, ob):
+        for new in (qa, qb, ka, va, oa, ob):
             self.cut[new] = None
         self.cut[out] = self._cut_of(q)
         self.dead.append(node)

@@ -196,8 +196,8 @@ def _as_sharded_dtensor(xs: PerRank, dim, group_name) -> PerRank:
     return PerRank(xs.values, sharded_dim=dim)
 
 
-def _cp_positions(xs: PerRank, seq, cp, group_name) -> PerRank:
-    return PerRank([context_ops.local_positions(r, cp, seq, x.device) for r, x in enumerate(xs.values)])
+def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True) -> PerRank:
+    return PerRank([context_ops.local_positions(r, cp, seq, x.device, balanced) for r, x in enumerate(xs.values)])
 
 
 def _cp_gather(tally, xs, dim, cp, group_name):

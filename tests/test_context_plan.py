@@ -1,0 +1,218 @@
+"""Context parallelism in one process: the sequence cut over cp, proven over simulated cp ranks.
+
+Every model here is unmodified code (this project's example Llama, Hugging Face decoders, small
+modules written the way public code writes attention). Training on real ranks is in
+``tests/test_context_parallel.py``; the full parity matrix in ``make cp-parity``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers as hf
+
+import autoshard
+from autoshard import Plan
+from autoshard.context_ops import local_positions, to_global_order, to_rank_order
+from autoshard.context_proof import attention_work
+from autoshard.passes.capture import capture
+from autoshard.passes.context import cut_sequence
+from examples.models import Llama, LlamaConfig
+from tests import hf_cases
+
+MESHES = ({"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4})
+
+
+def _ids(vocab: int, batch: int = 3, seq: int = 48, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _proven(model, mesh, ids, kwargs=None, **options):
+    proof = autoshard.check(model, mesh, example_inputs=(ids,), example_kwargs=kwargs, **options)
+    assert proof.ok, proof
+    assert proof.outputs and proof.gradients
+    return proof
+
+
+def test_positions_are_balanced_and_gathers_restore_sequence_order():
+    seq, cp = 32, 4
+    ranks = [local_positions(r, cp, seq) for r in range(cp)]
+    assert ranks[0].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
+    assert ranks[3].tolist() == [12, 13, 14, 15, 16, 17, 18, 19]
+    assert sorted(torch.cat(ranks).tolist()) == list(range(seq))
+    whole = torch.arange(seq).float().view(1, seq, 1)
+    gathered = torch.cat([whole[:, p] for p in ranks], dim=1)  # what an all-gather of the ranks' parts holds
+    assert torch.equal(to_global_order(gathered, 1, cp), whole)
+    assert torch.equal(to_rank_order(whole, 1, cp), gathered)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
+def test_example_llama_is_proven_on_every_cp_mesh(mesh):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(max_seq_len=64))
+    proof = _proven(model, mesh, _ids(256))
+    plan = autoshard.plan(model, mesh, example_inputs=(_ids(256),))
+    assert plan.context["cp"] == mesh["cp"] and len(plan.context["attention"]) == 2
+    if "tp" not in mesh:  # the proof simulates cp alone: its collectives are the plan's
+        assert plan.predicted_comm()["cp"] == proof.cp_collectives
+    else:  # under tp the keys and values gathered over cp are tp shards (whole when tp exceeds the
+        # 2 kv heads): as many gathers, fewer bytes
+        predicted = plan.predicted_comm()["cp"]
+        assert predicted["all_gather"][0] == proof.cp_collectives["all_gather"][0]
+        fewer = operator.lt if mesh["tp"] <= 2 else operator.le
+        assert fewer(predicted["all_gather"][1], proof.cp_collectives["all_gather"][1])
+        assert "tp breaks: 0 of 2 blocks" in str(plan)
+
+
+@pytest.mark.parametrize("family", ["_llama", "_qwen2", "_mistral"])
+@pytest.mark.parametrize("mesh", MESHES[:3], ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
+def test_hugging_face_decoders_are_proven_unmodified(family, mesh):
+    torch.manual_seed(0)
+    _proven(getattr(hf_cases, family)(), mesh, _ids(hf_cases.VOCAB))
+
+
+def test_hugging_face_loss_from_labels_padding_mask_and_eager_attention():
+    torch.manual_seed(0)
+    ids = _ids(hf_cases.VOCAB, batch=2, seq=32)
+    labels = ids.clone()
+    labels[0, :5] = -100  # ignored tokens: the mean divides by the tokens that count, over every rank
+    proof = _proven(hf_cases._llama(), {"cp": 4}, ids, {"labels": labels})
+    assert proof.cp_collectives["all_reduce"][0] == 3  # the loss sum and count, and the sum's gradient
+    mask = torch.ones_like(ids)
+    mask[1, -6:] = 0
+    _proven(hf_cases._qwen2(), {"cp": 2}, ids, {"attention_mask": mask})
+    eager = hf.LlamaForCausalLM(hf.LlamaConfig(**hf_cases._DECODER, attn_implementation="eager"))
+    _proven(eager, {"cp": 4}, ids)
+
+
+def test_bf16_proof():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(max_seq_len=64)).to(torch.bfloat16)
+    proof = _proven(model, {"cp": 2, "tp": 2}, _ids(256, batch=2, seq=32))
+    assert proof.tolerance == 2e-2
+
+
+class AlibiAttention(nn.Module):
+    """Attention written out (matmul, softmax, matmul) with an ALiBi bias built from ``arange``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        slopes = torch.tensor([2.0 ** (-8 * (i + 1) / heads) for i in range(heads)])
+        self.register_buffer("slopes", slopes, persistent=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s, device=x.device)
+        distance = (pos[None, :] - pos[:, None]).float()
+        bias = self.slopes[:, None, None] * distance  # [heads, s, s]
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads) + bias
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out = F.softmax(scores, dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+class AlibiLM(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(AlibiAttention(dim) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(self.norm(h))
+        return self.head(h)
+
+
+def test_alibi_bias_and_causal_mask_use_global_positions():
+    torch.manual_seed(0)
+    proof = _proven(AlibiLM(), {"cp": 4}, _ids(64, batch=2, seq=32))
+    assert proof.cp_collectives["all_gather"][0] == 5  # keys and values of 2 blocks, and the output
+
+
+class PrefixSum(nn.Module):
+    """A running mean over the sequence (a cumulative sum along it) between two linears."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.mix(self.embed(ids))
+        steps = torch.arange(1, ids.shape[1] + 1, device=ids.device).view(1, -1, 1)
+        return self.head(torch.cumsum(h, dim=1) / steps)
+
+
+def test_an_op_mixing_positions_reads_its_input_whole_and_the_plan_says_so():
+    torch.manual_seed(0)
+    ids = _ids(64, batch=2, seq=16)
+    _proven(PrefixSum(), {"cp": 2}, ids)
+    plan = autoshard.plan(PrefixSum(), {"cp": 2}, example_inputs=(ids,))
+    assert [name for name, _ in plan.context["gathered_whole"]] == ["cumsum"]
+    assert "read whole (all-gathered): cumsum: cumsum.default along the sequence" in str(plan)
+    assert Plan.from_dict(plan.to_dict()).context == plan.context
+
+
+class RunningMax(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.cummax(self.embed(ids), dim=1).values)
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(max_seq_len=64))
+    with pytest.raises(ValueError, match=r"sequence length 20 .* does not divide by 8"):
+        autoshard.plan(model, {"cp": 4}, example_inputs=(_ids(256, seq=20),))
+    with pytest.raises(ValueError, match="sequence_parallel cuts the sequence over tp"):
+        autoshard.plan(model, {"cp": 2, "tp": 2}, example_inputs=(_ids(256, seq=16),), sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match=r"no rule for node 'cummax' .* at test_context_plan.py:\d+"):
+        autoshard.plan(RunningMax(), {"cp": 2}, example_inputs=(_ids(64, seq=16),))
+    with pytest.raises(ValueError, match="mesh axes"):
+        autoshard.plan(model, {"cp": 2, "pp": 2}, example_inputs=(_ids(256, seq=16),))
+
+
+def test_hsdp_with_cp_shards_parameters_over_dp_shard_and_cp():
+    torch.manual_seed(0)
+    plan = autoshard.plan(Llama(LlamaConfig(max_seq_len=64)), {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2},
+                          example_inputs=(_ids(256, seq=16),))
+    wq = plan.params["layers.0.attention.wq.weight"]
+    assert {a: str(p) for a, p in wq.placements.items()} == {"dp_replicate": "R", "dp_shard": "S(0)", "cp": "S(0)",
+                                                              "tp": "S(1)"}
+    assert "fsdp" in plan.predicted_comm() and "cp" in plan.predicted_comm()
+
+
+def test_causal_attention_work_is_balanced_over_ranks():
+    """Each rank's attention FLOPs, read from the emitted code, against a contiguous cut's."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(max_seq_len=512))
+    ids = _ids(256, batch=1, seq=512)
+    work = {}
+    for balanced in (True, False):
+        captured = capture(model, (ids,), {}, None, None, True)
+        cut_sequence(captured.gm, 512, 4, "cp", set(captured.param_shapes), balanced=balanced)
+        weights = {n.target: operator.attrgetter(n.target)(captured.gm) for n in captured.gm.graph.nodes
+                   if n.op == "get_attr" and isinstance(operator.attrgetter(n.target)(captured.gm), torch.Tensor)}
+        work[balanced] = attention_work(captured.gm, 4, [ids], weights)
+    assert work[True].spread(work[True].useful) <= 0.05
+    assert work[True].spread(work[True].executed) <= 0.05
+    assert work[False].ratio(work[False].useful) > 6.5  # 1/2 : 3/2 : 5/2 : 7/2 of the diagonal blocks
+    assert sum(work[True].executed) < 0.8 * sum(work[False].executed)  # the first chunk reads half the keys
