@@ -146,7 +146,10 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
+        if packet is torch.ops.autoshard.cp_causal_attention:  # all-gathers k and v inside
+            for local in args[1:3]:
+                self._record(Wire.ALL_GATHER, args[4], local.new_empty((local.numel() * args[3],)))
+        elif packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
             kind, group_index = _AUTOSHARD[packet]
             payload = out if kind == Wire.ALL_GATHER else args[0]
             # a sum added in the op's reduce_dtype (mixed precision) travels in its own dtype, on

@@ -12,6 +12,9 @@ op                     forward                                      backward
 ``cp_positions``       this rank's global positions (int64)         (none: integer)
 ``cp_gather``          all-gather a cut dim, in global order        reduce-scatter (sum)
 ``cp_all_reduce``      sum over the cp ranks                        all-reduce (sum)
+``cp_causal_attention``  all-gather k, v; causal attention of this  all-gather k, v again,
+                         rank's queries over them                     attention again,
+                                                                      reduce-scatter dk, dv
 =====================  ===========================================  =========================
 
 Each backward is its forward's adjoint: every cp rank back-propagates its own copy of the loss, so
@@ -167,4 +170,65 @@ cp_all_reduce.register_autograd(_cp_all_reduce_backward, setup_context=_keep_gro
 CP_POSITIONS = torch.ops.autoshard.cp_positions.default
 CP_GATHER = torch.ops.autoshard.cp_gather.default
 CP_ALL_REDUCE = torch.ops.autoshard.cp_all_reduce.default
-CP_OPS = (CP_POSITIONS, CP_GATHER, CP_ALL_REDUCE)
+
+
+# --- cp_causal_attention: this rank's two chunks of causal attention over the whole keys ------
+
+
+def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, cp: int,
+                            scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention of rank ``rank``'s two query chunks (global chunks ``rank`` and
+    ``2*cp - 1 - rank``, ``[..., 2L, D]``) over the whole sequence's keys and values: chunk ``c``
+    reads the first ``(c + 1) L`` keys only, the last ``L`` of them under a causal mask. Every rank
+    reads ``(2 cp + 1) L^2`` (query, key) pairs."""
+    chunk = q.shape[-2] // 2
+    outs = []
+    for i, c in enumerate((rank, 2 * cp - 1 - rank)):
+        keys = (c + 1) * chunk
+        mask = torch.ones(chunk, keys, dtype=torch.bool, device=q.device).tril(keys - chunk)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[..., i * chunk:(i + 1) * chunk, :], k[..., :keys, :], v[..., :keys, :], attn_mask=mask, scale=scale,
+            enable_gqa=enable_gqa))
+    return torch.cat(outs, dim=-2)
+
+
+@torch.library.custom_op(f"{_LIB}::cp_causal_attention", mutates_args=())
+def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, group_name: str,
+                        scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention(is_causal=True)`` of this rank's queries over every rank's keys
+    and values: ``k`` and ``v`` (this rank's, cut) are all-gathered inside and never kept. Backward
+    gathers them again, computes the attention again and reduce-scatters their gradients, so what a
+    forward leaves for backward is this rank's q, k, v, as on one device for a cp-th of the tokens
+    (one more all-gather of k and v per step buys the memory of the whole keys and values)."""
+    keys, values = _gather(k, -2, cp, group_name), _gather(v, -2, cp, group_name)
+    with torch.no_grad():
+        return causal_chunks_attention(q, keys, values, _group_rank(group_name), cp, scale, enable_gqa)
+
+
+@cp_causal_attention.register_fake
+def _(q, k, v, cp, group_name, scale=None, enable_gqa=False):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _keep_attention(ctx, inputs, output):
+    q, k, v, cp, group_name = inputs[:5]
+    ctx.save_for_backward(q, k, v)
+    ctx.cp, ctx.group_name = cp, group_name
+    ctx.scale = inputs[5] if len(inputs) > 5 else None
+    ctx.enable_gqa = inputs[6] if len(inputs) > 6 else False
+
+
+def _cp_causal_attention_backward(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    cp, group = ctx.cp, ctx.group_name
+    q = q.detach().requires_grad_()
+    keys = _gather(k.detach(), -2, cp, group).requires_grad_()
+    values = _gather(v.detach(), -2, cp, group).requires_grad_()
+    with torch.enable_grad():
+        out = causal_chunks_attention(q, keys, values, _group_rank(group), cp, ctx.scale, ctx.enable_gqa)
+    dq, dkeys, dvalues = torch.autograd.grad(out, (q, keys, values), grad)
+    return dq, _scatter_sum(dkeys, -2, cp, group), _scatter_sum(dvalues, -2, cp, group), None, None, None, None
+
+
+cp_causal_attention.register_autograd(_cp_causal_attention_backward, setup_context=_keep_attention)
+CP_CAUSAL_ATTENTION = torch.ops.autoshard.cp_causal_attention.default

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autoshard.context_ops import CP_CAUSAL_ATTENTION
 from autoshard.mesh import CP
 from autoshard.passes.simulate import PerRank, RankSimulator
 from autoshard.predict import Tally
@@ -145,6 +146,13 @@ def attention_work(cut: fx.GraphModule, cp: int, inputs: list, weights: dict) ->
 
     class Counting(RankSimulator):
         def call_function(self, target, args, kwargs):
+            if target is CP_CAUSAL_ATTENTION:  # chunk c reads (c + 1) L keys, the last L causally
+                q = args[0].values[0]
+                chunk, batch_heads = q.shape[-2] // 2, q.numel() // (q.shape[-2] * q.shape[-1])
+                for rank in range(self.tp):
+                    for c in (rank, 2 * cp - 1 - rank):
+                        executed[rank] += 4 * batch_heads * q.shape[-1] * chunk * (c + 1) * chunk
+                        useful[rank] += 4 * batch_heads * q.shape[-1] * (c * chunk + (chunk + 1) / 2) * chunk
             if target is sdpa:
                 from autoshard.passes.simulate import on_rank
 

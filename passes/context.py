@@ -13,9 +13,10 @@ From there the cut follows each op's layout rule, as tp layouts do:
   computing on every position, so every value derived from positions is right without being named;
 * attention (SDPA, or the matmul-softmax-matmul form) reads every rank's keys and values: they are
   all-gathered over cp (``cp_gather``, whose backward reduce-scatters their gradients, the approach
-  the Llama 3 paper describes). A causal SDPA (``is_causal``) becomes two SDPA calls, one per local
-  chunk, the first chunk against the first half of the keys only; an explicit mask is indexed at
-  this rank's query positions;
+  the Llama 3 paper describes). A causal SDPA (``is_causal``) becomes ``cp_causal_attention``: each
+  local chunk reads the keys up to its own end, so every rank reads as many (query, key) pairs and
+  none past the diagonal block; an explicit mask (or a bias) is indexed at this rank's query
+  positions and every key is read;
 * a sum or mean over the cut dim (a loss over tokens) is finished with ``cp_all_reduce``; a
   token-mean loss divides the all-reduced sum by the all-reduced count, so ignored labels count as
   on one device;
@@ -37,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autoshard.context_ops import CP_ALL_REDUCE, CP_GATHER, CP_POSITIONS
+from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER, CP_POSITIONS
 from autoshard.errors import describe
 
 aten = torch.ops.aten
@@ -570,20 +571,28 @@ class _Rewriter:
         if not isinstance(qcut, Cut) or qcut.dim != nd - 2 or qcut.before != 1 or qcut.after != 1:
             raise NotImplementedError(f"autoshard: {describe(node)}: context parallelism needs the queries cut along "
                                       f"their sequence dim (-2)")
-        keys, values = [self._gather(x, node) if self._cut_of(x) else x for x in (k, v)]
         if isinstance(mask, fx.Node):
             mask = self._mask_rows(mask, node)
         self.attention.append(node.name)
         rest = {n: args[n] for n in ("dropout_p", "scale", "enable_gqa") if n in args}
-        if not args.get("is_causal", False):
+        causal = bool(args.get("is_causal", False))
+        if causal and mask is not None:
+            raise NotImplementedError(f"autoshard: {describe(node)} has both a mask and is_causal")
+        if causal and self.balanced and all(self._cut_of(x) == qcut for x in (k, v)):
+            return self._causal(node, q, k, v, rest)
+        keys, values = [self._gather(x, node) if self._cut_of(x) else x for x in (k, v)]
+        if not causal:
             node.args, node.kwargs = (q, keys, values), {**rest, "attn_mask": mask}
             return qcut
-        if mask is not None:
-            raise NotImplementedError(f"autoshard: {describe(node)} has both a mask and is_causal")
         if _shape(keys)[-2] != self.seq:
             raise NotImplementedError(f"autoshard: {describe(node)} is causal over {_shape(keys)[-2]} keys, not the "
                                       f"sequence of {self.seq}")
-        node.replace_all_uses_with(self._causal(node, q, keys, values, rest))
+        # a contiguous cut (for comparison): every query against every key, under a mask of positions
+        out = self._insert(node.next, _SDPA, (q, keys, values),
+                           {**rest, "attn_mask": self._causal_mask(0, self.local, self.seq)}, like=node, owner=node)
+        self.cut[out] = qcut
+        self.dead.append(node)
+        node.replace_all_uses_with(out)
         return qcut
 
     def _causal_mask(self, start: int, end: int, keys: int) -> fx.Node:
@@ -607,32 +616,16 @@ class _Rewriter:
             return self._index(mask, Cut(rows), node)
         return mask
 
-    def _causal(self, node: fx.Node, q, keys, values, rest) -> fx.Node:
-        """Causal attention of this rank's two chunks: the first (chunk r < cp) needs only the
-        first half of the keys; each chunk's mask compares its global positions with the keys'."""
-        chunk = self.local // 2
-        half = self.seq // 2
-        anchor = node.next
-        qa = self._insert(anchor, aten.slice.Tensor, (q, -2, 0, chunk), owner=node)
-        qb = self._insert(anchor, aten.slice.Tensor, (q, -2, chunk, 2 * chunk), owner=node)
-        ka = self._insert(anchor, aten.slice.Tensor, (keys, -2, 0, half), owner=node)
-        va = self._insert(anchor, aten.slice.Tensor, (values, -2, 0, half), owner=node)
-        if not self.balanced:  # every query against every key (a contiguous cut, for comparison)
-            out = self._insert(anchor, _SDPA, (q, keys, values),
-                               {**rest, "attn_mask": self._causal_mask(0, self.local, self.seq)}, like=node, owner=node)
-            self.cut[out] = self._cut_of(q)
-            self.dead.append(node)
-            return out
-        oa = self._insert(anchor, _SDPA, (qa, ka, va), {**rest, "attn_mask": self._causal_mask(0, chunk, half)},
-                          owner=node)
-        ob = self._insert(anchor, _SDPA, (qb, keys, values),
-                          {**rest, "attn_mask": self._causal_mask(chunk, 2 * chunk, self.seq)}, owner=node)
-        out = self._insert(anchor, aten.cat.default, ([oa, ob], -2), like=node, owner=node)
-        for new in (qa, qb, ka, va, oa, ob):
-            self.cut[new] = None
-        self.cut[out] = self._cut_of(q)
-        self.dead.append(node)
-        return out
+    def _causal(self, node: fx.Node, q, k, v, rest) -> Cut:
+        """Causal attention of this rank's two chunks over every rank's keys and values, each chunk
+        reading the keys up to its own end (``cp_causal_attention``, which gathers k and v)."""
+        if rest.get("dropout_p", 0.0):
+            raise NotImplementedError(f"autoshard: {describe(node)}: causal attention with dropout under context "
+                                      "parallelism (its backward computes the attention again)")
+        node.target = CP_CAUSAL_ATTENTION
+        node.args, node.kwargs = (q, k, v, self.cp, self.group, rest.get("scale"),
+                                  bool(rest.get("enable_gqa", False))), {}
+        return self._cut_of(q)
 
     def _nll(self, node: fx.Node):
         """A loss over tokens: sums over cp; a mean divides by the all-reduced count of tokens that count."""
@@ -720,6 +713,16 @@ def cp_traffic(gm: fx.GraphModule, layouts: dict, tp: int) -> tuple[tuple[str, i
     carries = _carries_grad(gm)
     out = []
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is CP_CAUSAL_ATTENTION:
+            for local in node.args[1:3]:  # k and v: gathered, and in backward gathered again and reduce-scattered
+                value = _val(local)
+                nbytes = value.numel() * value.element_size() * node.args[3]
+                if isinstance(layouts.get(node), int):
+                    nbytes //= tp
+                out.append(("all_gather", nbytes))
+                if local in carries:
+                    out += [("all_gather", nbytes), ("reduce_scatter", nbytes)]
+            continue
         if node.op != "call_function" or node.target not in (CP_GATHER, CP_ALL_REDUCE):
             continue
         value = _val(node)

@@ -98,9 +98,13 @@ def expand_gqa_for_tp(graph: fx.Graph, tp: int) -> list[fx.Node]:
     makes that one head per q head, which tp cuts like q (a cut, no communication forward).
     The result is the same attention. Returns the rewritten attention nodes.
     """
+    from autoshard.context_ops import CP_CAUSAL_ATTENTION  # its args: q, k, v, cp, group, scale, enable_gqa
+
     rewritten = []
     for node in list(graph.nodes):
-        if node.target is not SDPA or not node.kwargs.get("enable_gqa", False):
+        cp_attention = node.target is CP_CAUSAL_ATTENTION
+        gqa = (len(node.args) > 6 and node.args[6]) if cp_attention else node.kwargs.get("enable_gqa", False)
+        if node.target is not SDPA and not cp_attention or not gqa:
             continue
         q, k, v = node.args[:3]
         shapes = [getattr(t.meta.get("val"), "shape", None) for t in (q, k, v)]
@@ -120,7 +124,10 @@ def expand_gqa_for_tp(graph: fx.Graph, tp: int) -> list[fx.Node]:
                 rep.meta["val"] = val.repeat_interleave(heads // kv_heads, dim=-3)
                 rep._rename(f"{t.name}_per_q_head")
                 expanded.append(rep)
-        node.args = (q, *expanded, *node.args[3:])
-        node.kwargs = {key: val for key, val in node.kwargs.items() if key != "enable_gqa"}
+        if cp_attention:
+            node.args = (q, *expanded, *node.args[3:6], False)
+        else:
+            node.args = (q, *expanded, *node.args[3:])
+            node.kwargs = {key: val for key, val in node.kwargs.items() if key != "enable_gqa"}
         rewritten.append(node)
     return rewritten

@@ -21,7 +21,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autoshard.context_ops import CP_ALL_REDUCE, CP_GATHER
+from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER
 
 aten = torch.ops.aten
 
@@ -660,6 +660,7 @@ _RULES = (
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_cudnn_attention.default,
+            CP_CAUSAL_ATTENTION,
         ),
         _attention,
     ),

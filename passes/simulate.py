@@ -200,13 +200,16 @@ def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True) -> PerRank:
     return PerRank([context_ops.local_positions(r, cp, seq, x.device, balanced) for r, x in enumerate(xs.values)])
 
 
-def _cp_gather(tally, xs, dim, cp, group_name):
-    """Every rank's cut part in sequence order; backward: the ranks' gradients summed, each keeping its part."""
+def _cp_gather(tally, xs, dim, cp, group_name, regather: bool = False):
+    """Every rank's cut part in sequence order; backward: the ranks' gradients summed, each keeping
+    its part (after gathering the parts again, ``regather``, as ``cp_causal_attention`` does)."""
     def forward(v):
         tally.add(CP, Wire.ALL_GATHER, _wire(v), len(v))
         return _copies(context_ops.to_global_order(_cat(v, dim), dim, cp), len(v))
 
     def backward(g):
+        if regather:
+            tally.add(CP, Wire.ALL_GATHER, _wire(g[:1]), len(g))
         tally.add(CP, Wire.REDUCE_SCATTER, _wire(g[:1]), len(g))
         return _chunks(context_ops.to_rank_order(_sum(g), dim, cp), len(g), dim)
 
@@ -364,6 +367,8 @@ class RankSimulator(fx.Interpreter):
             return _take_shards(self.tally, list(args[0]), *on_rank(args[1:], 0))
         if target is context_ops.CP_POSITIONS:
             return _cp_positions(args[0], *on_rank(args[1:], 0))
+        if target is context_ops.CP_CAUSAL_ATTENTION:
+            return self._cp_causal_attention(args, kwargs)
         if target is collectives.VOCAB_SHARD_IDS:
             return _vocab_shard_ids(args[0], *on_rank(args[1:], 0))
         if target is collectives.as_sharded_dtensor:
@@ -371,6 +376,19 @@ class RankSimulator(fx.Interpreter):
         if target is operator.getitem and isinstance(args[0], PerRank) and args[0].sharded_dim is not None:
             raise NotImplementedError("autoshard: indexing into a loss-parallel output")
         return self._per_rank(lambda a, k: self._call(target, a, k), args, kwargs)
+
+    def _cp_causal_attention(self, args, kwargs) -> PerRank:
+        """k and v gathered over the cp ranks (again in backward, then their gradients
+        reduce-scattered), each rank's chunks attending with its own rank."""
+        q, k, v, cp, group, *rest = args
+        keys, values = (_cp_gather(self.tally, x.values, -2, cp, group, regather=True) for x in (k, v))
+
+        def one(rank):
+            local = map_aggregate(on_rank((q, keys, values, rest, kwargs), rank),
+                                  lambda a: _as_simulated(a, self.widen))
+            return context_ops.causal_chunks_attention(*local[:3], rank, cp, *local[3], **local[4])
+
+        return PerRank([one(rank) for rank in range(self.tp)])
 
     def call_method(self, target, args, kwargs):
         return self._per_rank(lambda a, k: getattr(a[0], target)(*a[1:], **k), args, kwargs)
