@@ -69,7 +69,7 @@ def _reorder(x: torch.Tensor, dim: int, cp: int, order: list[int]) -> torch.Tens
     dim = dim % x.dim()
     chunks = x.unflatten(dim, (2 * cp, x.shape[dim] // (2 * cp)))
     picked = chunks.index_select(dim, torch.tensor(order, device=x.device))
-    return picked.flatten(dim, dim + 1)
+    return torch.ops.aten._unsafe_view(picked, x.shape)  # a tensor of its own, not a view (a model's output)
 
 
 def to_global_order(gathered: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _gather(x: torch.Tensor, dim: int, cp: int, group_name: str) -> torch.Tensor
     dim = dim % x.dim()
     stacked = torch.ops._c10d_functional.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), cp, group_name)
     stacked = torch.ops._c10d_functional.wait_tensor(stacked).movedim(0, dim)
-    return to_global_order(stacked, dim, cp).contiguous()
+    return to_global_order(stacked, dim, cp)
 
 
 def _scatter_sum(grad: torch.Tensor, dim: int, cp: int, group_name: str) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Context parallelism on 4 gloo ranks: training against one device, measured traffic and memory.
+
+One process group for the file (meshes ``cp4``, ``dp2 x cp2``, ``cp2 x tp2`` made from it). The
+whole matrix of models and meshes is ``make cp-parity``; planning and proofs in one process are in
+``tests/test_context_plan.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+from autoshard.comm_stats import CollectiveCounter
+from examples.models import Llama, LlamaConfig
+from tests import hf_cases
+from tests.distributed import distributed_tests
+from tests.parity import assert_parity, held_for_backward, hf_loss, lm_loss, train_both
+
+TOL = 1e-5
+
+
+def _batch(vocab: int, batch: int = 4, seq: int = 32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen)
+
+
+def _parity(build, mesh, loss_fn, ids, targets, kwargs=None):
+    """3 AdamW steps (losses) and 3 SGD steps (losses and every parameter) next to one device."""
+    for optimizer in ("adamw", "sgd"):
+        torch.manual_seed(0)
+        run = train_both(build(), mesh, ids, targets, loss_fn, optimizer=optimizer, kwargs=kwargs)
+        assert_parity(run, loss_tol=TOL, param_tol=TOL if optimizer == "sgd" else None)
+    return run
+
+
+def _assert_cp_traffic_as_predicted(sharded, mesh, ids, loss_fn, targets):
+    """The collectives one forward and backward runs on the cp group are what the plan predicts:
+    the cp ops', and without a dp axis FSDP's too (it shards over the cp group itself)."""
+    counter = CollectiveCounter({name: mesh.get_group(name) for name in mesh.mesh_dim_names})
+    with counter:
+        loss_fn(sharded(ids), targets).backward()
+    got = {kind: (n, counter.wire_bytes("cp", kind)) for kind, n in counter.stats()["cp"].counts.items()}
+    for p in sharded.parameters():
+        p.grad = None
+    predicted = sharded.autoshard_plan.predicted_comm()
+    want = dict(predicted["cp"])
+    if "dp" not in mesh.mesh_dim_names:  # FSDP shards over cp alone
+        for kind, (n, nbytes) in predicted["fsdp"].items():
+            count, total = want.get(kind, (0, 0))
+            want[kind] = (count + n, total + nbytes)
+    assert got == want, f"measured {got}, predicted {want}"
+
+
+def check_cp4_example_llama_trains_like_one_device_and_keeps_a_quarter_of_the_activations(ctx):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    ids, targets = _batch(256)
+    run = _parity(lambda: Llama(LlamaConfig()), mesh, lm_loss, ids, targets)
+    _assert_cp_traffic_as_predicted(run.sharded, mesh, ids, lm_loss, targets)
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(max_seq_len=4096))
+    long = torch.randint(0, 256, (1, 4096))
+    one_device = held_for_backward(model, long)
+    per_rank = held_for_backward(autoshard.autoshard(model, mesh, example_inputs=(long,)), long)
+    assert per_rank <= 0.3 * one_device, f"{per_rank} bytes held for backward at cp=4, {one_device} at cp=1"
+
+
+def check_dp2_cp2_hugging_face_llama_computing_its_own_loss(ctx):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ids, targets = _batch(hf_cases.VOCAB)
+    # ignored tokens, all in cp rank 0's first chunk: the token mean divides by the tokens that count
+    # over every cp rank (each dp half ignores as many, so that the dp mean of means is the global one)
+    targets[0, :7] = targets[2, :7] = -100
+
+    def own_loss(output, _targets):
+        return output.loss
+
+    _parity(hf_cases._llama, mesh, own_loss, ids, targets, kwargs={"labels": targets})
+
+
+def check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp(ctx):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    ids, targets = _batch(hf_cases.VOCAB)
+    _parity(hf_cases._qwen2, mesh, hf_loss, ids, targets)
+
+    ids, targets = _batch(256)
+    run = _parity(lambda: Llama(LlamaConfig(num_kv_heads=1)), mesh, lm_loss, ids, targets)
+    _assert_cp_traffic_as_predicted(run.sharded, mesh, ids, lm_loss, targets)
+
+
+CHECKS = [
+    check_cp4_example_llama_trains_like_one_device_and_keeps_a_quarter_of_the_activations,
+    check_dp2_cp2_hugging_face_llama_computing_its_own_loss,
+    check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp,
+]
+outcomes, test_check = distributed_tests(CHECKS)
