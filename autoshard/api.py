@@ -72,6 +72,7 @@ def check(
     stages_per_rank: int | None = None,
     pp_split=None,
     memory_per_rank: int | None = None,
+    context_output: str = "whole",
 ) -> Proof:
     """Prove the plan for ``model`` on ``mesh`` in this process, without a process group.
 
@@ -103,7 +104,7 @@ def check(
         proof.raise_if_failed()
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once)
+                          all_gather_quant, trace_blocks_once, context_output)
     axes = _axes(mesh)
     pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                      pp_split=pp_split, memory_per_rank=memory_per_rank)
@@ -175,6 +176,7 @@ def plan(
     stages_per_rank: int | None = None,
     pp_split=None,
     memory_per_rank: int | None = None,
+    context_output: str = "whole",
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
@@ -201,7 +203,7 @@ def plan(
         print(plan)
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once)
+                          all_gather_quant, trace_blocks_once, context_output)
     axes = _axes(mesh)
     pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                      pp_split=pp_split, memory_per_rank=memory_per_rank)
@@ -235,6 +237,7 @@ def autoshard(
     stages_per_rank: int | None = None,
     pp_split=None,
     memory_per_rank: int | None = None,
+    context_output: str = "whole",
 ):
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -250,7 +253,9 @@ def autoshard(
             each rank's local shards are allocated uninitialized, for ``result.load_state_dict``
             to fill (non-persistent buffers the forward reads must hold values beforehand).
         mesh: a ``DeviceMesh`` with axes ``("dp", "tp")``, ``("dp",)``, ``("tp",)``, or for HSDP
-            ``("dp_replicate", "dp_shard"[, "tp"])``.
+            ``("dp_replicate", "dp_shard"[, "tp"])``; ``"pp"`` in front for pipeline stages, ``"cp"``
+            before ``"tp"`` for context parallelism (``("dp", "cp", "tp")``, ``("cp",)``, ...): the
+            sequence (dim 1 of the first input) cut over cp, see ``docs/context-parallel.md``.
 
     Keyword Args:
         example_inputs: one rank's dp-local batch (a tuple of positional inputs).
@@ -309,6 +314,9 @@ def autoshard(
             ``pp_split`` names the first block of every stage after the first (default: the split
             that balances the stages' FLOPs); ``memory_per_rank`` (bytes) bounds each stage's
             parameters, gradients, optimizer states and in-flight activations.
+        context_output: on a mesh with a ``cp`` axis, outputs cut along the sequence come back
+            all-gathered (``"whole"``, the default) or as this rank's positions (``"local"``,
+            listed in ``result.cp_positions``), each rank's loss then being its share of the batch's.
 
     Returns:
         the sharded ``fx.GraphModule`` (its blocks are FSDP units); on a mesh with a ``pp`` axis a
@@ -333,7 +341,7 @@ def autoshard(
             f"({axes.to_dict()}); on a tp-only mesh cast the model (model.to(torch.bfloat16)) instead"
         )
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once)
+                          all_gather_quant, trace_blocks_once, context_output)
     pipelined = dict(loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                      pp_split=pp_split, memory_per_rank=memory_per_rank)
     if axes.has_pp:
@@ -365,6 +373,12 @@ def autoshard(
     apply_activation_checkpointing(parts.blocks, activation_checkpointing)  # on the final block code
     verify(sharded, final_plan, axes)
     sharded.autoshard_plan = final_plan
+    if axes.has_cp:  # the global positions of this rank's part of the sequence (its outputs', if left cut)
+        from autoshard.context_ops import local_positions
+
+        device = torch.device(axes.mesh.device_type, torch.cuda.current_device()) \
+            if axes.mesh.device_type == "cuda" else torch.device(axes.mesh.device_type)
+        sharded.cp_positions = local_positions(axes.mesh.get_local_rank(CP), axes.cp, final_plan.context["seq"], device)
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded
 
@@ -513,6 +527,8 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
         captured = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     reference = copy_graph_module(captured.gm) if keep_reference else None
     context, context_graph = None, None
+    if options.context_output != "whole" and not axes.has_cp:
+        raise ValueError("autoshard: context_output configures context parallelism, and this mesh has no 'cp' axis")
     if axes.has_cp:
         context = _cut_sequence(captured, axes, options, example_inputs)
         context_graph = copy_graph_module(captured.gm) if keep_reference else None
@@ -574,7 +590,8 @@ def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions,
                          f"the first example input is {what}")
     group = axes.group_name(CP) if axes.mesh is not None else CP
     with in_stage("cut the sequence", captured.gm.graph):
-        return cut_sequence(captured.gm, int(first.shape[SEQ_DIM]), axes.cp, group, set(captured.param_shapes))
+        return cut_sequence(captured.gm, int(first.shape[SEQ_DIM]), axes.cp, group, set(captured.param_shapes),
+                            local_outputs=options.context_output == "local")
 
 
 def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
@@ -582,6 +599,7 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
     """The graph cut over cp, every cp rank simulated, against the unsharded graph
     (see :mod:`autoshard.context_proof`)."""
     from autoshard.context_proof import prove_context
+    from autoshard.passes.context import ContextPlan
     from autoshard.pipeline import flat_inputs
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -594,7 +612,9 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
         elif node.op == "get_attr" and node.target in buffers:
             weights[node.target] = buffers[node.target].detach().cpu().clone()
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    return prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol)
+    cut = ContextPlan.from_dict(planned.plan.context)
+    return prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol,
+                         output_cuts=cut.output_cuts, seq=cut.seq)
 
 
 def _emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,

@@ -257,6 +257,12 @@ class AutoshardBackend:
                 "each block's forward instead, so use autoshard.autoshard(..., activation_checkpointing=...) or "
                 "compile without it"
             )
+        if mesh is not None and "cp" in (mesh.mesh_dim_names or ()):
+            raise NotImplementedError(
+                "autoshard.backend: context parallelism (a 'cp' axis) cuts the sequence of the whole model, and "
+                "dynamo hands the backend one graph per break; shard the model with autoshard.autoshard(model, mesh, "
+                "example_inputs=...) instead"
+            )
         self.mesh = mesh
         self.compiler = compiler
         self.options = autoshard_options

@@ -172,6 +172,27 @@ CP_GATHER = torch.ops.autoshard.cp_gather.default
 CP_ALL_REDUCE = torch.ops.autoshard.cp_all_reduce.default
 
 
+# --- cp_local_output: an output left cut, each rank's loss its share of the whole ---------
+
+
+@torch.library.custom_op(f"{_LIB}::cp_local_output", mutates_args=())
+def cp_local_output(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """A graph output returned cut (``context_output="local"``): the identity forward. Each rank's
+    loss on it is a share of the whole batch's, so backward scales its gradient by ``cp``, which keeps
+    every rank's parameter gradients what they are when every rank computes the whole loss."""
+    return x.clone()
+
+
+@cp_local_output.register_fake
+def _(x, cp):
+    return torch.empty_like(x)
+
+
+cp_local_output.register_autograd(lambda ctx, grad: (grad * ctx.cp, None),
+                                  setup_context=lambda ctx, inputs, output: setattr(ctx, "cp", inputs[1]))
+CP_LOCAL_OUTPUT = torch.ops.autoshard.cp_local_output.default
+
+
 # --- cp_causal_attention: this rank's two chunks of causal attention over the whole keys ------
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autoshard.context_ops import CP_CAUSAL_ATTENTION
+from autoshard.context_ops import CP_CAUSAL_ATTENTION, local_positions
 from autoshard.mesh import CP
 from autoshard.passes.simulate import PerRank, RankSimulator
 from autoshard.predict import Tally
@@ -54,9 +54,10 @@ class ContextProof:
 
 
 def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, inputs: list, weights: dict,
-                  *, seed: int = 0, rtol: float | None = None) -> ContextProof:
+                  *, seed: int = 0, rtol: float | None = None, output_cuts: tuple = (), seq: int = 0) -> ContextProof:
     """Run ``cut`` on ``cp`` simulated ranks and ``reference`` on one, on flat ``inputs`` and ``weights``
-    (``get_attr`` target -> tensor); compare outputs and gradients."""
+    (``get_attr`` target -> tensor); compare outputs and gradients. ``output_cuts``: per output, the
+    dim it leaves cut along (each rank compared with its positions of the reference), or None."""
     start = time.perf_counter()
     trained = {name: w for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
 
@@ -74,13 +75,19 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     dtype = next((o.values[0].dtype for o in ref_out if isinstance(o, PerRank) and o.values[0].is_floating_point()),
                  torch.float32)
     tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-5)
-    _backward(ref_out, cotangents)
-    _backward(cut_out, cotangents)
+    cuts = list(output_cuts) + [None] * (len(ref_out) - len(output_cuts))
+    positions = [local_positions(r, cp, seq) for r in range(cp)] if any(c is not None for c in cuts) else []
+
+    def on_rank(value, i, rank):  # the part of a whole value rank ``rank`` holds of output ``i``
+        return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank])
+
+    _backward(ref_out, [[c] for c in cotangents])
+    _backward(cut_out, [[on_rank(c, i, r) for r in range(cp)] for i, c in enumerate(cotangents)])
     outputs = []
     for i, (ref, got) in enumerate(zip(ref_out, cut_out, strict=True)):
         if not isinstance(ref, PerRank) or not isinstance(ref.values[0], torch.Tensor):
             continue
-        error = max(_rel(g.detach(), ref.values[0].detach()) for g in got.values)
+        error = max(_rel(g.detach(), on_rank(ref.values[0].detach(), i, r)) for r, g in enumerate(got.values))
         outputs.append(Measure(f"output {i}", error, allowed=tolerance))
     gradients = []
     for name in trained:
@@ -100,12 +107,13 @@ def _flat(out) -> list:
 
 
 def _backward(outputs: list, cotangents: list) -> None:
+    """Back-propagate every rank's outputs against its cotangents (``cotangents[i][rank]``)."""
     total = None
-    for out, cot in zip(outputs, cotangents, strict=True):
-        if cot is None or not isinstance(out, PerRank):
+    for out, cots in zip(outputs, cotangents, strict=True):
+        if not isinstance(out, PerRank):
             continue
-        for value in out.values:
-            if value.requires_grad:
+        for value, cot in zip(out.values, cots, strict=True):
+            if cot is not None and value.requires_grad:
                 term = (value.float() * cot.float()).sum()
                 total = term if total is None else total + term
     if total is not None:

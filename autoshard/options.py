@@ -13,6 +13,7 @@ import dataclasses
 from autoshard.block_quant import BlockQuant
 
 ON_INDIVISIBLE = ("replicate", "error")
+CONTEXT_OUTPUTS = ("whole", "local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +25,9 @@ class PlanOptions:
     ``mp_policy``: FSDP2's mixed-precision policy, which autoshard's tp sums follow too.
     ``all_gather_quant``: a :class:`~autoshard.block_quant.BlockQuant` for FSDP's all-gathers.
     ``trace_blocks_once``: trace a stack of identical blocks as two and write the rest
-    (the same graph, much faster on deep models); ``False`` traces every block."""
+    (the same graph, much faster on deep models); ``False`` traces every block.
+    ``context_output``: on a mesh with a cp axis, outputs cut along the sequence come back
+    gathered (``"whole"``) or as each rank's positions (``"local"``)."""
 
     on_indivisible: str = "replicate"
     loss_parallel: bool = False
@@ -33,8 +36,11 @@ class PlanOptions:
     mp_policy: object = None  # torch.distributed.fsdp.MixedPrecisionPolicy
     all_gather_quant: object = None  # autoshard.BlockQuant
     trace_blocks_once: bool = True
+    context_output: str = "whole"  # on a cp axis: outputs gathered whole, or "local": left cut
 
     def __post_init__(self) -> None:
+        if self.context_output not in CONTEXT_OUTPUTS:
+            raise ValueError(f"autoshard: context_output must be 'whole' or 'local', got {self.context_output!r}")
         if self.on_indivisible not in ON_INDIVISIBLE:
             raise ValueError(
                 f"autoshard: on_indivisible must be 'replicate' or 'error', got {self.on_indivisible!r}"

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER, CP_POSITIONS
+from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER, CP_LOCAL_OUTPUT, CP_POSITIONS
 from autoshard.errors import describe
 
 aten = torch.ops.aten
@@ -67,22 +67,28 @@ class ContextPlan:
     gathered_whole: tuple[tuple[str, str], ...]
     attention: tuple[str, ...]
     entries: tuple[str, ...]
+    # per flat graph output: the dim it is returned cut along (context_output="local"), or None (whole)
+    output_cuts: tuple[int | None, ...] = ()
 
     def to_dict(self) -> dict:
         return {"seq": self.seq, "cp": self.cp, "gathered_whole": [list(g) for g in self.gathered_whole],
-                "attention": list(self.attention), "entries": list(self.entries)}
+                "attention": list(self.attention), "entries": list(self.entries),
+                "output_cuts": list(self.output_cuts)}
 
     @classmethod
     def from_dict(cls, data) -> ContextPlan:
         gathered = tuple((str(n), str(w)) for n, w in data.get("gathered_whole", ()))
         return cls(int(data["seq"]), int(data["cp"]), gathered, tuple(data.get("attention", ())),
-                   tuple(data.get("entries", ())))
+                   tuple(data.get("entries", ())), tuple(data.get("output_cuts", ())))
 
     def lines(self) -> list[str]:
         out = [f"cp={self.cp}: sequence of {self.seq} cut in {2 * self.cp} chunks of {self.seq // (2 * self.cp)}, "
                f"rank r holding chunks r and {2 * self.cp - 1}-r"]
         out += [f"  attention over every rank's keys and values: {', '.join(self.attention)}"] if self.attention else []
         out += [f"  read whole (all-gathered): {name}: {why}" for name, why in self.gathered_whole]
+        kept = [i for i, dim in enumerate(self.output_cuts) if dim is not None]
+        if kept:
+            out.append(f"  outputs {kept} returned cut (this rank's positions: result.cp_positions), the rest whole")
         return out
 
 
@@ -110,20 +116,23 @@ _NLL = (aten.nll_loss_forward.default, aten.nll_loss.default, aten.nll_loss_nd.d
 
 
 def cut_sequence(gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str],
-                 balanced: bool = True) -> ContextPlan:
+                 balanced: bool = True, local_outputs: bool = False) -> ContextPlan:
     """Rewrite ``gm`` (captured for whole sequences of ``seq``) into one cp rank's code, in place.
 
     ``balanced=False`` cuts the sequence in ``cp`` contiguous pieces instead, and causal attention
-    reads every key: the layout load balancing is measured against (``benchmarks/bench_cp.py``)."""
+    reads every key: the layout load balancing is measured against (``benchmarks/bench_cp.py``).
+    ``local_outputs`` returns outputs cut along their sequence dim as they are (``cp_local_output``)
+    instead of gathering them."""
     if seq % (2 * cp):
         raise ValueError(f"autoshard: context parallelism cuts the sequence in 2*cp = {2 * cp} chunks, and the "
                          f"sequence length {seq} (dim {SEQ_DIM} of the first input) does not divide by {2 * cp}")
-    rewriter = _Rewriter(gm, seq, cp, group_name, params, balanced)
+    rewriter = _Rewriter(gm, seq, cp, group_name, params, balanced, local_outputs)
     rewriter.run()
     gm.graph.lint()
     gm.recompile()
     refresh_shapes(gm)
-    return ContextPlan(seq, cp, tuple(rewriter.gathered_whole), tuple(rewriter.attention), tuple(rewriter.entries))
+    return ContextPlan(seq, cp, tuple(rewriter.gathered_whole), tuple(rewriter.attention), tuple(rewriter.entries),
+                       rewriter.output_cuts)
 
 
 def refresh_shapes(gm: fx.GraphModule) -> None:
@@ -151,7 +160,8 @@ def _shape(node) -> tuple[int, ...] | None:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str], balanced: bool):
+    def __init__(self, gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str], balanced: bool,
+                 local_outputs: bool):
         self.gm, self.graph = gm, gm.graph
         self.seq, self.cp, self.group = seq, cp, group_name
         self.local = seq // cp
@@ -167,6 +177,9 @@ class _Rewriter:
         self.dead: list[fx.Node] = []  # nodes replaced, erased once the walk is done
         self.masks: dict[tuple[int, int, int], fx.Node] = {}
         self.balanced = balanced
+        self.local_outputs = local_outputs
+        self.kept_cut: dict[fx.Node, int] = {}
+        self.output_cuts: tuple[int | None, ...] = ()
 
     # --- driving -------------------------------------------------------------------------------
 
@@ -225,13 +238,20 @@ class _Rewriter:
 
     def _output(self, node: fx.Node) -> None:
         def whole(arg):
-            if isinstance(arg, fx.Node) and isinstance(self._cut_of(arg), Cut):
+            cut = self._cut_of(arg) if isinstance(arg, fx.Node) else None
+            if isinstance(cut, Cut) and self.local_outputs and cut == Cut(cut.dim):
+                kept = self._insert(node, CP_LOCAL_OUTPUT, (arg, self.cp), like=arg, owner=arg)
+                self.kept_cut[kept] = cut.dim
+                return kept
+            if isinstance(cut, Cut):
                 return self._gather(arg, node)
             if isinstance(arg, fx.Node) and isinstance(self._cut_of(arg), tuple):
                 raise NotImplementedError(f"autoshard: {describe(arg)} is a graph output holding cut values")
             return arg
 
         node.args = fx.node.map_aggregate(node.args, whole)
+        self.output_cuts = tuple(self.kept_cut.get(leaf) if isinstance(leaf, fx.Node) else None
+                                 for leaf in _leaves(node.args[0]))
 
     # --- building blocks -------------------------------------------------------------------------
 
@@ -701,6 +721,12 @@ class _Rewriter:
         for new in (total, loss):
             self.cut[new] = None
         return None
+
+
+def _leaves(arg) -> list:
+    found = []
+    fx.node.map_aggregate(arg, lambda a: found.append(a))
+    return found
 
 
 def cp_traffic(gm: fx.GraphModule, layouts: dict, tp: int) -> tuple[tuple[str, int], ...]:

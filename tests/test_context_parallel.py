@@ -7,15 +7,19 @@ whole matrix of models and meshes is ``make cp-parity``; planning and proofs in 
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.comm_stats import CollectiveCounter
+from autoshard.context_ops import local_positions
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 from tests.distributed import distributed_tests
-from tests.parity import assert_parity, held_for_backward, hf_loss, lm_loss, train_both
+from tests.parity import assert_parity, dp_slice, full, held_for_backward, hf_loss, lm_loss, rel_error, train_both
 
 TOL = 1e-5
 
@@ -89,9 +93,37 @@ def check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp(ctx):
     _assert_cp_traffic_as_predicted(run.sharded, mesh, ids, lm_loss, targets)
 
 
+def check_outputs_left_cut_train_like_one_device_with_a_loss_over_each_ranks_tokens(ctx):
+    """``context_output="local"``: each rank's logits at ``cp_positions``, its loss a share of the
+    batch's (the sum over its tokens over the whole batch's count); 3 SGD steps match one device."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ids, targets = _batch(256)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    reference = copy.deepcopy(model)
+    local_ids, local_targets = dp_slice(ids, mesh), dp_slice(targets, mesh)
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(local_ids,), context_output="local")
+    positions = sharded.cp_positions
+    assert positions.tolist() == local_positions(mesh.get_local_rank("cp"), 2, 32).tolist()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, reference)]
+    for _ in range(3):
+        logits = sharded(local_ids)
+        assert logits.shape == (2, 16, 256)
+        share = F.cross_entropy(logits.flatten(0, 1), local_targets[:, positions].flatten(), reduction="sum")
+        (share / local_targets.numel()).backward()
+        lm_loss(reference(ids), targets).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    expected = reference.state_dict()
+    for name, value in sharded.state_dict().items():
+        assert rel_error(full(value), expected[name]) <= TOL, name
+
+
 CHECKS = [
     check_cp4_example_llama_trains_like_one_device_and_keeps_a_quarter_of_the_activations,
     check_dp2_cp2_hugging_face_llama_computing_its_own_loss,
     check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp,
+    check_outputs_left_cut_train_like_one_device_with_a_loss_over_each_ranks_tokens,
 ]
 outcomes, test_check = distributed_tests(CHECKS)
