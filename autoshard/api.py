@@ -117,7 +117,8 @@ def check(
     _refuse_pipeline_options(pipelined)
     if axes.has_cp:
         planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
-        return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol)
+        emitted = _emit(planned, axes, "tp" if axes.has_tp else None, options) if axes.has_tp else None
+        return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
     return prove_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
 
 
@@ -356,7 +357,7 @@ def autoshard(
     tp_group = axes.group_name("tp") if axes.has_tp else None
     emitted = _emit(planned, axes, tp_group, options, keep_planned=proving)
     if proving and axes.has_cp:
-        prove_cut(planned, model, example_inputs, example_kwargs, axes).raise_if_failed()
+        prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted=emitted).raise_if_failed()
     elif proving:
         prove(emitted.subject, model, example_inputs, example_kwargs).raise_if_failed()
     parts = emitted.parts
@@ -595,9 +596,10 @@ def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions,
 
 
 def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-              axes: MeshAxes, rtol: float | None = None):
+              axes: MeshAxes, rtol: float | None = None, emitted: Emitted | None = None):
     """The graph cut over cp, every cp rank simulated, against the unsharded graph
-    (see :mod:`autoshard.context_proof`)."""
+    (see :mod:`autoshard.context_proof`); on a mesh with tp, the tp code ``emitted`` for it, every
+    cp x tp rank simulated."""
     from autoshard.context_proof import prove_context
     from autoshard.passes.context import ContextPlan
     from autoshard.pipeline import flat_inputs
@@ -613,6 +615,9 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
             weights[node.target] = buffers[node.target].detach().cpu().clone()
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
+    if axes.has_tp:
+        return prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
+                             output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
     return prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol,
                          output_cuts=cut.output_cuts, seq=cut.seq)
 

@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autoshard.context_ops import CP_CAUSAL_ATTENTION, local_positions
-from autoshard.mesh import CP
+from autoshard.mesh import CP, TP
 from autoshard.passes.simulate import PerRank, RankSimulator
 from autoshard.predict import Tally
 from autoshard.rounding import Measure
@@ -31,8 +31,9 @@ _TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, t
 
 @dataclasses.dataclass(frozen=True)
 class ContextProof:
-    """Errors of the cp ranks against one device (``|a - b| / |b|``): outputs (worst rank) and
-    gradients (summed over ranks / cp); ``cp_collectives``: kind -> (count, ring bytes per rank)."""
+    """Errors of the cp (x tp) ranks against one device (``|a - b| / |b|``): outputs (worst rank) and
+    gradients (summed over cp ranks / cp, worst tp rank); ``cp_collectives`` and ``tp_collectives``:
+    kind -> (count, ring bytes per rank) of what the simulated ranks ran."""
 
     cp: int
     tolerance: float
@@ -40,6 +41,7 @@ class ContextProof:
     gradients: tuple[Measure, ...]
     seconds: float
     cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
+    tp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -54,21 +56,32 @@ class ContextProof:
 
 
 def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, inputs: list, weights: dict,
-                  *, seed: int = 0, rtol: float | None = None, output_cuts: tuple = (), seq: int = 0) -> ContextProof:
-    """Run ``cut`` on ``cp`` simulated ranks and ``reference`` on one, on flat ``inputs`` and ``weights``
-    (``get_attr`` target -> tensor); compare outputs and gradients. ``output_cuts``: per output, the
-    dim it leaves cut along (each rank compared with its positions of the reference), or None."""
+                  *, seed: int = 0, rtol: float | None = None, output_cuts: tuple = (), seq: int = 0,
+                  plan=None, tp: int = 1) -> ContextProof:
+    """Run ``cut`` on ``cp`` (x ``tp``) simulated ranks and ``reference`` on one, on flat ``inputs`` and
+    ``weights`` (``get_attr`` target or FQN -> tensor); compare outputs and gradients.
+
+    ``output_cuts``: per output, the dim it leaves cut along (each rank compared with its positions of
+    the reference), or None. With ``plan`` and ``tp``, ``cut`` is the tp code emitted for the graph cut
+    over cp: each rank holds the plan's tp shard of every parameter (rank ``i`` is cp rank ``i // tp``,
+    tp rank ``i % tp``), and a tp rank's gradients summed over cp are held to its shard of the
+    reference's."""
+    from autoshard.proof import stored_shards
+
     start = time.perf_counter()
     trained = {name: w for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
 
-    def leaves(ranks: int) -> dict[str, PerRank]:
-        return {name: PerRank([w.detach().clone().requires_grad_(name in trained) for _ in range(ranks)])
-                for name, w in weights.items()}
+    def per_tp_rank(name: str, full: torch.Tensor) -> list[torch.Tensor]:
+        if plan is not None and name in plan.params:
+            return stored_shards(plan.params[name], full, tp)
+        return [full] * tp
 
-    ref_params, cp_params = leaves(1), leaves(cp)
+    ref_params = {name: PerRank([w.detach().clone().requires_grad_(name in trained)]) for name, w in weights.items()}
+    cp_params = {name: PerRank([per_tp_rank(name, w.detach())[i % tp].clone().requires_grad_(name in trained)
+                                for i in range(cp * tp)]) for name, w in weights.items()}
     ref_out = _flat(RankSimulator(reference, 1, ref_params.get).run(*inputs))
     tally = Tally()
-    cut_out = _flat(RankSimulator(cut, cp, cp_params.get, tally=tally).run(*inputs))
+    cut_out = _flat(RankSimulator(cut, tp, cp_params.get, tally=tally, cp=cp).run(*inputs))
     gen = torch.Generator().manual_seed(seed)
     cotangents = [torch.randn(o.values[0].shape, generator=gen, dtype=o.values[0].dtype)
                   if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in ref_out]
@@ -78,11 +91,11 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     cuts = list(output_cuts) + [None] * (len(ref_out) - len(output_cuts))
     positions = [local_positions(r, cp, seq) for r in range(cp)] if any(c is not None for c in cuts) else []
 
-    def on_rank(value, i, rank):  # the part of a whole value rank ``rank`` holds of output ``i``
-        return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank])
+    def on_rank(value, i, rank):  # the part of a whole value simulated rank ``rank`` holds of output ``i``
+        return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank // tp])
 
     _backward(ref_out, [[c] for c in cotangents])
-    _backward(cut_out, [[on_rank(c, i, r) for r in range(cp)] for i, c in enumerate(cotangents)])
+    _backward(cut_out, [[on_rank(c, i, r) for r in range(cp * tp)] for i, c in enumerate(cotangents)])
     outputs = []
     for i, (ref, got) in enumerate(zip(ref_out, cut_out, strict=True)):
         if not isinstance(ref, PerRank) or not isinstance(ref.values[0], torch.Tensor):
@@ -92,14 +105,22 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     gradients = []
     for name in trained:
         ref_grad = ref_params[name].values[0].grad
-        grads = [p.grad for p in cp_params[name].values if p.grad is not None]
-        if ref_grad is None and not grads:
+        grads = [p.grad for p in cp_params[name].values]
+        if ref_grad is None and all(g is None for g in grads):
             continue
-        total = sum(grads) / cp if grads else torch.zeros_like(ref_grad)
-        ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(total)
-        gradients.append(Measure(f"grad {name}", _rel(total, ref_grad), allowed=tolerance))
+        ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(weights[name])
+        expected = per_tp_rank(name, ref_grad)
+        scale = ref_grad.double().norm().item()
+        error = 0.0
+        for t in range(tp):
+            mine = [grads[c * tp + t] for c in range(cp)]
+            total = sum(g for g in mine if g is not None) / cp if any(g is not None for g in mine) \
+                else torch.zeros_like(expected[t])
+            error = max(error, _rel(total, expected[t], scale))
+        gradients.append(Measure(f"grad {name}", error, allowed=tolerance))
+    result = tally.result()
     return ContextProof(cp, tolerance, tuple(outputs), tuple(gradients), time.perf_counter() - start,
-                        tally.result().get(CP, {}))
+                        result.get(CP, {}), result.get(TP, {}))
 
 
 def _flat(out) -> list:
@@ -120,8 +141,8 @@ def _backward(outputs: list, cotangents: list) -> None:
         total.backward()
 
 
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    scale = expected.double().norm().item()
+def _rel(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
+    scale = expected.double().norm().item() if scale is None else scale
     diff = (actual.double() - expected.double()).norm().item()
     return diff / scale if scale > 0 else diff
 
@@ -157,14 +178,14 @@ def attention_work(cut: fx.GraphModule, cp: int, inputs: list, weights: dict) ->
             if target is CP_CAUSAL_ATTENTION:  # chunk c reads (c + 1) L keys, the last L causally
                 q = args[0].values[0]
                 chunk, batch_heads = q.shape[-2] // 2, q.numel() // (q.shape[-2] * q.shape[-1])
-                for rank in range(self.tp):
+                for rank in range(self.ranks):
                     for c in (rank, 2 * cp - 1 - rank):
                         executed[rank] += 4 * batch_heads * q.shape[-1] * chunk * (c + 1) * chunk
                         useful[rank] += 4 * batch_heads * q.shape[-1] * (c * chunk + (chunk + 1) / 2) * chunk
             if target is sdpa:
                 from autoshard.passes.simulate import on_rank
 
-                for rank in range(self.tp):
+                for rank in range(self.ranks):
                     a, k = on_rank(args, rank), on_rank(kwargs, rank)
                     q, key = a[0], a[1]
                     mask = a[3] if len(a) > 3 else k.get("attn_mask")
@@ -186,5 +207,5 @@ def attention_work(cut: fx.GraphModule, cp: int, inputs: list, weights: dict) ->
 
     params = {name: PerRank([w.detach()] * cp) for name, w in weights.items()}
     with torch.no_grad():
-        Counting(cut, cp, params.get).run(*inputs)
+        Counting(cut, 1, params.get, cp=cp).run(*inputs)
     return AttentionWork(tuple(executed), tuple(useful))

@@ -183,10 +183,10 @@ def _gather_for_colwise(tally, xs, dim, group_name, reduce_dtype=None):
                    lambda g: _chunks(_summed(tally, g, reduce_dtype, scattered=True), tp, dim), xs)
 
 
-def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name) -> PerRank:
+def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name, *, tp: int | None = None) -> PerRank:
     out = []
-    for rank, x in enumerate(ids.values):
-        local = x - rank * rows_per_rank
+    for i, x in enumerate(ids.values):
+        local = x - (i % tp if tp else i) * rows_per_rank
         in_shard = (local >= 0) & (local < rows_per_rank)
         out.append((torch.where(in_shard, local, 0), in_shard.unsqueeze(-1)))
     return PerRank(out)
@@ -196,8 +196,8 @@ def _as_sharded_dtensor(xs: PerRank, dim, group_name) -> PerRank:
     return PerRank(xs.values, sharded_dim=dim)
 
 
-def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True) -> PerRank:
-    return PerRank([context_ops.local_positions(r, cp, seq, x.device, balanced) for r, x in enumerate(xs.values)])
+def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True, *, tp: int = 1) -> PerRank:
+    return PerRank([context_ops.local_positions(i // tp, cp, seq, x.device, balanced) for i, x in enumerate(xs.values)])
 
 
 def _cp_gather(tally, xs, dim, cp, group_name, regather: bool = False):
@@ -228,6 +228,7 @@ def _cp_all_reduce(tally, xs, cp, group_name):
     return _across(forward, backward, xs)
 
 
+_CP_COLLECTIVES = (context_ops.CP_GATHER, context_ops.CP_ALL_REDUCE)
 _TENSOR_COLLECTIVES = {
     context_ops.CP_GATHER: _cp_gather,
     context_ops.CP_ALL_REDUCE: _cp_all_reduce,
@@ -327,9 +328,11 @@ class RankSimulator(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, tp: int, param: Callable[[str], PerRank | None],
                  prefix: str = "", values: dict[str, PerRank] | None = None, tally: Tally | None = None,
-                 widen: torch.dtype | None = None):
+                 widen: torch.dtype | None = None, cp: int = 1):
         super().__init__(gm, garbage_collect_values=False)
         self.tp = tp
+        self.cp = cp  # with a cp axis, rank i is cp rank i // tp, tp rank i % tp
+        self.ranks = tp * cp
         self.widen = widen  # run every float op in this dtype (a proof's exact reference); None: as written
         self.tally = tally if tally is not None else Tally()  # the tp collectives run, forward and backward
         self.param = param
@@ -350,45 +353,67 @@ class RankSimulator(fx.Interpreter):
 
     def placeholder(self, target, args, kwargs):
         value = super().placeholder(target, args, kwargs)
-        return value if isinstance(value, PerRank) else replicated(value, self.tp)
+        return value if isinstance(value, PerRank) else replicated(value, self.ranks)
 
     def get_attr(self, target, args, kwargs):
         found = self.param(self.prefix + target)
         if found is not None:
             return found
-        return replicated(widened(self.fetch_attr(target), self.widen), self.tp)
+        return replicated(widened(self.fetch_attr(target), self.widen), self.ranks)
 
     def call_function(self, target, args, kwargs):
         if target in _TENSOR_COLLECTIVES:
             (x, *rest), kw = args, kwargs
             rest, kw = map_aggregate((on_rank(rest, 0), on_rank(kw, 0)), lambda a: _as_simulated(a, self.widen))
-            return _TENSOR_COLLECTIVES[target](self.tally, x.values, *rest, **kw)
+            return self._grouped(target in _CP_COLLECTIVES, [x],
+                                 lambda tally, xs: _TENSOR_COLLECTIVES[target](tally, xs[0].values, *rest, **kw))
         if target is collectives.TAKE_SHARDS:
-            return _take_shards(self.tally, list(args[0]), *on_rank(args[1:], 0))
+            return self._grouped(False, list(args[0]),
+                                 lambda tally, xs: _take_shards(tally, xs, *on_rank(args[1:], 0)))
         if target is context_ops.CP_POSITIONS:
-            return _cp_positions(args[0], *on_rank(args[1:], 0))
+            return _cp_positions(args[0], *on_rank(args[1:], 0), tp=self.tp)
         if target is context_ops.CP_CAUSAL_ATTENTION:
             return self._cp_causal_attention(args, kwargs)
         if target is collectives.VOCAB_SHARD_IDS:
-            return _vocab_shard_ids(args[0], *on_rank(args[1:], 0))
+            return _vocab_shard_ids(args[0], *on_rank(args[1:], 0), tp=self.tp)
         if target is collectives.as_sharded_dtensor:
             return _as_sharded_dtensor(args[0], *on_rank(args[1:], 0))
         if target is operator.getitem and isinstance(args[0], PerRank) and args[0].sharded_dim is not None:
             raise NotImplementedError("autoshard: indexing into a loss-parallel output")
         return self._per_rank(lambda a, k: self._call(target, a, k), args, kwargs)
 
+    def _groups(self, over_cp: bool) -> list[list[int]]:
+        """The simulated ranks of each process group of the tp axis, or of the cp axis."""
+        if over_cp:
+            return [[c * self.tp + t for c in range(self.cp)] for t in range(self.tp)]
+        return [[c * self.tp + t for t in range(self.tp)] for c in range(self.cp)]
+
+    def _grouped(self, over_cp: bool, values: list[PerRank], collective) -> PerRank:
+        """``collective(tally, values)`` run within each group of the axis, on its ranks' values; the
+        traffic of one group is tallied (per rank, as a real rank counts it)."""
+        out: list = [None] * self.ranks
+        sharded_dim = None
+        for k, group in enumerate(self._groups(over_cp)):
+            result = collective(self.tally if k == 0 else Tally(),
+                                [PerRank([v.values[i] for i in group]) for v in values])
+            for i, value in zip(group, result.values, strict=True):
+                out[i] = value
+            sharded_dim = result.sharded_dim
+        return PerRank(out, sharded_dim)
+
     def _cp_causal_attention(self, args, kwargs) -> PerRank:
         """k and v gathered over the cp ranks (again in backward, then their gradients
-        reduce-scattered), each rank's chunks attending with its own rank."""
+        reduce-scattered), each rank's chunks attending with its own cp rank."""
         q, k, v, cp, group, *rest = args
-        keys, values = (_cp_gather(self.tally, x.values, -2, cp, group, regather=True) for x in (k, v))
+        keys, values = (self._grouped(True, [x], lambda tally, xs: _cp_gather(tally, xs[0].values, -2, cp, group,
+                                                                             regather=True)) for x in (k, v))
 
         def one(rank):
             local = map_aggregate(on_rank((q, keys, values, rest, kwargs), rank),
                                   lambda a: _as_simulated(a, self.widen))
-            return context_ops.causal_chunks_attention(*local[:3], rank, cp, *local[3], **local[4])
+            return context_ops.causal_chunks_attention(*local[:3], rank // self.tp, cp, *local[3], **local[4])
 
-        return PerRank([one(rank) for rank in range(self.tp)])
+        return PerRank([one(rank) for rank in range(self.ranks)])
 
     def call_method(self, target, args, kwargs):
         return self._per_rank(lambda a, k: getattr(a[0], target)(*a[1:], **k), args, kwargs)
@@ -398,7 +423,7 @@ class RankSimulator(fx.Interpreter):
         if isinstance(module, fx.GraphModule):
             # a pipeline stage holds its parameters at the model's own FQNs (passes.stages.stitched)
             prefix = self.prefix if getattr(module, "holds_model_fqns", False) else f"{self.prefix}{target}."
-            nested = RankSimulator(module, self.tp, self.param, prefix, self.values, self.tally, self.widen)
+            nested = RankSimulator(module, self.tp, self.param, prefix, self.values, self.tally, self.widen, self.cp)
             return nested.run(*args, **kwargs)
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 
@@ -406,7 +431,7 @@ class RankSimulator(fx.Interpreter):
         def local(a):
             return _as_simulated(a, self.widen)
 
-        return PerRank([fn(*map_aggregate((on_rank(args, r), on_rank(kwargs, r)), local)) for r in range(self.tp)])
+        return PerRank([fn(*map_aggregate((on_rank(args, r), on_rank(kwargs, r)), local)) for r in range(self.ranks)])
 
     @staticmethod
     def _call(target, args, kwargs):
