@@ -137,6 +137,9 @@ def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_
                rtol: float | None = None, tp_group: str = "tp", keep_values: bool = False) -> Checked:
     """Plan, emit (the tp ops name their group ``tp_group``) and prove, without a process group;
     ``keep_values`` keeps the tensors the proof ran (:class:`~autoshard.proof.ProofValues`)."""
+    if axes.has_cp:
+        raise NotImplementedError("autoshard: the per-node report of a tp proof does not cover a mesh with a 'cp' "
+                                  "axis; prove it with autoshard.check(model, mesh, example_inputs=...)")
     planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
                     captured=captured)
     emitted = _emit(planned, axes, tp_group if axes.has_tp else None, options, keep_planned=True)

@@ -25,7 +25,8 @@ from autoshard.passes.context import cut_sequence
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 
-MESHES = ({"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4})
+MESHES = ({"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4},
+          {"cp": 2, "tp": 8}, {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2})
 
 
 def _ids(vocab: int, batch: int = 3, seq: int = 48, seed: int = 1) -> torch.Tensor:
@@ -54,7 +55,7 @@ def test_positions_are_balanced_and_gathers_restore_sequence_order():
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
 def test_example_llama_is_proven_on_every_cp_mesh(mesh):
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(max_seq_len=64))
+    model = Llama(LlamaConfig(max_seq_len=64, num_heads=8))  # 8 heads over 2 kv heads: fewer kv heads than tp
     proof = _proven(model, mesh, _ids(256))
     plan = autoshard.plan(model, mesh, example_inputs=(_ids(256),))
     assert plan.context["cp"] == mesh["cp"] and len(plan.context["attention"]) == 2
