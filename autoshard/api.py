@@ -612,7 +612,9 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
     weights = {}
     for node in planned.reference.graph.nodes:
         if node.op == "get_attr" and node.target in params:
-            weights[node.target] = params[node.target].detach().cpu().clone().requires_grad_(
+            read = node.meta.get("val")  # in the dtype the graph reads it (param_dtype under mixed precision)
+            dtype = read.dtype if isinstance(read, torch.Tensor) else None
+            weights[node.target] = params[node.target].detach().cpu().to(dtype).clone().requires_grad_(
                 params[node.target].requires_grad)
         elif node.op == "get_attr" and node.target in buffers:
             weights[node.target] = buffers[node.target].detach().cpu().clone()

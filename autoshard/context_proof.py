@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.context_ops import CP_CAUSAL_ATTENTION, local_positions
 from autoshard.mesh import CP, TP
-from autoshard.passes.simulate import PerRank, RankSimulator
+from autoshard.passes.simulate import PerRank, RankSimulator, widened
 from autoshard.predict import Tally
 from autoshard.rounding import Measure
 
@@ -65,62 +65,96 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     the reference), or None. With ``plan`` and ``tp``, ``cut`` is the tp code emitted for the graph cut
     over cp: each rank holds the plan's tp shard of every parameter (rank ``i`` is cp rank ``i // tp``,
     tp rank ``i % tp``), and a tp rank's gradients summed over cp are held to its shard of the
-    reference's."""
-    from autoshard.proof import stored_shards
+    reference's.
 
+    A model computing in bf16 or fp16 is run a second time in float64 (every dtype the code names
+    widened): cutting the sequence reorders sums, which rounds differently in 16 bits, so the plan is
+    judged by the float64 run (``Measure.sharded``, held to 1e-9), its 16-bit error kept beside it."""
     start = time.perf_counter()
-    trained = {name: w for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
-
-    def per_tp_rank(name: str, full: torch.Tensor) -> list[torch.Tensor]:
-        if plan is not None and name in plan.params:
-            return stored_shards(plan.params[name], full, tp)
-        return [full] * tp
-
-    ref_params = {name: PerRank([w.detach().clone().requires_grad_(name in trained)]) for name, w in weights.items()}
-    cp_params = {name: PerRank([per_tp_rank(name, w.detach())[i % tp].clone().requires_grad_(name in trained)
-                                for i in range(cp * tp)]) for name, w in weights.items()}
-    ref_out = _flat(RankSimulator(reference, 1, ref_params.get).run(*inputs))
-    tally = Tally()
-    cut_out = _flat(RankSimulator(cut, tp, cp_params.get, tally=tally, cp=cp).run(*inputs))
-    gen = torch.Generator().manual_seed(seed)
-    cotangents = [torch.randn(o.values[0].shape, generator=gen, dtype=o.values[0].dtype)
-                  if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in ref_out]
-    dtype = next((o.values[0].dtype for o in ref_out if isinstance(o, PerRank) and o.values[0].is_floating_point()),
-                 torch.float32)
+    floating = [w.dtype for w in weights.values() if w.is_floating_point() and w.requires_grad] or [torch.float32]
+    dtype = min(floating, key=lambda d: torch.finfo(d).bits)  # the narrowest the model computes in
     tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-5)
-    cuts = list(output_cuts) + [None] * (len(ref_out) - len(output_cuts))
-    positions = [local_positions(r, cp, seq) for r in range(cp)] if any(c is not None for c in cuts) else []
-
-    def on_rank(value, i, rank):  # the part of a whole value simulated rank ``rank`` holds of output ``i``
-        return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank // tp])
-
-    _backward(ref_out, [[c] for c in cotangents])
-    _backward(cut_out, [[on_rank(c, i, r) for r in range(cp * tp)] for i, c in enumerate(cotangents)])
-    outputs = []
-    for i, (ref, got) in enumerate(zip(ref_out, cut_out, strict=True)):
-        if not isinstance(ref, PerRank) or not isinstance(ref.values[0], torch.Tensor):
-            continue
-        error = max(_rel(g.detach(), on_rank(ref.values[0].detach(), i, r)) for r, g in enumerate(got.values))
-        outputs.append(Measure(f"output {i}", error, allowed=tolerance))
-    gradients = []
-    for name in trained:
-        ref_grad = ref_params[name].values[0].grad
-        grads = [p.grad for p in cp_params[name].values]
-        if ref_grad is None and all(g is None for g in grads):
-            continue
-        ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(weights[name])
-        expected = per_tp_rank(name, ref_grad)
-        scale = ref_grad.double().norm().item()
-        error = 0.0
-        for t in range(tp):
-            mine = [grads[c * tp + t] for c in range(cp)]
-            total = sum(g for g in mine if g is not None) / cp if any(g is not None for g in mine) \
-                else torch.zeros_like(expected[t])
-            error = max(error, _rel(total, expected[t], scale))
-        gradients.append(Measure(f"grad {name}", error, allowed=tolerance))
+    run = _Ranks(reference, cut, cp, tp, plan, output_cuts, seq)
+    trained = {name for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
+    errors, tally = run.errors(inputs, weights, trained, seed, widen=None)
+    wide = None
+    if rtol is None and torch.finfo(dtype).bits < 32:
+        wide, _ = run.errors(inputs, weights, trained, seed, widen=torch.float64)
+    measures = [Measure(what, error, allowed=tolerance) if wide is None else
+                Measure(what, error, sharded=wide[what], allowed=WIDE_TOLERANCE) for what, error in errors.items()]
     result = tally.result()
-    return ContextProof(cp, tolerance, tuple(outputs), tuple(gradients), time.perf_counter() - start,
+    return ContextProof(cp, tolerance if wide is None else WIDE_TOLERANCE,
+                        tuple(m for m in measures if m.what.startswith("output")),
+                        tuple(m for m in measures if m.what.startswith("grad")), time.perf_counter() - start,
                         result.get(CP, {}), result.get(TP, {}))
+
+
+WIDE_TOLERANCE = 1e-9  # a cut computing the model's function agrees with it to float64's rounding
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ranks:
+    """One comparison of the simulated ranks with the unsharded graph (see :func:`prove_context`)."""
+
+    reference: fx.GraphModule
+    cut: fx.GraphModule
+    cp: int
+    tp: int
+    plan: object
+    output_cuts: tuple
+    seq: int
+
+    def per_tp_rank(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
+        from autoshard.proof import stored_shards
+
+        if self.plan is not None and name in self.plan.params:
+            return stored_shards(self.plan.params[name], full, self.tp)
+        return [full] * self.tp
+
+    def errors(self, inputs: list, weights: dict, trained: set, seed: int,
+               widen: torch.dtype | None) -> tuple[dict, Tally]:
+        """``{"output i" / "grad fqn": relative error}`` and the collectives the ranks ran; ``trained``:
+        the weights whose gradients are compared; ``widen``: every float computed in that dtype."""
+        cp, tp = self.cp, self.tp
+        weights = {name: widened(w.detach(), widen) for name, w in weights.items()}
+        ref_params = {name: PerRank([w.clone().requires_grad_(name in trained)]) for name, w in weights.items()}
+        cp_params = {name: PerRank([self.per_tp_rank(name, w)[i % tp].clone().requires_grad_(name in trained)
+                                    for i in range(cp * tp)]) for name, w in weights.items()}
+        inputs = [widened(x, widen) for x in inputs]
+        ref_out = _flat(RankSimulator(self.reference, 1, ref_params.get, widen=widen).run(*inputs))
+        tally = Tally()
+        cut_out = _flat(RankSimulator(self.cut, tp, cp_params.get, tally=tally, widen=widen, cp=cp).run(*inputs))
+        gen = torch.Generator().manual_seed(seed)
+        cotangents = [torch.randn(o.values[0].shape, generator=gen).to(o.values[0].dtype)
+                      if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in ref_out]
+        cuts = list(self.output_cuts) + [None] * (len(ref_out) - len(self.output_cuts))
+        positions = [local_positions(r, cp, self.seq) for r in range(cp)] if any(c is not None for c in cuts) else []
+
+        def on_rank(value, i, rank):  # the part of a whole value simulated rank ``rank`` holds of output ``i``
+            return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank // tp])
+
+        _backward(ref_out, [[c] for c in cotangents])
+        _backward(cut_out, [[on_rank(c, i, r) for r in range(cp * tp)] for i, c in enumerate(cotangents)])
+        errors = {}
+        for i, (ref, got) in enumerate(zip(ref_out, cut_out, strict=True)):
+            if isinstance(ref, PerRank) and isinstance(ref.values[0], torch.Tensor):
+                errors[f"output {i}"] = max(_rel(g.detach(), on_rank(ref.values[0].detach(), i, r))
+                                            for r, g in enumerate(got.values))
+        for name in sorted(trained, key=list(weights).index):
+            ref_grad = ref_params[name].values[0].grad
+            grads = [p.grad for p in cp_params[name].values]
+            if ref_grad is None and all(g is None for g in grads):
+                continue
+            ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(weights[name])
+            expected = self.per_tp_rank(name, ref_grad)
+            scale = ref_grad.double().norm().item()
+            worst = 0.0
+            for t in range(tp):
+                mine = [g for g in (grads[c * tp + t] for c in range(cp)) if g is not None]
+                total = sum(mine) / cp if mine else torch.zeros_like(expected[t])
+                worst = max(worst, _rel(total, expected[t], scale))
+            errors[f"grad {name}"] = worst
+        return errors, tally
 
 
 def _flat(out) -> list:

@@ -100,11 +100,14 @@ def test_outputs_left_cut_are_proven_at_each_ranks_positions():
         autoshard.plan(hf_cases._llama(), {"tp": 2}, example_inputs=(ids,), context_output="local")
 
 
-def test_bf16_proof():
+def test_bf16_is_judged_by_a_float64_run_of_the_same_code():
+    """Chunked attention rounds differently in bf16; the same ranks run in float64 match to rounding."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(max_seq_len=64)).to(torch.bfloat16)
     proof = _proven(model, {"cp": 2, "tp": 2}, _ids(256, batch=2, seq=32))
-    assert proof.tolerance == 2e-2
+    measures = (*proof.outputs, *proof.gradients)
+    assert all(m.sharded is not None and m.sharded <= 1e-9 for m in measures)
+    assert max(m.error for m in measures) > 1e-4  # bf16 itself differs: a bound of 1e-9 there would fail
 
 
 class AlibiAttention(nn.Module):
