@@ -359,9 +359,14 @@ class _Rewriter:
             return cut
         if target in _SAME_SHAPE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
             return self._pointwise(node, node.all_input_nodes)
+        if target in (aten.topk.default, aten.sort.default, aten.argsort.default) and self._cut_of(node.args[0]):
+            return self._along_other_dim(node)
+        if target is aten.repeat_interleave.self_int and isinstance(self._cut_of(node.args[0]), Cut):
+            return self._repeat_interleave(node)
         if target in (aten.pad.default, aten.constant_pad_nd.default, aten.convolution.default,
                       aten.conv1d.default, aten.index.Tensor, aten.gather.default, aten.sort.default,
-                      aten.topk.default, aten.scatter.src, aten.scatter_add.default):
+                      aten.topk.default, aten.argsort.default, aten.scatter.src, aten.scatter_add.default,
+                      aten.repeat_interleave.self_int):
             raise _Gather(f"{_op_name(target)} may mix positions along the sequence")
         raise NotImplementedError(
             f"autoshard: context parallelism has no rule for {describe(node)} ({_op_name(target)}), which reads "
@@ -504,6 +509,32 @@ class _Rewriter:
         if cut.dim in dims:
             raise _Gather(f"{_op_name(node.target)} along the sequence")
         return cut
+
+    def _along_other_dim(self, node: fx.Node):
+        """``topk`` / ``sort`` along a dim other than the cut one (an MoE router's experts): every
+        output keeps the cut."""
+        src = node.args[0]
+        cut = self._cut_of(src)
+        nd = len(_shape(src))
+        names = {aten.topk.default: ("self", "k", "dim"), aten.sort.default: ("self", "dim"),
+                 aten.argsort.default: ("self", "dim")}[node.target]
+        args = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+        if int(args.get("dim", -1)) % nd == cut.dim:
+            raise _Gather(f"{_op_name(node.target)} along the sequence")
+        return cut if node.target is aten.argsort.default else (cut, cut)
+
+    def _repeat_interleave(self, node: fx.Node) -> Cut:
+        """Each row repeated ``repeats`` times (an MoE's tokens, once per chosen expert): along the cut
+        dim, each position's rows stay together."""
+        src, repeats = node.args[0], node.args[1]
+        cut = self._cut_of(src)
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim is None:
+            raise _Gather("repeat_interleave of a flattened value")
+        dim %= len(_shape(src))
+        if dim != cut.dim:
+            return cut
+        return dataclasses.replace(cut, after=cut.after * int(repeats))
 
     def _matmul(self, node: fx.Node):
         target = node.target

@@ -74,6 +74,20 @@ def test_hugging_face_decoders_are_proven_unmodified(family, mesh):
     _proven(getattr(hf_cases, family)(), mesh, _ids(hf_cases.VOCAB))
 
 
+def test_encoder_with_a_pooler_and_a_mixture_of_experts():
+    """BERT: bidirectional attention under a padding mask, a pooler reading position 0 (read whole);
+    Qwen3-MoE: top-k routing over experts keeps the cut, the experts' token dispatch reads it whole."""
+    torch.manual_seed(0)
+    ids = _ids(hf_cases.VOCAB, batch=2, seq=32)
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+    _proven(hf_cases._bert(), {"cp": 2}, ids, {"attention_mask": mask})
+    moe = hf_cases._qwen3_moe()
+    _proven(moe, {"cp": 2, "tp": 2}, ids)
+    plan = autoshard.plan(moe, {"cp": 2}, example_inputs=(ids,))
+    assert all("index.Tensor" in why for _, why in plan.context["gathered_whole"])
+
+
 def test_hugging_face_loss_from_labels_padding_mask_and_eager_attention():
     torch.manual_seed(0)
     ids = _ids(hf_cases.VOCAB, batch=2, seq=32)
