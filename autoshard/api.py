@@ -621,10 +621,12 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
     if axes.has_tp:
-        return prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
-                             output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
-    return prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol,
-                         output_cuts=cut.output_cuts, seq=cut.seq)
+        proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
+                              output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
+    else:
+        proof = prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol,
+                              output_cuts=cut.output_cuts, seq=cut.seq)
+    return dataclasses.replace(proof, plan=planned.plan)
 
 
 def _emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,

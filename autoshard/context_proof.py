@@ -42,6 +42,7 @@ class ContextProof:
     seconds: float
     cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
     tp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
+    plan: object = dataclasses.field(default=None, compare=False)  # the plan proven (autoshard.Plan)
 
     @property
     def ok(self) -> bool:

@@ -274,10 +274,10 @@ class _Rewriter:
         """This rank's entries of a dim of ``before * seq * after``, as an index (cached)."""
         key = (before, after)
         if key not in self.indices:
-            first_use = next(iter(n for n in self.graph.nodes if n is self.positions)).next
             index = self.positions
             if before > 1 or after > 1:
-                index = self._insert(first_use, _merged_index, (self.positions, self.seq, before, after))
+                index = self._insert(self.positions.next, _merged_index, (self.positions, self.seq, before, after),
+                                     owner=self.positions)
             self.indices[key] = index
         return self.indices[key]
 

@@ -29,11 +29,13 @@ def _batch(vocab: int, batch: int = 4, seq: int = 32, seed: int = 0):
     return torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen)
 
 
-def _parity(build, mesh, loss_fn, ids, targets, kwargs=None):
-    """3 AdamW steps (losses) and 3 SGD steps (losses and every parameter) next to one device."""
-    for optimizer in ("adamw", "sgd"):
+def _parity(build, mesh, loss_fn, ids, targets, kwargs=None, optimizers=("adamw", "sgd")):
+    """3 AdamW steps (losses) and 3 SGD steps (losses and every parameter) next to one device; the
+    first build is proven (``check="auto"``) as a user's call is, the second is not proven again."""
+    for optimizer in optimizers:
         torch.manual_seed(0)
-        run = train_both(build(), mesh, ids, targets, loss_fn, optimizer=optimizer, kwargs=kwargs)
+        run = train_both(build(), mesh, ids, targets, loss_fn, optimizer=optimizer, kwargs=kwargs,
+                         shard_kwargs={} if optimizer == optimizers[0] else {"check": False})
         assert_parity(run, loss_tol=TOL, param_tol=TOL if optimizer == "sgd" else None)
     return run
 
@@ -66,7 +68,8 @@ def check_cp4_example_llama_trains_like_one_device_and_keeps_a_quarter_of_the_ac
     model = Llama(LlamaConfig(max_seq_len=4096))
     long = torch.randint(0, 256, (1, 4096))
     one_device = held_for_backward(model, long)
-    per_rank = held_for_backward(autoshard.autoshard(model, mesh, example_inputs=(long,)), long)
+    # check=False: the cut of this model is proven above (at 32 tokens); at 4096 the proof costs more than the step
+    per_rank = held_for_backward(autoshard.autoshard(model, mesh, example_inputs=(long,), check=False), long)
     assert per_rank <= 0.3 * one_device, f"{per_rank} bytes held for backward at cp=4, {one_device} at cp=1"
 
 
@@ -89,7 +92,7 @@ def check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp(ctx):
     _parity(hf_cases._qwen2, mesh, hf_loss, ids, targets)
 
     ids, targets = _batch(256)
-    run = _parity(lambda: Llama(LlamaConfig(num_kv_heads=1)), mesh, lm_loss, ids, targets)
+    run = _parity(lambda: Llama(LlamaConfig(num_kv_heads=1)), mesh, lm_loss, ids, targets, optimizers=("sgd",))
     _assert_cp_traffic_as_predicted(run.sharded, mesh, ids, lm_loss, targets)
 
 

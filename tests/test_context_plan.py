@@ -57,7 +57,7 @@ def test_example_llama_is_proven_on_every_cp_mesh(mesh):
     torch.manual_seed(0)
     model = Llama(LlamaConfig(max_seq_len=64, num_heads=8))  # 8 heads over 2 kv heads: fewer kv heads than tp
     proof = _proven(model, mesh, _ids(256))
-    plan = autoshard.plan(model, mesh, example_inputs=(_ids(256),))
+    plan = proof.plan
     assert plan.context["cp"] == mesh["cp"] and len(plan.context["attention"]) == 2
     predicted = plan.predicted_comm()
     assert predicted["cp"] == proof.cp_collectives  # what the simulated ranks ran, cp x tp ones included
@@ -82,10 +82,8 @@ def test_encoder_with_a_pooler_and_a_mixture_of_experts():
     mask = torch.ones_like(ids)
     mask[0, -4:] = 0
     _proven(hf_cases._bert(), {"cp": 2}, ids, {"attention_mask": mask})
-    moe = hf_cases._qwen3_moe()
-    _proven(moe, {"cp": 2, "tp": 2}, ids)
-    plan = autoshard.plan(moe, {"cp": 2}, example_inputs=(ids,))
-    assert all("index.Tensor" in why for _, why in plan.context["gathered_whole"])
+    proof = _proven(hf_cases._qwen3_moe(), {"cp": 2, "tp": 2}, ids)
+    assert all("index.Tensor" in why for _, why in proof.plan.context["gathered_whole"])
 
 
 def test_hugging_face_loss_from_labels_padding_mask_and_eager_attention():
@@ -106,9 +104,7 @@ def test_outputs_left_cut_are_proven_at_each_ranks_positions():
     torch.manual_seed(0)
     ids = _ids(hf_cases.VOCAB, batch=2, seq=32)
     proof = _proven(hf_cases._llama(), {"cp": 2, "tp": 2}, ids, {"labels": ids}, context_output="local")
-    plan = autoshard.plan(hf_cases._llama(), {"cp": 2, "tp": 2}, example_inputs=(ids,), example_kwargs={"labels": ids},
-                          context_output="local")
-    assert plan.context["output_cuts"] == [None, 1]  # the loss whole, the logits cut
+    assert proof.plan.context["output_cuts"] == [None, 1]  # the loss whole, the logits cut
     assert proof.cp_collectives["all_gather"][0] == 4  # keys and values of 2 blocks; no logits gathered
     with pytest.raises(ValueError, match="context_output configures context parallelism"):
         autoshard.plan(hf_cases._llama(), {"tp": 2}, example_inputs=(ids,), context_output="local")
@@ -187,8 +183,7 @@ class PrefixSum(nn.Module):
 def test_an_op_mixing_positions_reads_its_input_whole_and_the_plan_says_so():
     torch.manual_seed(0)
     ids = _ids(64, batch=2, seq=16)
-    _proven(PrefixSum(), {"cp": 2}, ids)
-    plan = autoshard.plan(PrefixSum(), {"cp": 2}, example_inputs=(ids,))
+    plan = _proven(PrefixSum(), {"cp": 2}, ids).plan
     assert [name for name, _ in plan.context["gathered_whole"]] == ["cumsum"]
     assert "read whole (all-gathered): cumsum: cumsum.default along the sequence" in str(plan)
     assert Plan.from_dict(plan.to_dict()).context == plan.context
