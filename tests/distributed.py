@@ -1,12 +1,10 @@
 """Run many checks in one gloo group (4 ranks, or 8 for HSDP), report each as its own test.
 
-Spawning ranks costs ~15 s (mostly imports), so a test session spawns once per world size: every
-test file registers its checks when pytest imports it, and the first file to need its outcomes
-runs the checks of every collected file of that world size in one spawn. The ranks build their
-meshes, run every check in order and report per check ``None`` (passed) or the failing rank's
-traceback; each file's tests then read their own checks' outcomes. A check that raises on one rank
-while the others wait in a collective surfaces as the gloo timeout of the others, which is set
-short. ``pytest tests/test_parity.py`` alone runs that file's checks only.
+Spawning ranks costs ~15 s (mostly imports), so each test file spawns once:
+the ranks build their meshes, run every check of the file in order and
+report per check ``None`` (passed) or the failing rank's traceback. A check
+that raises on one rank while the others wait in a collective surfaces as
+the gloo timeout of the others, which is set short.
 """
 
 from __future__ import annotations
@@ -80,11 +78,6 @@ def remove_shared(ctx: Context, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _key(check) -> str:
-    """A check's name across files: its module's and its own."""
-    return f"{check.__module__}.{check.__name__}"
-
-
 def _run_all(rank: int, world_size: int, checks) -> dict[str, str | None]:
     ctx = _context(rank, world_size)
     outcomes = {}
@@ -92,9 +85,9 @@ def _run_all(rank: int, world_size: int, checks) -> dict[str, str | None]:
         torch.manual_seed(0)
         try:
             check(ctx)
-            outcomes[_key(check)] = None
+            outcomes[check.__name__] = None
         except Exception:
-            outcomes[_key(check)] = traceback.format_exc()
+            outcomes[check.__name__] = traceback.format_exc()
         dist.barrier()
     return outcomes
 
@@ -114,13 +107,8 @@ def run_checks(checks, world_size: int = 4) -> Outcomes:
     return Outcomes(spawn(_run_all, world_size, (tuple(checks),), timeout=datetime.timedelta(seconds=120)))
 
 
-# world size -> the checks of every test file pytest imported, in import order; and their outcomes
-_REGISTERED: dict[int, list] = {}
-_SESSION: dict[int, Outcomes] = {}
-
-
 def distributed_tests(checks, world_size: int = 4):
-    """``(fixture, test)`` for a test file: one test per check, all run in the session's spawn.
+    """``(fixture, test)`` for a test file: one spawn for the file, one test per check.
 
     Bind both at module level: ``outcomes, test_checks = distributed_tests(CHECKS)``.
     Checks made by a factory are also set as attributes of their module, so the
@@ -128,18 +116,13 @@ def distributed_tests(checks, world_size: int = 4):
     """
     for check in checks:
         setattr(sys.modules[check.__module__], check.__name__, check)
-    registered = _REGISTERED.setdefault(world_size, [])
-    registered += [c for c in checks if c not in registered]
-    keys = {c.__name__: _key(c) for c in checks}
 
     @pytest.fixture(scope="module")
     def outcomes():
-        if world_size not in _SESSION:
-            _SESSION[world_size] = run_checks(_REGISTERED[world_size], world_size)
-        return _SESSION[world_size]
+        return run_checks(checks, world_size)
 
     @pytest.mark.parametrize("name", [c.__name__ for c in checks])
     def test_check(outcomes, name):
-        outcomes.assert_passed(keys[name])
+        outcomes.assert_passed(name)
 
     return outcomes, test_check
