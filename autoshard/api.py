@@ -117,7 +117,7 @@ def check(
     _refuse_pipeline_options(pipelined)
     if axes.has_cp:
         planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
-        emitted = _emit(planned, axes, "tp" if axes.has_tp else None, options) if axes.has_tp else None
+        emitted = _emit(planned, axes, "tp", options) if axes.has_tp else None
         return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
     return prove_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
 
@@ -380,9 +380,8 @@ def autoshard(
     if axes.has_cp:  # the global positions of this rank's part of the sequence (its outputs', if left cut)
         from autoshard.context_ops import local_positions
 
-        device = torch.device(axes.mesh.device_type, torch.cuda.current_device()) \
-            if axes.mesh.device_type == "cuda" else torch.device(axes.mesh.device_type)
-        sharded.cp_positions = local_positions(axes.mesh.get_local_rank(CP), axes.cp, final_plan.context["seq"], device)
+        sharded.cp_positions = local_positions(axes.mesh.get_local_rank(CP), axes.cp, final_plan.context["seq"],
+                                               torch.device(axes.mesh.device_type))  # as materialize places tensors
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded
 

@@ -147,8 +147,9 @@ class CollectiveCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         if packet is torch.ops.autoshard.cp_causal_attention:  # all-gathers k and v inside
-            for local in args[1:3]:
-                self._record(Wire.ALL_GATHER, args[4], local.new_empty((local.numel() * args[3],)))
+            for local in args[1:3]:  # the gathered tensor's size, on meta: nothing allocated
+                self._record(Wire.ALL_GATHER, args[4],
+                             torch.empty(local.numel() * args[3], dtype=local.dtype, device="meta"))
         elif packet in _AUTOSHARD:  # its collective runs below this mode: count the op itself
             kind, group_index = _AUTOSHARD[packet]
             payload = out if kind == Wire.ALL_GATHER else args[0]

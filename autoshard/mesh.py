@@ -13,6 +13,7 @@ shard axis and tp: a plan's per-parameter dp choice (``S(0)``, ``S(1)`` or
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -52,7 +53,7 @@ class MeshAxes:
     def shard_axis(self) -> str | None:
         """The axis FSDP2 shards parameters over: ``dp_shard`` under HSDP, else ``dp``; on a mesh
         with a cp axis FSDP shards over it too (:attr:`fsdp_axes`), and over it alone without dp."""
-        return next((a for a in (DP_SHARD, DP, CP) if a in self.names), None)
+        return self.fsdp_axes[0] if self.fsdp_axes else None
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
@@ -97,10 +98,7 @@ class MeshAxes:
     @property
     def dp(self) -> int:
         """FSDP's shard degree (what padding and a shard's size depend on): dp x cp with a cp axis."""
-        degree = 1
-        for axis in self.fsdp_axes:
-            degree *= self.size(axis)
-        return degree
+        return math.prod(self.size(axis) for axis in self.fsdp_axes)
 
     @property
     def replicas(self) -> int:

@@ -162,7 +162,7 @@ def _shape(node) -> tuple[int, ...] | None:
 class _Rewriter:
     def __init__(self, gm: fx.GraphModule, seq: int, cp: int, group_name: str, params: set[str], balanced: bool,
                  local_outputs: bool):
-        self.gm, self.graph = gm, gm.graph
+        self.graph = gm.graph
         self.seq, self.cp, self.group = seq, cp, group_name
         self.local = seq // cp
         self.params = params
@@ -270,7 +270,7 @@ class _Rewriter:
             new.meta["val"] = like.meta["val"]
         return new
 
-    def _index_for(self, before: int, after: int, at: fx.Node) -> fx.Node:
+    def _index_for(self, before: int, after: int) -> fx.Node:
         """This rank's entries of a dim of ``before * seq * after``, as an index (cached)."""
         key = (before, after)
         if key not in self.indices:
@@ -283,7 +283,7 @@ class _Rewriter:
 
     def _index(self, value: fx.Node, cut: Cut, consumer: fx.Node) -> fx.Node:
         """``value`` (whole) cut as ``cut`` at ``consumer``."""
-        index = self._index_for(cut.before, cut.after, consumer)
+        index = self._index_for(cut.before, cut.after)
         new = self._insert(consumer, aten.index_select.default, (value, cut.dim, index), like=value)
         self.cut[new] = cut
         return new
@@ -359,14 +359,13 @@ class _Rewriter:
             return cut
         if target in _SAME_SHAPE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
             return self._pointwise(node, node.all_input_nodes)
-        if target in (aten.topk.default, aten.sort.default, aten.argsort.default) and self._cut_of(node.args[0]):
+        if target in (aten.topk.default, aten.sort.default, aten.argsort.default):
             return self._along_other_dim(node)
-        if target is aten.repeat_interleave.self_int and isinstance(self._cut_of(node.args[0]), Cut):
+        if target is aten.repeat_interleave.self_int:
             return self._repeat_interleave(node)
         if target in (aten.pad.default, aten.constant_pad_nd.default, aten.convolution.default,
-                      aten.conv1d.default, aten.index.Tensor, aten.gather.default, aten.sort.default,
-                      aten.topk.default, aten.argsort.default, aten.scatter.src, aten.scatter_add.default,
-                      aten.repeat_interleave.self_int):
+                      aten.conv1d.default, aten.index.Tensor, aten.gather.default, aten.scatter.src,
+                      aten.scatter_add.default):
             raise _Gather(f"{_op_name(target)} may mix positions along the sequence")
         raise NotImplementedError(
             f"autoshard: context parallelism has no rule for {describe(node)} ({_op_name(target)}), which reads "
@@ -582,20 +581,17 @@ class _Rewriter:
         stacked = node.target is aten.stack.default
         if not stacked and first.dim == dim:
             raise _Gather("a concatenation along the sequence")
-        out_dim = first.dim + (1 if stacked and dim <= first.dim else 0)
-        want = dataclasses.replace(first, dim=out_dim)
         new_values = []
-        for value, shape in zip(values, shapes, strict=True):
+        for value, shape in zip(values, shapes, strict=True):  # every input cut as the first cut one
             cut = self._cut_of(value)
-            expected = dataclasses.replace(want, dim=want.dim - (1 if stacked and dim <= first.dim else 0))
-            if cut == expected:
+            if cut == first:
                 new_values.append(value)
-            elif cut is None and shape[expected.dim] == self._global(expected):
-                new_values.append(self._index(value, expected, node))
+            elif cut is None and shape[first.dim] == self._global(first):
+                new_values.append(self._index(value, first, node))
             else:
                 raise _Gather("a concatenation of values cut differently")
         node.args = (new_values, *node.args[1:])
-        return want
+        return dataclasses.replace(first, dim=first.dim + (1 if stacked and dim <= first.dim else 0))
 
     def _split(self, node: fx.Node):
         src = node.args[0]

@@ -183,10 +183,10 @@ def _gather_for_colwise(tally, xs, dim, group_name, reduce_dtype=None):
                    lambda g: _chunks(_summed(tally, g, reduce_dtype, scattered=True), tp, dim), xs)
 
 
-def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name, *, tp: int | None = None) -> PerRank:
+def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name, *, tp: int) -> PerRank:
     out = []
-    for i, x in enumerate(ids.values):
-        local = x - (i % tp if tp else i) * rows_per_rank
+    for i, x in enumerate(ids.values):  # simulated rank i is tp rank i % tp
+        local = x - (i % tp) * rows_per_rank
         in_shard = (local >= 0) & (local < rows_per_rank)
         out.append((torch.where(in_shard, local, 0), in_shard.unsqueeze(-1)))
     return PerRank(out)
@@ -196,7 +196,7 @@ def _as_sharded_dtensor(xs: PerRank, dim, group_name) -> PerRank:
     return PerRank(xs.values, sharded_dim=dim)
 
 
-def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True, *, tp: int = 1) -> PerRank:
+def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True, *, tp: int) -> PerRank:
     return PerRank([context_ops.local_positions(i // tp, cp, seq, x.device, balanced) for i, x in enumerate(xs.values)])
 
 
