@@ -8,6 +8,8 @@ Pure analysis, nothing is rewritten. A *linear site* is one ATen node computing
 * ``x @ W.t()`` (or ``.T``, ``transpose(0, 1)``) -> ``aten.matmul(x, aten.t(W[out, in]))``
 * ``torch.mm`` / ``torch.addmm(b, x, W)`` and ``x @ W + b`` with ``b`` a 1-D
   parameter of the output size (the bias is folded into the site).
+* any of these on ``W`` cast first (``F.linear(x.float(), self.weight.float())``, as MoE
+  routers compute in float32): the cast is the site's, and the rewrite casts the stored weight.
 
 The site records the weight's *orientation* as the user stores it, so the
 transpose pass knows which weights must be stored transposed.
@@ -54,6 +56,7 @@ class LinearSite:
     bias_fqn: str | None = None
     bias_node: fx.Node | None = None
     nodes: tuple[fx.Node, ...] = ()
+    weight_cast: fx.Node | None = None  # a dtype cast between the parameter and the matmul
 
     @property
     def param_fqns(self) -> tuple[str, ...]:
@@ -107,6 +110,17 @@ def param_node_fqn(node: fx.Node, param_fqns) -> str | None:
     return None
 
 
+_CASTS = (aten._to_copy.default, aten.to.dtype)
+
+
+def _uncast(arg) -> tuple[object, fx.Node | None]:
+    """(the value, the cast) when ``arg`` is a single-use dtype cast of a parameter read, else (arg, None)."""
+    if (isinstance(arg, fx.Node) and arg.target in _CASTS and len(arg.users) == 1 and isinstance(arg.args[0], fx.Node)
+            and arg.args[0].op == "get_attr" and set(arg.kwargs) <= {"dtype"}):
+        return arg.args[0], arg
+    return arg, None
+
+
 def _weight_of(arg, param_shapes) -> tuple[fx.Node, str, str] | None:
     """(get_attr node, fqn, orientation) if ``arg`` is a 2-D parameter used as matmul rhs."""
     if not isinstance(arg, fx.Node):
@@ -141,16 +155,17 @@ def find_linear_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...
         if node.op != "call_function":
             continue
         if node.target == aten.linear.default:
-            x, w = node.args[0], node.args[1]
+            x, (w, cast) = node.args[0], _uncast(node.args[1])
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             fqn = param_node_fqn(w, param_shapes) if isinstance(w, fx.Node) else None
             if fqn is None or len(param_shapes[fqn]) != 2:
                 continue
             out_f, in_f = param_shapes[fqn]
             b = _bias_of(bias, param_shapes, out_f) if bias is not None else None
-            if bias is not None and b is None:
+            if bias is not None and b is None or cast is not None and bias is not None:
                 continue
-            sites.append(_site(node, x, node, w, fqn, OUT_IN, in_f, out_f, b, (node,)))
+            owned = (node,) + ((cast,) if cast is not None else ())
+            sites.append(_site(node, x, node, w, fqn, OUT_IN, in_f, out_f, b, owned, cast))
         elif node.target in _MATMULS or node.target == aten.addmm.default:
             is_addmm = node.target == aten.addmm.default
             x, rhs = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
@@ -178,9 +193,9 @@ def find_linear_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...
     return tuple(sites)
 
 
-def _site(node, x, output, w, fqn, orientation, in_f, out_f, bias, owned) -> LinearSite:
+def _site(node, x, output, w, fqn, orientation, in_f, out_f, bias, owned, cast=None) -> LinearSite:
     b_node, b_fqn = bias if bias is not None else (None, None)
-    return LinearSite(node, x, output, fqn, w, orientation, in_f, out_f, b_fqn, b_node, owned)
+    return LinearSite(node, x, output, fqn, w, orientation, in_f, out_f, b_fqn, b_node, owned, cast)
 
 
 def _is_param(node, param_shapes) -> bool:
@@ -257,7 +272,7 @@ def _check_params_used_only_by_their_site(gm: fx.GraphModule, owners) -> None:
         own = set()
         for site in owners[node.target]:
             own |= set(site.nodes) if isinstance(site, LinearSite) else {site.node}
-        users = set(node.users) | {u for t in node.users if t.target in _TRANSPOSES for u in t.users}
+        users = set(node.users) | {u for t in node.users if t.target in _TRANSPOSES + _CASTS for u in t.users}
         for user in users - own:
             raise NotImplementedError(
                 f"autoshard: parameter '{node.target}' feeds {describe(owners[node.target][0].node)} and also "

@@ -9,7 +9,10 @@ and read them per token or per expert:
 * ``x @ W[e]`` / ``x @ W[e].T``            -> ``select`` (``transpose``) then ``aten.matmul``
 * ``torch._grouped_mm(rows, W.transpose(-2, -1), offs=offsets)``, rows sorted by expert
   (torchtitan's ``GroupedExperts``, transformers' grouped experts) -> ``aten._grouped_mm``
-  on the whole stack, every expert at once: no pick is needed, the chain may be empty
+  on the whole stack, every expert at once: no pick is needed, the chain may be empty;
+  transformers' own fallback for it (``transformers::grouped_mm_fallback``, what its default
+  experts implementation runs where ``_grouped_mm`` cannot: on CPU under export or compile in
+  float32) takes the same operands and is the same site
 
 An :class:`ExpertSite` is one such matmul. Its weight operand is reached from the
 parameter through a chain of single-use ops that pick experts (index or select on
@@ -36,6 +39,9 @@ aten = torch.ops.aten
 # _grouped_mm reads each operand's rows at 16-byte aligned strides: a rank's share of a cut dim
 # must be a multiple of 16 bytes (8 bf16 elements)
 _GROUPED_MM_ALIGNMENT = 16
+# ops computing ``_grouped_mm(rows [M, in], W [E, in, out], offs)`` by other kernels, by qualified
+# name (their library registers them only once imported); none needs _grouped_mm's alignment
+_GROUPED_MM_EQUIVALENTS = frozenset({"transformers::grouped_mm_fallback"})
 _CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten.clone.default)
 
 
@@ -142,7 +148,7 @@ def _matmul_site(param, node, operand, dims, chain, chain_dims, shape) -> Expert
     if node.op != "call_function":
         return None
     args = node.args
-    if node.target == aten._grouped_mm.default:
+    if node.target == aten._grouped_mm.default or _op_name(node) in _GROUPED_MM_EQUIVALENTS:
         return _grouped_site(param, node, operand, dims, chain, chain_dims, shape)
     if not chain:
         return None  # the whole parameter read by a plain matmul is no expert pick
@@ -174,8 +180,16 @@ def _grouped_site(param, node, operand, dims, chain, chain_dims, shape) -> Exper
     if len(node.args) > 3 and node.args[3] is not None or node.kwargs.get("bias") is not None:
         return None  # an expert bias: not handled, the weight stays replicated
     site = _site(param, node, rows, operand, dims, chain, chain_dims, shape, (dims[2], dims[1], -1, -1))
+    if node.target != aten._grouped_mm.default:
+        return site
     itemsize = operand.meta["val"].dtype.itemsize
     return site and dataclasses.replace(site, multiple=max(1, _GROUPED_MM_ALIGNMENT // itemsize), kernel="_grouped_mm")
+
+
+def _op_name(node: fx.Node) -> str:
+    """``library::name`` of an operator overload, else ``""``."""
+    schema = getattr(node.target, "_schema", None)
+    return schema.name if schema is not None else ""
 
 
 def _site(param, node, x, operand, dims, chain, chain_dims, shape, where) -> ExpertSite | None:

@@ -121,6 +121,12 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
         if not entry.unit or len(entry.shape) < 2 or entry.sharded_dim(TP) is not None or entry.why.computed_whole:
             continue
         matmuls = [r for r in readers.get(fqn, ()) if getattr(r.target, "overloadpacket", None) in MATMUL_OPS]
+        if _narrow_on_whole_input(entry):  # a router or a 1-output gate on the whole stream
+            why = dataclasses.replace(entry.why, computed_whole=(
+                f"its {entry.shape[0]} output features, fewer than its {entry.shape[1]} inputs, do not divide by "
+                f"tp={axes.tp}; it reads the whole stream, so computed whole it needs no collective"))
+            out[fqn] = dataclasses.replace(entry, why=why)
+            continue
         if entry.why.indivisible is not None or matmuls:
             why = entry.why.indivisible.reason() if entry.why.indivisible is not None else (
                 f"read whole by {describe(matmuls[0])}")
@@ -133,6 +139,15 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
         padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
         out[fqn] = dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
     return out, tuple(whole)
+
+
+def _narrow_on_whole_input(entry: ParamSharding) -> bool:
+    """A linear kept whole because its few outputs do not divide by tp, and fewer than its inputs: it
+    reads the whole stream (its role would have been colwise), so computed whole it costs no
+    collective and little work; nothing could cut it, so it is no break."""
+    indivisible = entry.why.indivisible
+    return (indivisible is not None and indivisible.what == "output features" and len(entry.shape) == 2
+            and entry.shape[0] == indivisible.size and entry.shape[0] < entry.shape[1])
 
 
 def _readers(graph: fx.Graph) -> dict[str, list[fx.Node]]:

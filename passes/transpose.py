@@ -70,10 +70,15 @@ def _rewrite(
     folded_bias = site.output is not node  # bias added by a separate `add` the site owns
     bias = site.bias_node if site.bias_node is not None and not folded_bias else None
     with graph.inserting_before(node):
+        weight = site.weight_node
+        if site.weight_cast is not None:  # the user's cast, on the stored weight
+            cast = site.weight_cast
+            weight = graph.call_function(cast.target, (weight, *cast.args[1:]), dict(cast.kwargs))
+            _inherit(weight, cast, f"{cast.name}_stored")
         if role == COLWISE:
-            product = graph.call_function(aten.matmul.default, (x, site.weight_node))
+            product = graph.call_function(aten.matmul.default, (x, weight))
         else:  # rowwise [out, in], or the tied head [vocab, dim] cut over its vocabulary rows
-            product = graph.call_function(aten.linear.default, (x, site.weight_node))
+            product = graph.call_function(aten.linear.default, (x, weight))
         _inherit(product, node, f"{node.name}_local")
         if role == ROWWISE and tp_group is not None:
             if scatter:
