@@ -83,6 +83,12 @@ class ParamSharding:
     sections: tuple[int, ...] = ()
     gather: TileQuant | None = None  # with a quantized all-gather: its tile and blocks, or why not
     why: Why = Why()  # the decisions ``note`` is rendered from (for this plan's mesh)
+    # fused sections every tp rank holds whole (k/v heads fewer than tp), their columns repeated
+    # once per rank in the stored tensor (``duplicated`` extra columns), and the original columns
+    # the sections read in order as [start, stop) runs (empty: in order)
+    whole_sections: tuple[int, ...] = ()
+    section_runs: tuple[int, ...] = ()
+    duplicated: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "placements", {str(a): as_placement(p) for a, p in self.placements.items()})
@@ -97,7 +103,16 @@ class ParamSharding:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape)) if self.transposed else self.shape
+        shape = tuple(reversed(self.shape)) if self.transposed else self.shape
+        if self.duplicated:
+            dim = self.sharded_dim("tp")
+            shape = (*shape[:dim], shape[dim] + self.duplicated, *shape[dim + 1:])
+        return shape
+
+    @property
+    def fused(self) -> FusedSections | None:
+        """The fused sections of the stored tp-sharded dim, if any."""
+        return FusedSections(self.sections, self.whole_sections, self.section_runs) if self.sections else None
 
     def to_dict(self) -> dict:
         return {
@@ -109,7 +124,8 @@ class ParamSharding:
             "collectives": [c.to_dict() for c in self.collectives],
             "note": self.note,
             "sections": list(self.sections),
-        } | ({"gather": self.gather.to_dict()} if self.gather is not None else {}) | (
+        } | ({"whole_sections": list(self.whole_sections), "section_runs": list(self.section_runs),
+              "duplicated": self.duplicated} if self.whole_sections or self.section_runs else {}) | ({"gather": self.gather.to_dict()} if self.gather is not None else {}) | (
             {"why": self.why.to_dict()} if self.why != Why() else {})
 
     @classmethod
@@ -143,6 +159,9 @@ class ParamSharding:
             collectives=tuple(Collective.from_dict(c) for c in data.get("collectives", ())),
             note=note,
             sections=tuple(int(n) for n in data.get("sections", ())),
+            whole_sections=tuple(int(n) for n in data.get("whole_sections", ())),
+            section_runs=tuple(int(n) for n in data.get("section_runs", ())),
+            duplicated=int(data.get("duplicated", 0)),
             gather=TileQuant.from_dict(data["gather"]) if data.get("gather") else None,
             why=why,
         )
@@ -277,7 +296,7 @@ class Plan:
         for fqn, p in self.params.items():
             stored = "x".join(map(str, p.stored_shape)) or "scalar"
             stored += " (T)" if p.transposed else ""
-            stored += f" [{'|'.join(map(str, p.sections))}]" if p.sections else ""
+            stored += f" [{p.fused.text()}]" if p.sections else ""
             row = [fqn, p.role, stored, *(self._placement_cell(fqn, p, a) for a in axes), p.unit or "<root>"]
             if spec:
                 row.append(p.gather.describe(spec) if p.gather is not None else "-")
@@ -303,7 +322,9 @@ class Plan:
             out += [f"activation: {a}" for a in self.activations]
         out.append("(T) stored transposed; placements are on the stored dims")
         if any(p.sections for p in self.params.values()):
-            out.append("[a|b|c] fused output sections, permuted so each tp rank holds its share of each")
+            out.append("[a|b|c] fused output sections, permuted so each tp rank holds its share of each"
+                       + ("; [b*] one every rank holds whole (its heads fewer than tp)"
+                          if any(p.whole_sections for p in self.params.values()) else ""))
         out += list(self.functions)
         shard_axis = axes_from_sizes(dict(self.mesh)).shard_axis
         if shard_axis:
@@ -406,16 +427,53 @@ def section_order(sections: tuple[int, ...], tp: int, device="cpu"):
     """Stored order of a fused dim: rank 0's chunk of every section, then rank 1's, ...
     so that an even cut over tp gives each rank its share of each section. An index made on
     ``device``: that of the tensor it reorders."""
-    import torch
+    return FusedSections(tuple(sections)).order(tp, device)
 
-    starts = [sum(sections[:i]) for i in range(len(sections))]
-    order = [
-        start + rank * (size // tp) + j
-        for rank in range(tp)
-        for start, size in zip(starts, sections, strict=True)
-        for j in range(size // tp)
-    ]
-    return torch.tensor(order, dtype=torch.long, device=device)
+
+@dataclasses.dataclass(frozen=True)
+class FusedSections:
+    """The output sections of a fused projection, as its stored tp-sharded dim holds them.
+
+    ``sizes``: the sections in the order the model reads them (q, k, v); ``whole``: the sections
+    every tp rank holds whole rather than its share of (k/v heads fewer than tp ranks);
+    ``runs``: the original columns the sections read, in order, as ``[start0, stop0, ...]``
+    (empty: the sections are the columns in order).
+
+    Rank ``r``'s stored columns are, section by section, its ``1/tp`` chunk of a cut section or the
+    whole of a whole one, so a whole section is stored once per rank.
+    """
+
+    sizes: tuple[int, ...]
+    whole: tuple[int, ...] = ()
+    runs: tuple[int, ...] = ()
+
+    def text(self) -> str:
+        return "|".join(f"{size}*" if i in self.whole else str(size) for i, size in enumerate(self.sizes))
+
+    def duplicated(self, tp: int) -> int:
+        """Stored columns beyond the original ones: the whole sections' extra copies."""
+        return (tp - 1) * sum(self.sizes[i] for i in self.whole)
+
+    def order(self, tp: int, device="cpu"):
+        """The original column of each stored column (whole sections repeated per rank)."""
+        import torch
+
+        columns = torch.cat([torch.arange(a, b) for a, b in zip(self.runs[::2], self.runs[1::2], strict=True)]) \
+            if self.runs else torch.arange(sum(self.sizes))
+        parts = columns.split(list(self.sizes))
+        order = [part if i in self.whole else part.chunk(tp)[rank]
+                 for rank in range(tp) for i, part in enumerate(parts)]
+        return torch.cat(order).to(device)
+
+    def inverse(self, tp: int, device="cpu"):
+        """For each original column, the first stored column holding it."""
+        import torch
+
+        order = self.order(tp)
+        first = torch.full((sum(self.sizes),), -1, dtype=torch.long)
+        positions = torch.arange(order.numel())
+        first.scatter_reduce_(0, order, positions, "amin", include_self=False)
+        return first.to(device)
 
 
 def mixed_precision_of(policy) -> dict[str, str]:

@@ -41,7 +41,7 @@ from autoshard.errors import describe
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
 from autoshard.passes.placements import multiplies
 from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator, widened
-from autoshard.plan import Plan, section_order
+from autoshard.plan import Plan
 from autoshard.precision import first_precision_change
 from autoshard.rounding import Measure, judge
 from autoshard.sharding import REPLICATED, shard_on
@@ -436,7 +436,7 @@ def stored_shards(entry, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Each tp rank's local tensor of one parameter: transposed, sections permuted, chunked."""
     stored = full.t() if entry.transposed else full
     if entry.sections and tp > 1:
-        stored = stored.index_select(entry.sharded_dim("tp"), section_order(entry.sections, tp))
+        stored = stored.index_select(entry.sharded_dim("tp"), entry.fused.order(tp))
     dim = entry.sharded_dim("tp") if tp > 1 else None
     if dim is None:
         return [stored.contiguous() for _ in range(tp)]

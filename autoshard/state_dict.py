@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from autoshard.plan import Plan, section_order
+from autoshard.plan import Plan
 from autoshard.quantized_gather import master_values
 
 
@@ -40,13 +40,14 @@ from autoshard.quantized_gather import master_values
 class StoredLayout:
     """How each parameter's stored tensor differs from the original one.
 
-    ``transposed``: FQNs stored as ``W.t()``. ``permuted``: FQN -> (stored dim,
-    section order) of fused projections; a tied parameter is one
+    ``transposed``: FQNs stored as ``W.t()``. ``permuted``: FQN -> (stored dim, the original
+    column of each stored one, the first stored column of each original one) of fused
+    projections, whose whole sections are stored once per tp rank; a tied parameter is one
     vocab_parallel table and is never transposed or permuted.
     """
 
     transposed: frozenset[str]
-    permuted: Mapping[str, tuple[int, torch.Tensor]]
+    permuted: Mapping[str, tuple[int, torch.Tensor, torch.Tensor]]  # FQN -> (dim, order, inverse)
     original_shapes: Mapping[str, tuple[int, ...]]
 
     @classmethod
@@ -54,7 +55,7 @@ class StoredLayout:
         return cls(
             transposed=frozenset(fqn for fqn, entry in plan.params.items() if entry.transposed),
             permuted={
-                fqn: (entry.sharded_dim("tp"), section_order(entry.sections, tp))
+                fqn: (entry.sharded_dim("tp"), entry.fused.order(tp), entry.fused.inverse(tp))
                 for fqn, entry in plan.params.items()
                 if entry.sections and tp > 1
             },
@@ -72,8 +73,8 @@ class StoredLayout:
     def to_original(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
         """Stored -> original layout (a view for a transpose; a tp gather for fused sections)."""
         if fqn in self.permuted:
-            dim, order = self.permuted[fqn]
-            value = _unpermute(value, dim, torch.argsort(order))
+            dim, _, inverse = self.permuted[fqn]
+            value = _unpermute(value, dim, inverse)
         return value.t() if fqn in self.transposed else value
 
     def to_stored(self, fqn: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor | str:
@@ -88,9 +89,9 @@ class StoredLayout:
                 return f"must be 2-D, got shape {list(value.shape)}"
             value = value.t()
         if fqn in self.permuted:
-            dim, order = self.permuted[fqn]
+            dim, order, inverse = self.permuted[fqn]
             value = value.full_tensor() if isinstance(value, DTensor) else value
-            if value.shape[dim] != order.numel():
+            if value.shape[dim] != inverse.numel():
                 return given
             value = value.index_select(dim, order.to(value.device))
         if isinstance(param, DTensor) and not isinstance(value, DTensor):
@@ -184,5 +185,8 @@ def _unpermute(value: torch.Tensor, dim: int, inverse: torch.Tensor) -> torch.Te
     placements = list(value.placements)
     placements[mesh.mesh_dim_names.index("tp")] = Replicate()
     gathered = value.redistribute(mesh, placements).to_local()
-    local = gathered.index_select(dim, inverse.to(gathered.device))
-    return DTensor.from_local(local, mesh, placements, shape=value.shape, stride=value.stride())
+    local = gathered.index_select(dim, inverse.to(gathered.device))  # whole sections: their first copy
+    shape = list(value.shape)
+    shape[dim] = inverse.numel()
+    return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())

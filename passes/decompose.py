@@ -96,21 +96,25 @@ def expand_gqa_for_tp(graph: fx.Graph, tp: int) -> list[fx.Node]:
     divide by tp (2 kv heads on tp=4) k and v cannot be cut on heads, but each rank's q
     heads still need only their own kv heads: ``repeat_interleave(k, h / kv, dim=heads)``
     makes that one head per q head, which tp cuts like q (a cut, no communication forward).
-    The result is the same attention. Returns the rewritten attention nodes.
+    The result is the same attention. Multi-query attention that lets SDPA broadcast its one
+    k/v head over the q heads (Falcon) is the same case with ``kv = 1``. Returns the rewritten
+    attention nodes.
     """
     from autoshard.context_ops import CP_CAUSAL_ATTENTION  # its args: q, k, v, cp, group, scale, enable_gqa
 
     rewritten = []
     for node in list(graph.nodes):
         cp_attention = node.target is CP_CAUSAL_ATTENTION
-        gqa = (len(node.args) > 6 and node.args[6]) if cp_attention else node.kwargs.get("enable_gqa", False)
-        if node.target is not SDPA and not cp_attention or not gqa:
+        if node.target is not SDPA and not cp_attention:
             continue
+        gqa = (len(node.args) > 6 and node.args[6]) if cp_attention else node.kwargs.get("enable_gqa", False)
         q, k, v = node.args[:3]
         shapes = [getattr(t.meta.get("val"), "shape", None) for t in (q, k, v)]
         if any(s is None or len(s) < 3 for s in shapes):
             continue
         heads, kv_heads = shapes[0][-3], shapes[1][-3]
+        if not gqa and not (kv_heads == 1 and shapes[2][-3] == 1):
+            continue  # without enable_gqa only one kv head broadcast over the q heads (multi-query) is read so
         if not all(isinstance(n, int) for n in (heads, kv_heads)) or heads == kv_heads:
             continue
         if heads % tp or not kv_heads % tp or heads % kv_heads:

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER
+from autoshard.section_ops import FUSED_SPLIT
 
 aten = torch.ops.aten
 
@@ -61,12 +62,16 @@ Layout = None | int | Partial | Strided | tuple
 class Decision:
     """``fused_sections``: the op splits a colwise output along its sharded dim into
     these (global) sections; valid only once the producing weight's columns are
-    permuted so that every rank holds its share of each section (see propagate)."""
+    permuted so that every rank holds its share of each section (see propagate).
+    ``whole_sections``: those of them every rank holds whole instead (k/v heads fewer than
+    tp); ``section_runs``: the weight's columns the sections read, in order (``fused_split``)."""
 
     output: object
     inputs: dict
     args: tuple | None = None
     fused_sections: tuple[int, ...] | None = None
+    whole_sections: tuple[int, ...] = ()
+    section_runs: tuple[int, ...] = ()
 
 
 def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | None:
@@ -530,15 +535,21 @@ def _norm_over_last(node, layouts, tp):
 
 def _attention(node, layouts, tp):
     """SDPA on [..., heads, seq, head_dim]: q, k, v sharded on the heads dim
-    (GQA keeps its ratio when both head counts divide by tp); the mask must
-    broadcast over heads or be sharded the same way."""
+    (GQA keeps its ratio when both head counts divide by tp), or k/v of one head
+    broadcast over q's heads and read whole; the mask must broadcast over heads
+    or be sharded the same way."""
     q, k, v = node.args[:3]
     heads = _ndim(q) - 3
     if heads < 0 or layouts.get(q) != heads:
         return None
+    wanted = {}
     for t in (k, v):  # k/v computed whole (fewer heads than tp) are cut like q: as many heads
-        if layouts.get(t) != heads and (layouts.get(t) is not None or _shape(t)[-3] != _shape(q)[-3]):
+        if layouts.get(t) is None and _shape(t)[-3] == 1:
+            wanted[t] = None  # one kv head broadcast over the q heads (multi-query): read whole
+        elif layouts.get(t) != heads and (layouts.get(t) is not None or _shape(t)[-3] != _shape(q)[-3]):
             return None
+        else:
+            wanted[t] = heads
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         m_lay = layouts.get(mask)
@@ -551,7 +562,7 @@ def _attention(node, layouts, tp):
     out = tuple(heads if isinstance(t, torch.Tensor) and t.dim() > heads else None for t in val) if isinstance(
         val, (tuple, list)
     ) else heads
-    return Decision(out, {**layouts, k: heads, v: heads})
+    return Decision(out, {**layouts, **wanted})
 
 
 def _batched_matmul(node, layouts, tp):
@@ -568,6 +579,26 @@ def _batched_matmul(node, layouts, tp):
     if la == na - 2 and lb is None:
         return Decision(no - 2, {a: la, b: None})
     return None
+
+
+def _sections(node, layouts, tp):
+    """``fused_split`` of a colwise output (see :mod:`autoshard.passes.sections`): a section with
+    whole heads on every rank is cut over tp, the others are computed whole on every rank. Each
+    rank's output then holds its share of each cut section and all of each whole one, in order."""
+    found = _single_sharded_input(node, layouts)
+    x, runs, sizes, heads = node.args
+    if found is None or found[1] != _ndim(x) - 1:
+        return None
+    cut = [size % tp == 0 and count % tp == 0 for size, count in zip(sizes, heads, strict=True)]
+    if not any(cut):
+        return None
+    local = [size // tp if c else size for size, c in zip(sizes, cut, strict=True)]
+    local_heads = [count // tp if c else count for count, c in zip(heads, cut, strict=True)]
+    return Decision(
+        tuple(found[1] if c else None for c in cut), {x: found[1]}, (x, [0, sum(local)], local, local_heads),
+        fused_sections=tuple(sizes), whole_sections=tuple(i for i, c in enumerate(cut) if not c),
+        section_runs=tuple(runs),
+    )
 
 
 def _along_cp(node, layouts, tp):
@@ -613,6 +644,7 @@ _ELEMENTWISE_LIKE = (
 _RULES = (
     (_ELEMENTWISE_LIKE, _pointwise),
     ((CP_GATHER, CP_ALL_REDUCE), _along_cp),
+    ((FUSED_SPLIT,), _sections),
     ((aten._assert_tensor_metadata.default,), _metadata_check),
     ((aten.sym_size.int,), _sym_size),
     ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),

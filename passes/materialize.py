@@ -41,7 +41,7 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from autoshard.mesh import TP, MeshAxes, dp_choice
 from autoshard.passes.capture import parameters_on_meta
 from autoshard.passes.partition import Partitioned
-from autoshard.plan import Plan, section_order
+from autoshard.plan import Plan
 from autoshard.quantized_gather import wrap_for_quantized_gather
 from autoshard.sharding import sharded_by_fsdp
 from autoshard.state_dict import install_state_dict_hooks
@@ -117,7 +117,7 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
     stored = original.detach()
     stored = stored.t() if entry.transposed else stored
     if entry.sections:
-        stored = stored.index_select(entry.sharded_dim(TP), section_order(entry.sections, axes.tp, stored.device))
+        stored = stored.index_select(entry.sharded_dim(TP), entry.fused.order(axes.tp, stored.device))
     if stored.is_meta:
         stored = stored.contiguous()
     else:

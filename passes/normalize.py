@@ -3,6 +3,9 @@
 * **Partial sums first.** ``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph; a chain
   of adds is regrouped so that the outputs of linears are summed first, ``x + (a + m)``:
   two rowwise outputs then add as partial sums and are all-reduced once (a parallel block).
+* **Fused sections** (:func:`~autoshard.passes.sections.split_fused_outputs`): a fused q|k|v
+  output with a section whose heads do not divide by tp becomes one ``fused_split``, whose
+  layout rule keeps that section whole on every rank and cuts the others.
 * **Grouped-query attention on tp** (:func:`~autoshard.passes.decompose.expand_gqa_for_tp`):
   where q's heads divide by tp and k/v's do not, k and v are repeated per q head so that
   tp cuts them like q.
@@ -19,12 +22,14 @@ import torch.fx as fx
 from autoshard.passes.decompose import expand_gqa_for_tp
 from autoshard.passes.discover import Sites
 from autoshard.passes.partition import made_like
+from autoshard.passes.sections import split_fused_outputs
 
 
 def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
     """Rewrite ``gm`` in place (see the module docstring); ``sites`` are unchanged."""
     _sum_partials_first(gm, sites)
     if tp > 1:
+        split_fused_outputs(gm, sites, tp)
         expand_gqa_for_tp(gm.graph, tp)
 
 

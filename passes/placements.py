@@ -254,13 +254,17 @@ def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_
                  else f"read sharded by one op over its tp-sharded dim {tp_dim}: stored cut over tp")
         why = Why(about=about)
     placements = param_placements(role, shape, axes, dp_placement, tp_dim)
-    sections = ()
+    fused = None
     if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
-        sections = layout_plan.fused.get(explained_by, ())  # a linear's weight and bias share them
+        fused = layout_plan.fused.get(explained_by)  # a linear's weight and bias share them
     padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
+    sections = {}
+    if fused is not None:
+        sections = {"sections": fused.sizes, "whole_sections": fused.whole, "section_runs": fused.runs,
+                    "duplicated": fused.duplicated(axes.tp)}
     return ParamSharding(role=role, shape=shape, transposed=transposed, placements=placements,
                          unit=_unit_of(fqn, captured.block_fqns), collectives=collectives,
-                         note=why.note(axes.tp if axes.has_tp else None, padding), sections=sections, why=why)
+                         note=why.note(axes.tp if axes.has_tp else None, padding), why=why, **sections)
 
 
 def _unit_of(fqn: str, blocks: tuple[str, ...]) -> str:

@@ -75,6 +75,7 @@ import torch.fx as fx
 
 from autoshard.errors import describe
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
+from autoshard.plan import FusedSections
 from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
@@ -207,7 +208,7 @@ class LayoutPlan:
     tp: int
     # weight FQN -> why replicated over tp: a dim that does not divide, or why computed whole
     notes: dict[str, Indivisible | str] = dataclasses.field(default_factory=dict)
-    fused: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
+    fused: dict[str, FusedSections] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
     # colwise outputs gathered right after the matmul -> where their region would have ended
     gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     sequence_parallel: bool = False
@@ -450,7 +451,7 @@ class Propagation:
         self.edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]] = {}
         self.new_args: dict[fx.Node, tuple] = {}
         self.notes: dict[str, Indivisible | str] = {}
-        self.fused: dict[str, tuple[int, ...]] = {}
+        self.fused: dict[str, FusedSections] = {}
         self.sharded_params: dict[str, int] = {}
         self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
         self.whole_sequences: dict[str, Indivisible] = {}
@@ -693,7 +694,8 @@ class Propagation:
         site = _fused_origin(value, self.layouts, self.output_site, readers=len(value.users))
         if site is None or self.roles.get(site.weight_fqn) != COLWISE:
             return None
-        if self.fused.setdefault(site.weight_fqn, decision.fused_sections) != decision.fused_sections:
+        fused = FusedSections(decision.fused_sections, decision.whole_sections, decision.section_runs)
+        if self.fused.setdefault(site.weight_fqn, fused) != fused:
             return None
         return decision
 

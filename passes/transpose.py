@@ -28,6 +28,7 @@ from autoshard.errors import describe
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL, LayoutPlan, RowwiseExit
+from autoshard.section_ops import MATMUL_INPUT_GRAD_SCALED
 from autoshard.sharding import Role
 
 aten = torch.ops.aten
@@ -52,7 +53,8 @@ def rewrite_linears(
         if role in (COLWISE, ROWWISE, VOCAB_PARALLEL):
             exit_ = layout_plan.rowwise_exit(site)
             group = None if exit_ is RowwiseExit.PARTIAL else tp_group
-            _rewrite(gm.graph, site, role, group, exit_ is RowwiseExit.REDUCE_SCATTER, reduce_dtype)
+            _rewrite(gm.graph, site, role, group, exit_ is RowwiseExit.REDUCE_SCATTER, reduce_dtype,
+                     layout_plan.fused, tp)
     if tp_group is not None:
         for site in sites.embeddings:
             if roles[site.weight_fqn] == VOCAB_PARALLEL:
@@ -62,9 +64,11 @@ def rewrite_linears(
 
 
 def _rewrite(
-    graph: fx.Graph, site: LinearSite, role: Role, tp_group: str | None, scatter: bool = False, reduce_dtype=None
+    graph: fx.Graph, site: LinearSite, role: Role, tp_group: str | None, scatter: bool = False, reduce_dtype=None,
+    fused_by_site: dict | None = None, tp: int = 1,
 ) -> None:
     sums = (reduce_dtype,) if reduce_dtype is not None else ()
+    fused_by_site = fused_by_site or {}
     node = site.node
     x = _current_input(site)
     folded_bias = site.output is not node  # bias added by a separate `add` the site owns
@@ -75,7 +79,10 @@ def _rewrite(
             cast = site.weight_cast
             weight = graph.call_function(cast.target, (weight, *cast.args[1:]), dict(cast.kwargs))
             _inherit(weight, cast, f"{cast.name}_stored")
-        if role == COLWISE:
+        fused = fused_by_site.get(site.weight_fqn) if role == COLWISE else None
+        if fused is not None and fused.whole and tp > 1:
+            product = _whole_sections_product(graph, node, x, weight, fused, tp)
+        elif role == COLWISE:
             product = graph.call_function(aten.matmul.default, (x, weight))
         else:  # rowwise [out, in], or the tied head [vocab, dim] cut over its vocabulary rows
             product = graph.call_function(aten.linear.default, (x, weight))
@@ -95,6 +102,40 @@ def _rewrite(
     else:
         node.replace_all_uses_with(product)
         graph.erase_node(node)
+
+
+def _whole_sections_product(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: fx.Node, fused, tp: int) -> fx.Node:
+    """A colwise product whose fused sections are partly whole on every rank (k/v heads fewer than tp).
+
+    The stored local weight holds, section by section, this rank's share of a cut section or all of
+    a whole one (:class:`~autoshard.plan.FusedSections`). Each run of alike sections is one matmul,
+    and the runs are put back side by side. ``x`` enters tp (its gradient is summed over the ranks),
+    which is right for the cut sections' partial input-gradient; a whole section's is whole on every
+    rank, so it enters that sum as ``1 / tp`` of itself (``matmul_input_grad_scaled``)."""
+    local = [size if i in fused.whole else size // tp for i, size in enumerate(fused.sizes)]
+    runs, start = [], 0
+    for i, size in enumerate(local):
+        whole = i in fused.whole
+        if runs and runs[-1][0] == whole:
+            runs[-1] = (whole, runs[-1][1], start + size)
+        else:
+            runs.append((whole, start, start + size))
+        start += size
+    parts = []
+    for whole, begin, end in runs:
+        columns = graph.call_function(aten.slice.Tensor, (weight, -1, begin, end))
+        _inherit(columns, node, f"{node.name}_{'whole' if whole else 'cut'}_columns")
+        if whole:
+            part = graph.call_function(MATMUL_INPUT_GRAD_SCALED, (x, columns, 1.0 / tp))
+        else:
+            part = graph.call_function(aten.matmul.default, (x, columns))
+        _inherit(part, node, f"{node.name}_{'whole' if whole else 'cut'}")
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    product = graph.call_function(aten.cat.default, (parts, -1))
+    _inherit(product, node, f"{node.name}_sections")
+    return product
 
 
 def _rewrite_vocab_parallel_lookup(

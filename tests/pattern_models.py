@@ -856,6 +856,130 @@ class SharedLayerDecoder(Decoder):
         return self.output(self.norm(h))
 
 
+
+# --- fused projections whose k/v heads are fewer than tp ranks --------------------------------
+
+GQA = Config(heads=8, kv_heads=2)  # 8 q heads of width 8 share 2 kv heads: kv heads < tp from tp=4 on
+
+
+class GroupedFusedQKVAttention(nn.Module):
+    """torchtitan's ``FusedQKVLinear``: one ``wqkv`` whose output is grouped per kv head (the group's
+    q heads, then its k and its v), viewed to ``(kv groups, heads_per_kv + 2, head_dim)`` and split
+    along that dim; attention by SDPA with ``enable_gqa``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.head_dim, self.heads_per_kv = cfg.head_dim, cfg.heads // cfg.kv_heads
+        self.wqkv = nn.Linear(cfg.dim, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        bs, seqlen, _ = x.shape
+        qkv = self.wqkv(x).view(bs, seqlen, -1, self.heads_per_kv + 2, self.head_dim)
+        xq, xk, xv = torch.split(qkv, [self.heads_per_kv, 1, 1], dim=-2)
+        xq, xk, xv = (t.reshape(bs, seqlen, -1, self.head_dim).contiguous() for t in (xq, xk, xv))
+        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class GroupedFusedQKV(Decoder):
+    def __init__(self, cfg: Config = GQA):
+        super().__init__(cfg, lambda c: Block(c, GroupedFusedQKVAttention))
+
+
+def hf_repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """transformers' ``repeat_kv``: [b, kv, s, d] -> [b, kv * n_rep, s, d] by expand + reshape."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+class SlicedFusedQKVAttention(nn.Module):
+    """Phi-3's attention: one ``qkv_proj`` sliced into q, k, v at column offsets, each viewed to
+    heads; k/v repeated per q head as transformers' SDPA path does."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.head_dim, self.num_heads, self.num_kv = cfg.head_dim, cfg.heads, cfg.kv_heads
+        op_size = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.dim, op_size, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, hidden_states):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        query_pos = self.num_heads * self.head_dim
+        query_states = qkv[..., :query_pos]
+        key_states = qkv[..., query_pos : query_pos + self.num_kv * self.head_dim]
+        value_states = qkv[..., query_pos + self.num_kv * self.head_dim :]
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        n_rep = self.num_heads // self.num_kv
+        key_states, value_states = hf_repeat_kv(key_states, n_rep), hf_repeat_kv(value_states, n_rep)
+        out = F.scaled_dot_product_attention(query_states, key_states, value_states, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*input_shape, -1).contiguous())
+
+
+class SlicedFusedQKV(Decoder):
+    def __init__(self, cfg: Config = GQA):
+        super().__init__(cfg, lambda c: Block(c, SlicedFusedQKVAttention))
+
+
+class InsertedDimMultiQueryAttention(nn.Module):
+    """GPT-BigCode's multi-query attention: ``c_attn`` gives q and one head of k and v, split after
+    an inserted heads dim (``unsqueeze(1).split(...)``); k and v broadcast over the q heads."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.head_dim, self.embed_dim = cfg.head_dim, cfg.heads * cfg.head_dim
+        self.c_attn = nn.Linear(cfg.dim, self.embed_dim + 2 * cfg.head_dim)
+        self.c_proj = nn.Linear(self.embed_dim, cfg.dim)
+
+    def forward(self, hidden_states):
+        input_shape = hidden_states.shape[:-1]
+        query, key, value = self.c_attn(hidden_states).unsqueeze(1).split(
+            (self.embed_dim, self.head_dim, self.head_dim), dim=3)
+        query = query.view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        return self.c_proj(out.transpose(1, 2).reshape(*input_shape, -1).contiguous())
+
+
+class InsertedDimMultiQuery(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=1)):
+        super().__init__(cfg, lambda c: Block(c, InsertedDimMultiQueryAttention))
+
+
+class IndexedMultiQueryAttention(nn.Module):
+    """Falcon's multi-query attention: ``query_key_value`` viewed to ``heads + 2`` heads, q the first
+    ``heads`` (a slice), k and v one head each by index lists (``qkv[..., [-2], :]``); SDPA
+    broadcasts the one kv head over the q heads."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.query_key_value = nn.Linear(cfg.dim, (cfg.heads + 2) * cfg.head_dim, bias=False)
+        self.dense = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, hidden_states):
+        batch_size, seq_length, _ = hidden_states.shape
+        fused_qkv = self.query_key_value(hidden_states).view(batch_size, seq_length, self.num_heads + 2,
+                                                               self.head_dim)
+        query, key, value = fused_qkv[..., :-2, :], fused_qkv[..., [-2], :], fused_qkv[..., [-1], :]
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(batch_size, seq_length, -1))
+
+
+class IndexedMultiQuery(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=1)):
+        super().__init__(cfg, lambda c: Block(c, IndexedMultiQueryAttention))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -878,6 +1002,10 @@ PATTERNS = {
     "fused_qkv_hooks": FusedQKV,
     "slice_filled_keys": SliceFilledKeys,
     "expand_as_mask": ExpandAsMask,
+    "grouped_fused_qkv": GroupedFusedQKV,
+    "sliced_fused_qkv": SlicedFusedQKV,
+    "inserted_dim_multi_query": InsertedDimMultiQuery,
+    "indexed_multi_query": IndexedMultiQuery,
 }
 
 
@@ -917,6 +1045,13 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # run colwise then rowwise: one forward all-reduce per run (its sinusoid input has no gradient)
     "reused_embedder": {"layers.0": 6, "layers.1": 4},
     "shared_layer": {"layers.0": 8},  # one block's weights run twice: 4 per run
+    # one fused q|k|v whose k/v heads (2, or 1) are fewer than tp: k and v computed whole and cut
+    # per q head, their gradients gathered in one more collective (kv heads % tp adds it, as for
+    # separate projections)
+    "grouped_fused_qkv": 4,
+    "sliced_fused_qkv": 4,
+    "inserted_dim_multi_query": 4,
+    "indexed_multi_query": 4,
 }
 
 

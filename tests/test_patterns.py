@@ -26,7 +26,10 @@ from tests.plan_invariants import assert_breaks_complete
 # partial-sum regrouping and experts (2x2), and the patterns of other libraries on both meshes
 END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "2d")) + tuple(
     (name, mesh) for name in ("vision_fused_qkv", "latent_attention", "adaln_modulation", "moe_grouped_mm",
-                              "reused_embedder", "shared_layer") for mesh in ("2d", "tp"))
+                              "reused_embedder", "shared_layer") for mesh in ("2d", "tp")) + (
+    # a fused q|k|v whose k/v sections are stored whole on every tp rank: 2 kv heads on tp=4, 1 on tp=2
+    ("grouped_fused_qkv", "tp"), ("indexed_multi_query", "2d"))
+WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
 # the grouped experts multiply in bfloat16 (the kernel's dtype): one device sums each expert's
 # down projection in one bf16 result, tp ranks each round their partial sum to bf16 first
 PARITY_TOLERANCE = {"moe_grouped_mm": 2e-3}
@@ -118,6 +121,15 @@ def _make_check(name: str, mesh_name: str):
         with CollectiveCounter(axes) as step:
             lm_loss(run.sharded(local), dp_slice(targets, mesh)).backward()
         assert step.count("tp") == plan.num_tp_collectives(), (name, step.stats(), str(plan))
+        if name in WHOLE_SECTIONS:
+            # whole sections are stored once per tp rank: the state dict has each column once, and
+            # loading the single-device weights back gives its outputs
+            assert any(p.whole_sections for p in plan.params.values()), str(plan)
+            run.sharded.load_state_dict(run.reference.state_dict())
+            with torch.no_grad():
+                expected = run.reference(tokens)
+                got = run.sharded(local)
+            torch.testing.assert_close(got, dp_slice(expected, mesh), rtol=1e-5, atol=1e-5)
 
     check.__name__ = check.__qualname__ = f"check_{name}_{mesh_name}"
     check.__module__ = __name__
