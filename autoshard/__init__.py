@@ -16,6 +16,7 @@ from autoshard.api import autoshard, check, plan
 from autoshard.backend import backend, register_backend_name
 from autoshard.block_quant import BlockQuant
 from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
+from autoshard.clipping import clip_grad_norm_
 from autoshard.mesh import data_parallel_rank
 from autoshard.plan import ParamSharding, Plan
 from autoshard.proof import Proof, ProofError
@@ -25,4 +26,4 @@ register_backend_name()  # torch.compile(model, backend="autoshard", options={"m
 
 __all__ = ["autoshard", "plan", "check", "Proof", "ProofError",
            "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
-           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links", "testing"]
+           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links", "testing", "clip_grad_norm_"]

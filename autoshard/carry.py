@@ -53,7 +53,7 @@ def check_activations_carry(
     changed = []
     for fqn, now in final.params.items():
         was = before.params[fqn]
-        if (was.collectives, was.sections) != (now.collectives, now.sections):
+        if (was.collectives, was.fused) != (now.collectives, now.fused):
             line = f"  '{fqn}' on tp={new.tp}: {_change(was, now)}"
             changed.append(line + (f"\n    note: {now.note}" if now.note else ""))
     added = [f"  activation: {a}" for a in final.activations if a not in before.activations]
@@ -71,6 +71,7 @@ def _change(was: ParamSharding, now: ParamSharding) -> str:
     added = [c for c in now.collectives if c not in was.collectives]
     dropped = [c for c in was.collectives if c not in now.collectives]
     parts = [f"adds '{c}'" for c in added] + [f"drops '{c}'" for c in dropped]
-    if was.sections != now.sections:
-        parts.append(f"fused sections {list(was.sections)} become {list(now.sections)}")
+    if was.fused != now.fused:
+        parts.append(f"fused sections [{was.fused.text() if was.fused else ''}] become "
+                     f"[{now.fused.text() if now.fused else ''}]")
     return "; ".join(parts)

@@ -90,8 +90,9 @@ def to_parallelize_plan(plan, model: nn.Module | None = None) -> ParallelizePlan
             continue
         if entry.sections:
             not_expressed[fqn] = (
-                f"fused sections [{'|'.join(map(str, entry.sections))}] each cut over tp; a style cuts the "
-                "fused dim in contiguous pieces"
+                f"fused sections [{entry.fused.text()}] each cut over tp"
+                + (" (* held whole on every rank)" if entry.whole_sections else "")
+                + "; a style cuts the fused dim in contiguous pieces"
             )
             continue
         if role == Role.COLWISE:
@@ -139,7 +140,7 @@ def to_hf_tp_plan(plan, model: nn.Module | None = None) -> dict[str, str]:
         if style is None:
             continue
         if entry.sections:
-            if style != "colwise" or len(set(entry.sections)) != 1:
+            if style != "colwise" or len(set(entry.sections)) != 1 or entry.whole_sections or entry.section_runs:
                 continue
             style = "packed_colwise"
         elif style == "colwise" and _gathered(entry):

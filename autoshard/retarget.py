@@ -94,9 +94,12 @@ def _check_divisible(plan: Plan, old: MeshAxes, new: MeshAxes) -> None:
         dim = tp_dim_of(entry)
         if dim is None or len(entry.stored_shape) <= dim:
             continue
-        size = entry.stored_shape[dim]
+        size = entry.stored_shape[dim] - entry.duplicated
         where = f"parameter '{fqn}' ({entry.role}) has tp-sharded stored dim {dim}"
-        if size % tp:
+        if entry.whole_sections and tp != old.tp:
+            faults.append(f"{where} fused from sections [{entry.fused.text()}], the * ones held whole on each of "
+                          f"tp={old.tp} ranks (their heads fewer than tp): which are whole depends on tp")
+        elif size % tp:
             faults.append(f"{where} of size {size}, which does not divide by tp={tp}")
         elif any(s % tp for s in entry.sections):
             sections = "|".join(map(str, entry.sections))
@@ -119,6 +122,9 @@ def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> Param
         collectives=entry.collectives if new.has_tp else (),
         note=_retarget_note(entry, placements, old, new),
         sections=entry.sections if new.has_tp else (),
+        whole_sections=entry.whole_sections if new.has_tp else (),
+        section_runs=entry.section_runs if new.has_tp else (),
+        duplicated=entry.duplicated if new.has_tp else 0,
         why=entry.why.on_tp(new.tp if new.has_tp else None),
     )
 

@@ -132,6 +132,14 @@ def _make_check(name: str, mesh_name: str):
                 expected = run.reference(tokens)
                 got = run.sharded(local)
             torch.testing.assert_close(got, dp_slice(expected, mesh), rtol=1e-5, atol=1e-5)
+            # and gradient clipping counts each column once: the single-device norm
+            run.sharded.zero_grad()
+            run.reference.zero_grad()
+            lm_loss(run.sharded(local), dp_slice(targets, mesh)).backward()
+            lm_loss(run.reference(tokens), targets).backward()
+            expected_norm = torch.nn.utils.clip_grad_norm_(run.reference.parameters(), 1e9)
+            norm = autoshard.clip_grad_norm_(run.sharded, 1e9)
+            torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=0)
 
     check.__name__ = check.__qualname__ = f"check_{name}_{mesh_name}"
     check.__module__ = __name__
