@@ -6,7 +6,9 @@ SwiGLU FFN, untied LM head) at a tiny size (4 layers, dim 128, 8 heads, 4 kv hea
 vocabulary 256) twice from the same initial weights on the same batches: once parallelized
 by torchtitan's ``parallelize_llama`` and once by ``autoshard.autoshard``. 4 CPU processes on
 gloo, one launch per mesh running every variant: dp=2 x tp=2 and tp=4 (dp=1), each in fp32
-and bf16 (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on both
+and bf16, and tp=4 with 2 kv heads (``tp4-kv2``: fewer kv heads than tp ranks; torchtitan's config
+check refuses it, so autoshard runs alone, against one device, its fused ``wqkv`` keeping k and v
+whole on every rank) (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on both
 sides: torchtitan's ``training.mixed_precision_param``, autoshard's ``mp_policy``). A third
 variant, autoshard with ``loss_parallel=True``, shows what keeping the logits vocabulary-sharded
 (as torchtitan always does under tp) changes.
@@ -189,7 +191,8 @@ STEPS = 10
 LR = 1e-3
 SEED = 0
 WORLD_SIZE = 4
-MESHES = {"2x2": (2, 2), "tp4": (1, 4)}  # (dp, tp)
+# (dp, tp, kv heads): tp4-kv2 has fewer kv heads than tp ranks, which torchtitan refuses
+MESHES = {"2x2": (2, 2, NUM_KV_HEADS), "tp4": (1, 4, NUM_KV_HEADS), "tp4-kv2": (1, 4, 2)}
 DTYPES = ("fp32", "bf16")
 VARIANTS = ("torchtitan", "autoshard", "autoshard_lp")
 VARIANT_TITLES = {"torchtitan": "torchtitan", "autoshard": "autoshard", "autoshard_lp": "autoshard+lp"}
@@ -208,7 +211,7 @@ def parallelism_config(dp: int, tp: int):
                              enable_sequence_parallel=False, spmd_backend="partial_dtensor")
 
 
-def model_config(dp: int, tp: int):
+def model_config(dp: int, tp: int, kv_heads: int = NUM_KV_HEADS):
     """torchtitan's Llama-3 config helpers at a tiny size, SDPA attention, RoPE sized to the sequence.
 
     ``update_from_config`` validates that tp divides the (kv) heads and attaches torchtitan's
@@ -225,7 +228,7 @@ def model_config(dp: int, tp: int):
     )
 
     rope = ComplexRoPE.Config(dim=DIM // NUM_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama")
-    layers = _build_llama3_layers(n_layers=NUM_LAYERS, dim=DIM, n_heads=NUM_HEADS, n_kv_heads=NUM_KV_HEADS,
+    layers = _build_llama3_layers(n_layers=NUM_LAYERS, dim=DIM, n_heads=NUM_HEADS, n_kv_heads=kv_heads,
                                   hidden_dim=FFN_HIDDEN, rope=rope, attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -240,10 +243,10 @@ def model_config(dp: int, tp: int):
     return config
 
 
-def initial_model(dp: int, tp: int) -> torch.nn.Module:
+def initial_model(dp: int, tp: int, kv_heads: int = NUM_KV_HEADS) -> torch.nn.Module:
     """The single-device model every variant starts from: torchtitan's own init under one seed."""
     torch.manual_seed(SEED)
-    model = model_config(dp, tp).build()
+    model = model_config(dp, tp, kv_heads).build()
     with torch.no_grad():
         model.init_weights()
     return model
@@ -270,9 +273,9 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def single_device_losses(steps: int) -> list[float]:
+def single_device_losses(steps: int, kv_heads: int = NUM_KV_HEADS) -> list[float]:
     """The unparallelized model trained on the global batches: the losses both sides should reproduce."""
-    model = initial_model(1, 1)
+    model = initial_model(1, 1, kv_heads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for i in range(steps):
@@ -353,10 +356,11 @@ def build_autoshard(model: torch.nn.Module, dp: int, tp: int, dtype: str, lp: bo
     return Side(sharded, mean_cross_entropy, 1.0 / dp, groups, dp_rank, loss_parallel if lp else _null_context)
 
 
-def build_side(variant: str, dp: int, tp: int, dtype: str) -> Side:
-    model = initial_model(dp, tp)
+def build_side(variant: str, dp: int, tp: int, dtype: str, kv_heads: int = NUM_KV_HEADS) -> Side:
     if variant == "torchtitan":
+        model = initial_model(dp, tp, kv_heads)  # torchtitan's own config check: tp must divide the kv heads
         return build_torchtitan(model, dp, tp, dtype)
+    model = initial_model(1, 1, kv_heads)  # the same model: autoshard needs no config of the mesh
     return build_autoshard(model, dp, tp, dtype, lp=variant == "autoshard_lp")
 
 
@@ -519,9 +523,15 @@ def logged_step(side: Side, optimizer, index: int, dp: int) -> CollectiveLog:
     return log
 
 
-def measure(variant: str, dp: int, tp: int, dtype: str, steps: int) -> dict | None:
-    """Build, train, log one step, measure what backward holds; rank 0 returns the result."""
-    side = build_side(variant, dp, tp, dtype)
+def measure(variant: str, dp: int, tp: int, dtype: str, steps: int, kv_heads: int = NUM_KV_HEADS) -> dict | None:
+    """Build, train, log one step, measure what backward holds; rank 0 returns the result (torchtitan's
+    refusal of a mesh its config check rejects, as its error)."""
+    try:
+        side = build_side(variant, dp, tp, dtype, kv_heads)
+    except (ValueError, AssertionError) as err:
+        if variant != "torchtitan":
+            raise
+        return {"refused": f"{type(err).__name__}: {err}"} if dist.get_rank() == 0 else None
     optimizer = torch.optim.AdamW(side.module.parameters(), lr=LR)
     times, losses = train(side, optimizer, steps, dp)
     log = logged_step(side, optimizer, steps, dp)
@@ -535,7 +545,11 @@ def measure(variant: str, dp: int, tp: int, dtype: str, steps: int) -> dict | No
     dist.all_gather_object(every_rank, (comm, comm_by_kind))
     if dist.get_rank() != 0:
         return None
+    plan = getattr(side.module, "autoshard_plan", None)
     return {
+        "plan_tp_collectives_per_block": sorted({plan.num_tp_collectives(u) for u in plan.units if u})
+        if plan is not None else None,
+        "plan_breaks": plan.breaks_line() if plan is not None else None,
         "step_times_s": step_times,
         "step_time_median_s": statistics.median(step_times[1:]),
         "losses": losses,
@@ -547,17 +561,17 @@ def measure(variant: str, dp: int, tp: int, dtype: str, steps: int) -> dict | No
     }
 
 
-def run_mesh(rank: int, world_size: int, shape: tuple[int, int], dtypes: tuple[str, ...],
+def run_mesh(rank: int, world_size: int, shape: tuple[int, int, int], dtypes: tuple[str, ...],
              variants: tuple[str, ...], steps: int) -> dict | None:
     """Every (dtype, variant) of one mesh in this one process group launch; the variants run in
     alternating order from one dtype to the next, so slow drift of the machine hits them alike."""
     quiet_known_warnings()
-    dp, tp = shape
+    dp, tp, kv_heads = shape
     results: dict[str, dict] = {}
     for i, dtype in enumerate(dtypes):
         results[dtype] = {}
         for variant in variants if i % 2 == 0 else reversed(variants):  # alternate against drift
-            results[dtype][variant] = measure(variant, dp, tp, dtype, steps)
+            results[dtype][variant] = measure(variant, dp, tp, dtype, steps, kv_heads)
     return results if rank == 0 else None
 
 
@@ -692,14 +706,19 @@ def main(argv=None) -> dict:
     dtypes = tuple(args.dtypes.split(","))
     variants = ("torchtitan", *[v for v in args.variants.split(",") if v != "torchtitan"])
     start = time.perf_counter()
-    reference = single_device_losses(args.steps)
-    report = {"config": config_section(args), "single_device_losses": reference, "results": {}}
+    references = {kv: single_device_losses(args.steps, kv) for kv in sorted({MESHES[m][2] for m in meshes})}
+    report = {"config": config_section(args), "single_device_losses": references.get(NUM_KV_HEADS),
+              "results": {}}
     for mesh in meshes:
+        reference = references[MESHES[mesh][2]]
         per_dtype = spawn(run_mesh, WORLD_SIZE, (MESHES[mesh], dtypes, variants, args.steps), timeout=SPAWN_TIMEOUT)[0]
         for dtype, results in per_dtype.items():
+            titan = results["torchtitan"] if "refused" not in results["torchtitan"] else None
             for result in results.values():
-                result["loss_agreement"] = loss_agreement(result, results["torchtitan"], reference)
-            results["torchtitan"]["loss_agreement"]["vs_torchtitan"] = None
+                if "refused" not in result:
+                    result["loss_agreement"] = loss_agreement(result, titan, reference)
+            if titan is not None:
+                titan["loss_agreement"]["vs_torchtitan"] = None
             report["results"][f"{mesh} {dtype}"] = results
     report["wall_time_s"] = time.perf_counter() - start
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -711,11 +730,22 @@ def main(argv=None) -> dict:
 
 def print_report(report: dict, out: str) -> None:
     for config, results in report["results"].items():
-        dp, tp = MESHES[config.split()[0]]
-        print(f"\n{format_table(f'dp={dp} x tp={tp} {config.split()[1]}', results)}")
+        dp, tp, kv_heads = MESHES[config.split()[0]]
+        title = f"dp={dp} x tp={tp} {config.split()[1]}" + (f" kv={kv_heads}" if kv_heads != NUM_KV_HEADS else "")
+        refused = results.get("torchtitan", {}).get("refused")
+        if refused:
+            print(f"\n{title}: torchtitan refuses this mesh ({refused[:160]})")
+            results = {n: r for n, r in results.items() if n != "torchtitan"}
+            for name, result in results.items():
+                print(f"  {VARIANT_TITLES[name]}: {result['comm_per_step'].get('tp', {}).get('num_collectives', 0)} tp "
+                      f"collectives / step ({result['plan_tp_collectives_per_block']} per block planned; "
+                      f"{result['plan_breaks']}), max rel loss diff vs 1 device "
+                      f"{result['loss_agreement']['vs_single_device']:.2e}")
+            continue
+        print(f"\n{format_table(title, results)}")
     for config, results in report["results"].items():
         print(f"\n== tp collectives of one step, {config} ==")
-        for name in (n for n in VARIANTS if n in results):
+        for name in (n for n in VARIANTS if n in results and "refused" not in results[n]):
             print(format_collectives(VARIANT_TITLES[name], results[name]["collectives"]))
     print(f"\nwall time {report['wall_time_s']:.1f} s; JSON: {os.path.relpath(out)}")
 

@@ -980,6 +980,49 @@ class IndexedMultiQuery(Decoder):
         super().__init__(cfg, lambda c: Block(c, IndexedMultiQueryAttention))
 
 
+
+# --- a parallel block summed in place ------------------------------------------------------
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.dense_4h_to_h = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
+    out = F.dropout(x, p=prob, training=training)
+    return residual + out
+
+
+class InPlaceParallelBlock(nn.Module):
+    """Falcon's decoder layer: attention and MLP read one LayerNorm's output, the attention output
+    is added into the MLP output in place (``mlp_output += attention_output``), then the residual."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(cfg.dim)
+        self.self_attention = QKVAttention(cfg)
+        self.mlp = GeluMLP(cfg)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        attention_layernorm_out = self.input_layernorm(hidden_states)
+        attention_output = self.self_attention(attention_layernorm_out)
+        mlp_output = self.mlp(attention_layernorm_out)
+        mlp_output += attention_output
+        return dropout_add(mlp_output, residual, 0.0, training=self.training)
+
+
+class InPlaceParallel(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, InPlaceParallelBlock)
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1006,6 +1049,7 @@ PATTERNS = {
     "sliced_fused_qkv": SlicedFusedQKV,
     "inserted_dim_multi_query": InsertedDimMultiQuery,
     "indexed_multi_query": IndexedMultiQuery,
+    "in_place_parallel": InPlaceParallel,
 }
 
 
@@ -1052,6 +1096,7 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "sliced_fused_qkv": 4,
     "inserted_dim_multi_query": 4,
     "indexed_multi_query": 4,
+    "in_place_parallel": 2,  # a parallel block: one input gradient, one sum of both partial outputs
 }
 
 
