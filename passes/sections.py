@@ -118,13 +118,13 @@ def find_fused_output(gm: fx.GraphModule, value: fx.Node) -> FusedOutput | None:
         node = frontier.pop(0)
         probe = probes[node]
         followed = [u for u in node.users if _moves(gm, u, node, probe, leading, probes)]
-        if len(followed) == len(node.users):
+        if node.users and len(followed) == len(node.users):
             moved.append(node)
             frontier += followed
-        elif followed or isinstance(probe, tuple):
-            return None  # columns read both moved and as they are
+        elif isinstance(probe, tuple):
+            return None  # a split's results read as a tuple
         else:
-            sections.append(Section(node, probe))
+            sections.append(Section(node, probe))  # read as it is (by some users at least): a section
     if len(sections) < 2:
         return None
     used = torch.cat([s.columns.flatten() for s in sections])
