@@ -9,9 +9,16 @@ family and mesh:
 * ``proven``, or ``refused`` with the error a user gets (it names the op or parameter), or
   ``PROOF FAILED`` (a plan the proof caught: ``autoshard()`` refuses it with the node), or
   ``INTERNAL`` (an error inside a pass);
-* tp collectives per block per training step (the distinct values over the blocks; a dense
-  attention + MLP block's analytic minimum is 4: 2 forward all-reduces, 2 backward), and the
-  number of blocks whose tp sharding breaks (``plan.breaks``).
+* tp collectives per block per training step (the distinct values over the blocks), each
+  block's analytic minimum (:func:`block_minimum`: one forward all-reduce per partial sum the
+  block must reduce, one backward all-reduce per input its sharded matmuls read, or as many as
+  the forward ones if more, and one backward all-gather per attention whose kv heads are fewer
+  than tp: a dense attention + MLP block's is 4, 5 with kv heads fewer than tp, a parallel
+  block's 2), and every break of a block's tp sharding with its cause (``plan.breaks``).
+
+The summary gives, by kind, the runs with no break and the runs at their analytic minimum, over
+all runs and over the runs on meshes whose tp divides the model's attention heads (the zoo's
+4 heads: 2x2, tp=4 and 2x4), where every block can be cut by heads.
 
 Families ``torch.export`` cannot capture are counted apart with export's reason. Summary lines
 give the percentages. ``--options`` adds bf16 mixed precision and sequence parallelism on a
@@ -81,6 +88,7 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
         args, kwargs = case.inputs()
     except Exception as err:  # the survey built it once; a second build failing is the zoo's problem
         return {"family": case.family, "kind": case.kind, "build_error": _first_line(err)}
+    heads = _attention_heads(model)
     for option in option_names:
         options = _options(option)
         names = meshes if option == "fp32" else OPTION_MESHES
@@ -98,6 +106,10 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
                 row |= {
                     "status": "proven" if proof.ok else "PROOF FAILED",
                     "per_block": sorted({plan.num_tp_collectives(b) for b in blocks}),
+                    "above_minimum": sum(plan.num_tp_collectives(b) > block_minimum(plan, b) for b in blocks),
+                    "minimum": sorted({block_minimum(plan, b) for b in blocks}),
+                    "breaks": [list(b) for b in plan.breaks],
+                    "heads_divide": heads % axes.tp == 0 if heads else None,
                     "blocks": len(blocks),
                     "broken": len({u for u, _ in plan.breaks}),
                     "first_break": plan.breaks[0][1] if plan.breaks else "",
@@ -125,6 +137,54 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
             rows.append(row)
     return {"family": case.family, "kind": case.kind, "class": case.class_name, "rows": rows,
             "seconds": time.perf_counter() - start}
+
+
+_HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "n_heads")
+
+
+def _attention_heads(model) -> int | None:
+    """The attention heads the model's config gives (the first such field), if any."""
+    config = getattr(model, "config", None)
+    for field in _HEAD_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+_MATMUL_NAMES = ("linear", "matmul", "mm", "bmm", "addmm", "grouped_mm", "einsum")
+
+
+def block_minimum(plan, unit: str) -> int:
+    """The analytic minimum of tp collectives per training step for block ``unit`` of ``plan``.
+
+    Each rowwise output the block reduces is one forward all-reduce; each input its sharded
+    matmuls read has its gradient all-reduced once in backward; a partial sum reduced away from
+    any weight (a norm's statistic over a cut width, experts' summed outputs) costs its forward
+    all-reduce and one backward all-reduce of the gradient it spreads; an attention whose kv heads
+    are fewer than tp gathers its k/v gradients once. Breaks cost what this leaves out: gathers of
+    activations and weights, and gradients entering tp at other ops.
+    """
+    outputs = inputs = sums = gathers = 0
+    for entry in plan.params.values():
+        if entry.unit != unit:
+            continue
+        for c in entry.collectives:
+            if c.runs and c.subject == "output" and str(c.direction) == "fwd" and "gather" not in c.kind:
+                outputs += 1
+            elif c.runs and c.subject == "input grad" and str(c.direction) == "bwd":
+                inputs += 1
+    for i, c in enumerate(plan.activations):
+        if not c.runs or plan.unit_of_activation(i) != unit:
+            continue
+        if str(c.direction) == "fwd" and c.subject.startswith("partial sum"):
+            sums += 1
+        elif str(c.direction) == "bwd" and c.kind == "all-reduce" and any(f"({m}" in c.cause.split("`")[0]
+                                                                          for m in _MATMUL_NAMES):
+            inputs += 1
+        elif c.kind == "take-shard":
+            gathers += 1
+    return outputs + inputs + 2 * sums + gathers
 
 
 def _first_line(err: Exception) -> str:
@@ -185,9 +245,10 @@ def _print_family(result: dict) -> None:
         return
     for row in result["rows"]:
         per_block = "/".join(map(str, row.get("per_block", []))) or "-"
+        per_block += f" (min {'/'.join(map(str, row['minimum']))})" if row.get("minimum") else ""
         broken = f"{row['broken']}/{row['blocks']}" if "broken" in row else "-"
         detail = row.get("detail") or row.get("first_break", "")
-        print(f"{head}{row['mesh']:<6}{row['option']:<18}{row['status']:<14}{per_block:>8}{broken:>7}  {detail[:110]}",
+        print(f"{head}{row['mesh']:<6}{row['option']:<18}{row['status']:<14}{per_block:>16}{broken:>7}  {detail[:110]}",
               flush=True)
 
 
@@ -225,12 +286,33 @@ def _summary(results: list[dict], meshes, option_names, skips) -> list[str]:
             uncut = [row for row in whole if not row.get("sequence_cut")]
             lines.append(f"  of those proven, {len(whole)} keep some outputs whole over tp (a sequence length tp "
                          f"does not divide), {len(uncut)} of them every output")
+    lines += _by_kind_lines(captured)
     by_kind = collections.defaultdict(lambda: [0, 0])
     for r in captured:
         by_kind[r["kind"]][1] += 1
         by_kind[r["kind"]][0] += r in everywhere
     lines.append("by kind (proven everywhere / captured): "
                  + ", ".join(f"{k} {p}/{n}" for k, (p, n) in sorted(by_kind.items())))
+    return lines
+
+
+def _by_kind_lines(captured: list[dict]) -> list[str]:
+    """fp32 runs with no break and at their analytic minimum, by kind: over every run, and over
+    the runs whose tp divides the attention heads."""
+    lines = []
+    for title, keep in (("all runs", lambda row: True),
+                        ("heads divide tp", lambda row: row.get("heads_divide") is True)):
+        parts = []
+        for kind in sorted({r["kind"] for r in captured}):
+            rows = [row for r in captured if r["kind"] == kind for row in r["rows"]
+                    if row["option"] == "fp32" and keep(row)]
+            if not rows:
+                continue
+            unbroken = sum(row.get("broken") == 0 for row in rows)
+            minimal = sum(row.get("above_minimum") == 0 for row in rows)
+            parts.append(f"{kind} {len(rows)} runs: no break {_pct(unbroken, len(rows))}, "
+                         f"at minimum {_pct(minimal, len(rows))}")
+        lines.append(f"{title}: " + "; ".join(parts))
     return lines
 
 
