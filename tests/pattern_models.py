@@ -1019,7 +1019,7 @@ class InPlaceParallelBlock(nn.Module):
 
 
 class InPlaceParallel(Decoder):
-    def __init__(self, cfg: Config = Config()):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
         super().__init__(cfg, InPlaceParallelBlock)
 
 

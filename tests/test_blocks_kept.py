@@ -1,0 +1,105 @@
+"""tp kept through every block of code people run: fused projections with fewer k/v heads than tp,
+multi-query attention, parallel blocks summed in place, and mixture-of-experts layers as
+transformers runs them by default (its grouped-matmul fallback, float32 routers, 1-output gates).
+
+All in one process: each plan proven against the unsharded model (outputs and every gradient,
+fresh inputs), no tp break, and its tp collectives per block exactly the analytic minimum. The
+pattern models (tests/pattern_models.py) are also trained on real ranks in tests/test_patterns.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as hf
+
+import autoshard
+from autoshard.sharding import Role
+from tests.hf_cases import _DECODER, VOCAB
+from tests.pattern_models import PATTERNS, block_minimum
+from tests.pattern_models import VOCAB as PATTERN_VOCAB
+from tests.plan_invariants import assert_breaks_complete
+
+TOKENS = torch.randint(0, PATTERN_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+WHOLE_SECTION_PATTERNS = ("grouped_fused_qkv", "sliced_fused_qkv", "inserted_dim_multi_query", "indexed_multi_query")
+
+
+def _proven(model, mesh, example):
+    proof = autoshard.check(model, mesh, example_inputs=(example,))
+    assert proof.ok, str(proof)
+    assert not proof.plan.breaks, proof.plan.breaks_line()
+    assert_breaks_complete(proof.plan)
+    assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
+    return proof.plan
+
+
+def _blocks(plan, prefix):
+    return [u for u in plan.units if u.startswith(prefix)]
+
+
+@pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel",))
+def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
+    """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
+    model = PATTERNS[name]()
+    plan = _proven(model, {"tp": 8}, TOKENS)
+    for block in _blocks(plan, "layers."):
+        minimum = block_minimum(name, block) + (model.cfg.kv_heads % 8 != 0)
+        assert plan.num_tp_collectives(block) == minimum, (block, str(plan))
+
+
+def test_a_fused_projection_keeps_its_kv_sections_whole_and_its_q_section_cut():
+    """torchtitan's grouped wqkv with 2 kv heads on tp=4: q|k|v read from groups of
+    [4 q heads, k, v], stored as q cut over tp, then k and v whole on every rank."""
+    plan = _proven(PATTERNS["grouped_fused_qkv"](), {"tp": 4}, TOKENS)
+    entry = plan.params["layers.0.attention.wqkv.weight"]
+    assert (entry.sections, entry.whole_sections) == ((64, 16, 16), (1, 2))
+    # the q heads of kv group 0 are columns 0..31, its k 32..39, its v 40..47, then group 1
+    assert entry.section_runs == (0, 32, 48, 80, 32, 40, 80, 88, 40, 48, 88, 96)
+    assert entry.stored_shape == (64, 96 + 3 * 32) and entry.duplicated == 96
+    assert "[64|16*|16*]" in str(plan)
+    with pytest.raises(ValueError, match=r"the \* ones held whole on each of tp=4 ranks"):
+        plan.for_mesh({"tp": 2})
+
+
+def test_phi3_with_fewer_kv_heads_than_tp_plans_every_block_at_five():
+    model = hf.Phi3ForCausalLM(hf.Phi3Config(**_DECODER, pad_token_id=0))
+    plan = _proven(model, {"tp": 4}, IDS)
+    assert {plan.num_tp_collectives(b) for b in _blocks(plan, "model.layers.")} == {5}
+    assert plan.params["model.layers.0.self_attn.qkv_proj.weight"].whole_sections == (1, 2)
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_bigcode"])
+def test_multi_query_attention_keeps_tp_on_2x2(family):
+    """One kv head: computed whole, repeated per q head and cut (Falcon: a parallel block, 2 + 1)."""
+    if family == "falcon":
+        config = hf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 multi_query=True, parallel_attn=True, alibi=False, use_cache=False)
+        model, expected = hf.FalconForCausalLM(config), 3
+    else:
+        config = hf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, multi_query=True,
+                                     n_positions=64, use_cache=False)
+        model, expected = hf.GPTBigCodeForCausalLM(config), 5
+    plan = _proven(model, {"dp": 2, "tp": 2}, IDS)
+    blocks = _blocks(plan, "transformer.h.")
+    assert blocks and {plan.num_tp_collectives(b) for b in blocks} == {expected}, str(plan)
+
+
+def test_mixtral_with_its_default_experts_shards_experts_and_computes_its_router_whole():
+    """transformers' default experts implementation runs ``transformers::grouped_mm_fallback`` on CPU
+    under export, and its router casts its weight to float32: experts cut over tp, router whole by
+    choice (noted), no break."""
+    config = hf.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    plan = _proven(hf.MixtralForCausalLM(config), {"dp": 2, "tp": 2}, IDS)
+    experts = plan.params["model.layers.0.mlp.experts.gate_up_proj"]
+    assert experts.role == Role.SHARDED and "grouped_mm_fallback" in experts.note
+    router = plan.params["model.layers.0.mlp.gate.weight"]
+    assert router.role == Role.REPLICATE and "computed whole, it needs no collective" in router.note
+
+
+def test_a_one_output_gate_on_the_stream_is_whole_by_choice_not_a_break():
+    config = hf.Qwen2MoeConfig(**_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32)
+    plan = _proven(hf.Qwen2MoeForCausalLM(config), {"tp": 4}, IDS)
+    gate = plan.params["model.layers.0.mlp.shared_expert_gate.weight"]
+    assert gate.role == Role.REPLICATE and "computed whole it needs no collective" in gate.why.computed_whole
