@@ -453,9 +453,10 @@ def _fused_slice(node, value, dim, size, tp):
 
 def _cat(node, layouts, tp):
     """A cat along another dim than the sharded one stays sharded. A replicated input next to
-    sharded ones must be a broadcast over that dim (MLA's shared rotary key,
-    ``k_pe.expand(-1, -1, H, -1)``): it expands to the local size. Any other replicated input
-    gathers the sharded ones (a key cache concatenated with new keys stays whole)."""
+    sharded ones is cut to match: a broadcast over that dim (MLA's shared rotary key,
+    ``k_pe.expand(-1, -1, H, -1)``) expands to the local size, any other is cut (a per-head
+    attention sink concatenated to the scores, a key cache to new keys): a cut needs no
+    communication forward, and one all-gather of its gradient backward if it carries one."""
     tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
     lays = {layouts.get(t) for t in tensors}
     if any(isinstance(lay, tuple) for lay in lays):
@@ -469,21 +470,12 @@ def _cat(node, layouts, tp):
     along = _norm(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
     if along == dim:
         return None
-    if any(layouts.get(t) is None and not _broadcasts_over(t, dim) for t in tensors):
+    if any(layouts.get(t) is None and _shape(t)[dim] != _shape(node)[dim] for t in tensors):
         return None
     return Decision(dim, {t: dim for t in tensors})
 
 
 # --- reductions and normalizations ---------------------------------------------
-
-
-def _broadcasts_over(value: fx.Node, dim: int) -> bool:
-    """``value`` is an ``expand`` of a size-1 dim to ``dim`` of its output."""
-    if value.target != aten.expand.default or not isinstance(value.args[0], fx.Node):
-        return False
-    source = _shape(value.args[0])
-    src_dim = dim - (_ndim(value) - len(source))
-    return src_dim < 0 or source[src_dim] == 1
 
 
 def _reduce(node, layouts, tp):
@@ -630,6 +622,11 @@ def _metadata_check(node, layouts, tp):
 
 
 _ELEMENTWISE_LIKE = (
+    # elementwise overloads ATen does not tag pointwise: a scalar in place of a tensor operand
+    aten.where.ScalarOther,
+    aten.where.ScalarSelf,
+    aten.where.Scalar,
+    aten.masked_fill.Tensor,
     aten._to_copy.default,
     aten.to.dtype,
     aten.to.dtype_layout,
