@@ -469,10 +469,22 @@ def _cat(node, layouts, tp):
         return None  # partial sums and folded heads: only with every input alike
     along = _norm(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
     if along == dim:
-        return None
+        return _sections_cat(node, tensors, layouts, dim, tp)
     if any(layouts.get(t) is None and _shape(t)[dim] != _shape(node)[dim] for t in tensors):
         return None
     return Decision(dim, {t: dim for t in tensors})
+
+
+def _sections_cat(node, tensors, layouts, dim, tp):
+    """A cat of sharded values along their sharded dim (Flux's ``cat([attn, mlp], dim=2)``): each rank
+    holds its share of each input, side by side, so the result is fused sections, valid for a
+    reader that stores its input rows in that order (a rowwise linear; see propagate)."""
+    if not isinstance(dim, int) or any(layouts.get(t) != dim for t in tensors) or len(tensors) < 2:
+        return None
+    sizes = [_shape(t)[dim] for t in tensors]
+    if not all(size.is_Integer and int(size) % tp == 0 for size in sizes):
+        return None
+    return Decision(dim, {t: dim for t in tensors}, fused_sections=tuple(int(size) for size in sizes))
 
 
 # --- reductions and normalizations ---------------------------------------------

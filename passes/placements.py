@@ -256,7 +256,9 @@ def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_
     placements = param_placements(role, shape, axes, dp_placement, tp_dim)
     fused = None
     if axes.has_tp and (isinstance(site, LinearSite) or fqn in layout_plan.sharded_params):
-        fused = layout_plan.fused.get(explained_by)  # a linear's weight and bias share them
+        fused = layout_plan.fused.get(explained_by)  # a colwise linear's weight and bias share them
+        if fused is not None and role == Role.ROWWISE_BIAS:
+            fused = None  # a rowwise weight's sections are its input rows; its bias is per output
     padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
     sections = {}
     if fused is not None:

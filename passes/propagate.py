@@ -135,6 +135,7 @@ class TakeShardBucket:
 STATE_KEYS = {
     "roles": Key.FQN, "layouts": Key.NODE, "edges": Key.EDGE, "new_args": Key.NODE, "notes": Key.FQN,
     "fused": Key.FQN, "sharded_params": Key.FQN, "stream_entries": Key.NODE, "whole_sequences": Key.FQN,
+    "input_sections": Key.FQN,
 }
 
 
@@ -454,6 +455,7 @@ class Propagation:
         self.fused: dict[str, FusedSections] = {}
         self.sharded_params: dict[str, int] = {}
         self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
+        self.input_sections: dict[str, FusedSections] = {}  # rowwise weights reading a cat of sections
         self.whole_sequences: dict[str, Indivisible] = {}
         index = _SiteIndex.of(sites)
         self.site_of, self.expert_of, self.owned, self.output_site = (
@@ -600,11 +602,15 @@ class Propagation:
             role = REPLICATE
             self.notes[site.weight_fqn] = self.revised.replicated[site.weight_fqn]
         self.roles[site.weight_fqn] = role
+        # a cat of sections was accepted for this linear only as its rowwise input
+        assert role == ROWWISE or site.weight_fqn not in self.input_sections, site.weight_fqn
         if role in COLWISE_LIKE:
             # A gathered input still needs enter_tp: colwise input-gradients are partial.
             self.require(site.input, node, None, then=(Redistribute(ENTER_TP),))
             self.layouts[node] = self.layouts[site.output] = _ndim(site.output) - 1
         elif role == ROWWISE:
+            if site.weight_fqn in self.input_sections:
+                self.fused[site.weight_fqn] = self.input_sections[site.weight_fqn]
             self.require(site.input, node, _ndim(site.input) - 1)
             self.layouts[node] = PARTIAL
             sequence_parallel = self.options.sequence_parallel
@@ -673,7 +679,8 @@ class Propagation:
         if any(lay is not None for lay in inputs.values()):
             decision = layout_rules.apply(node, inputs, self.tp) or dtensor_rules.query(node, inputs, self.tp)
         if decision is not None and decision.fused_sections is not None:
-            decision = self._fuse(decision)
+            decision = self._read_in_sections(node, decision) if node.target == _aten.cat.default else (
+                self._fuse(decision))
         if decision is None:
             for value in node.all_input_nodes:
                 self.require(value, node, None)
@@ -686,6 +693,23 @@ class Propagation:
             self.require(value, node, wanted, then)
         if decision.args is not None:
             self.new_args[node] = decision.args
+
+    def _read_in_sections(self, node: fx.Node, decision):
+        """Accept a cat of sharded sections along their sharded dim when its one reader is a linear
+        that will be rowwise on it: that weight stores its input rows section by section per rank
+        (``fused``), so each rank's rows match its share of each section."""
+        (reader,) = node.users if len(node.users) == 1 else (None,)
+        site = self.site_of.get(reader)
+        if (not isinstance(site, LinearSite) or site.input is not node or site.weight_fqn in self.sites.shared
+                or site.weight_fqn in self.sites.tied or self.fixed_roles is not None
+                or site.weight_fqn in self.revised.replicated or not self.from_colwise_inputs(node)
+                or decision.output != _ndim(node) - 1 or _indivisible(site, ROWWISE, self.tp) is not None):
+            return None
+        self.input_sections[site.weight_fqn] = FusedSections(decision.fused_sections)
+        return decision
+
+    def from_colwise_inputs(self, node: fx.Node) -> bool:
+        return all(self.from_colwise(value) for value in node.all_input_nodes)
 
     def _fuse(self, decision):
         """Accept a split of a fused projection if the path back to its colwise weight

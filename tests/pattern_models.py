@@ -1023,6 +1023,162 @@ class InPlaceParallel(Decoder):
         super().__init__(cfg, InPlaceParallelBlock)
 
 
+
+# --- diffusers' DiT and Flux blocks -----------------------------------------------------------
+
+
+class AdaLayerNormZero(nn.Module):
+    """diffusers' ``AdaLayerNormZero``: ``emb = self.linear(self.silu(emb))``, chunked in 6, the norm
+    modulated with ``[:, None]`` indexing."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 6 * dim, bias=True)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, emb):
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        x = self.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class DiffusersAttention(nn.Module):
+    """diffusers' ``Attention`` with its default processor: ``to_q/to_k/to_v``, heads by
+    ``unflatten``, per-head RMSNorm of q and k (Flux), SDPA, ``to_out`` unless ``pre_only``."""
+
+    def __init__(self, cfg: Config, pre_only: bool = False, qk_norm: bool = False):
+        super().__init__()
+        self.heads = cfg.heads
+        self.to_q = nn.Linear(cfg.dim, cfg.dim)
+        self.to_k = nn.Linear(cfg.dim, cfg.dim)
+        self.to_v = nn.Linear(cfg.dim, cfg.dim)
+        self.norm_q = nn.RMSNorm(cfg.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_k = nn.RMSNorm(cfg.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.to_out = None if pre_only else nn.ModuleList([nn.Linear(cfg.dim, cfg.dim), nn.Dropout(0.0)])
+
+    def forward(self, hidden_states):
+        query = self.to_q(hidden_states).unflatten(-1, (self.heads, -1))
+        key = self.to_k(hidden_states).unflatten(-1, (self.heads, -1))
+        value = self.to_v(hidden_states).unflatten(-1, (self.heads, -1))
+        query, key = self.norm_q(query), self.norm_k(key)
+        hidden_states = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                                       value.transpose(1, 2))
+        hidden_states = hidden_states.transpose(1, 2).flatten(2, 3)
+        if self.to_out is not None:
+            hidden_states = self.to_out[1](self.to_out[0](hidden_states))
+        return hidden_states
+
+
+class DiffusersFeedForward(nn.Module):
+    """diffusers' ``FeedForward`` with ``GELU(approximate="tanh")``: ``net = [GELU(proj), Dropout, Linear]``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.proj = nn.Linear(cfg.dim, cfg.ffn)
+        self.out = nn.Linear(cfg.ffn, cfg.dim)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.proj(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    """diffusers' ``BasicTransformerBlock`` with ``norm_type="ada_norm_zero"`` (DiT)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.norm1 = AdaLayerNormZero(cfg.dim)
+        self.attn1 = DiffusersAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.ff = DiffusersFeedForward(cfg)
+
+    def forward(self, hidden_states, emb):
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb)
+        attn_output = gate_msa.unsqueeze(1) * self.attn1(norm_hidden_states)
+        hidden_states = attn_output + hidden_states
+        norm_hidden_states = self.norm2(hidden_states)
+        norm_hidden_states = norm_hidden_states * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        ff_output = gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
+        return ff_output + hidden_states
+
+
+class TimestepConditioned(nn.Module):
+    """Token embedding, blocks conditioned on a timestep embedding (sinusoids of the first token ->
+    Linear -> SiLU -> Linear), then diffusers' output head: ``proj_out_1(silu(conditioning)).chunk(2)``
+    shifting and scaling the last norm, ``proj_out_2``."""
+
+    def __init__(self, cfg: Config, block):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.time_embedding = nn.Sequential(nn.Linear(32, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.layers))
+        self.norm_out = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.proj_out_1 = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.proj_out_2 = nn.Linear(cfg.dim, cfg.vocab)
+
+    def forward(self, tokens):
+        hidden_states = self.tok_embeddings(tokens)
+        t = (tokens[:, :1] % 10).float()
+        freqs = torch.exp(-torch.arange(16, dtype=torch.float32) / 16)
+        conditioning = self.time_embedding(torch.cat([torch.cos(t * freqs), torch.sin(t * freqs)], dim=-1))
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, conditioning)
+        shift, scale = self.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
+        hidden_states = self.norm_out(hidden_states) * (1 + scale[:, None]) + shift[:, None]
+        return self.proj_out_2(hidden_states)
+
+
+class DiffusersDiT(TimestepConditioned):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, DiTBlock)
+
+
+class AdaLayerNormZeroSingle(nn.Module):
+    """diffusers' ``AdaLayerNormZeroSingle``: shift, scale and gate from ``linear(silu(emb)).chunk(3)``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 3 * dim, bias=True)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, emb):
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+        return self.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None], gate_msa
+
+
+class FluxSingleBlock(nn.Module):
+    """diffusers' ``FluxSingleTransformerBlock``: attention (no output projection) and an MLP read one
+    modulated norm in parallel; their outputs are concatenated on the feature dim and projected
+    by one ``proj_out``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.norm = AdaLayerNormZeroSingle(cfg.dim)
+        self.proj_mlp = nn.Linear(cfg.dim, cfg.ffn)
+        self.act_mlp = nn.GELU(approximate="tanh")
+        self.proj_out = nn.Linear(cfg.dim + cfg.ffn, cfg.dim)
+        self.attn = DiffusersAttention(cfg, pre_only=True, qk_norm=True)
+
+    def forward(self, hidden_states, temb):
+        residual = hidden_states
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+        attn_output = self.attn(norm_hidden_states)
+        hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+        gate = gate.unsqueeze(1)
+        hidden_states = gate * self.proj_out(hidden_states)
+        return residual + hidden_states
+
+
+class FluxSingleStream(TimestepConditioned):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, FluxSingleBlock)
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1050,6 +1206,8 @@ PATTERNS = {
     "inserted_dim_multi_query": InsertedDimMultiQuery,
     "indexed_multi_query": IndexedMultiQuery,
     "in_place_parallel": InPlaceParallel,
+    "diffusers_dit": DiffusersDiT,
+    "flux_single_stream": FluxSingleStream,
 }
 
 
@@ -1097,6 +1255,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "inserted_dim_multi_query": 4,
     "indexed_multi_query": 4,
     "in_place_parallel": 2,  # a parallel block: one input gradient, one sum of both partial outputs
+    "diffusers_dit": 4,  # the modulation computed whole (passes/alternatives.py), as for adaln_modulation
+    # attention and MLP in parallel, concatenated into one proj_out: one input gradient, one output;
+    # the per-head q/k RMSNorm weights read by every rank's heads: each gradient all-reduced (2 more)
+    "flux_single_stream": 4,
 }
 
 

@@ -38,7 +38,7 @@ def _blocks(plan, prefix):
     return [u for u in plan.units if u.startswith(prefix)]
 
 
-@pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel",))
+@pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel", "diffusers_dit", "flux_single_stream"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -46,6 +46,15 @@ def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     for block in _blocks(plan, "layers."):
         minimum = block_minimum(name, block) + (model.cfg.kv_heads % 8 != 0)
         assert plan.num_tp_collectives(block) == minimum, (block, str(plan))
+
+
+def test_a_concatenation_of_sections_is_read_by_a_rowwise_linear_with_its_input_rows_permuted():
+    """Flux's single-stream block: cat([attention heads, MLP hidden], dim=2) -> proj_out. Each rank
+    holds its share of both; proj_out stores its input rows the same way, so no gather."""
+    plan = _proven(PATTERNS["flux_single_stream"](), {"tp": 4}, TOKENS)
+    proj_out = plan.params["layers.0.proj_out.weight"]
+    assert (proj_out.role, proj_out.sections) == (Role.ROWWISE, (64, 128))
+    assert plan.params["layers.0.proj_out.bias"].sections == ()
 
 
 def test_a_fused_projection_keeps_its_kv_sections_whole_and_its_q_section_cut():

@@ -28,7 +28,9 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     (name, mesh) for name in ("vision_fused_qkv", "latent_attention", "adaln_modulation", "moe_grouped_mm",
                               "reused_embedder", "shared_layer") for mesh in ("2d", "tp")) + (
     # a fused q|k|v whose k/v sections are stored whole on every tp rank: 2 kv heads on tp=4, 1 on tp=2
-    ("grouped_fused_qkv", "tp"), ("indexed_multi_query", "2d"))
+    ("grouped_fused_qkv", "tp"), ("indexed_multi_query", "2d"),
+    # a concatenation of sharded sections read by one rowwise linear (its input rows permuted)
+    ("flux_single_stream", "2d"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
 # the grouped experts multiply in bfloat16 (the kernel's dtype): one device sums each expert's
 # down projection in one bf16 result, tp ranks each round their partial sum to bf16 first
