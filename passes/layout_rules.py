@@ -470,9 +470,12 @@ def _cat(node, layouts, tp):
     along = _norm(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
     if along == dim:
         return _sections_cat(node, tensors, layouts, dim, tp)
-    if any(layouts.get(t) is None and _shape(t)[dim] != _shape(node)[dim] for t in tensors):
+    # an empty 1-D tensor, which cat skips (a cache not yet filled), is read as it is
+    skipped = {t for t in tensors if _ndim(t) == 1 and _ndim(node) > 1 and _shape(t)[0] == 0}
+    if any(layouts.get(t) is None and t not in skipped
+           and (_ndim(t) != _ndim(node) or _shape(t)[dim] != _shape(node)[dim]) for t in tensors):
         return None
-    return Decision(dim, {t: dim for t in tensors})
+    return Decision(dim, {t: None if t in skipped else dim for t in tensors})
 
 
 def _sections_cat(node, tensors, layouts, dim, tp):
