@@ -124,9 +124,14 @@ class ParamSharding:
             "collectives": [c.to_dict() for c in self.collectives],
             "note": self.note,
             "sections": list(self.sections),
-        } | ({"whole_sections": list(self.whole_sections), "section_runs": list(self.section_runs),
-              "duplicated": self.duplicated} if self.whole_sections or self.section_runs else {}) | ({"gather": self.gather.to_dict()} if self.gather is not None else {}) | (
+        } | self._sections_dict() | ({"gather": self.gather.to_dict()} if self.gather is not None else {}) | (
             {"why": self.why.to_dict()} if self.why != Why() else {})
+
+    def _sections_dict(self) -> dict:
+        if not self.whole_sections and not self.section_runs:
+            return {}
+        return {"whole_sections": list(self.whole_sections), "section_runs": list(self.section_runs),
+                "duplicated": self.duplicated}
 
     @classmethod
     def from_dict(cls, fqn: str, data: Mapping, dp: int = 1) -> ParamSharding:

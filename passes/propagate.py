@@ -75,13 +75,13 @@ import torch.fx as fx
 
 from autoshard.errors import describe
 from autoshard.options import DEFAULT_OPTIONS, PlanOptions
-from autoshard.plan import FusedSections
 from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
 from autoshard.passes.layout_rules import Layout, Strided
 from autoshard.passes.stamping import Arrival, Copies, Key, Stamper, find_copies
+from autoshard.plan import FusedSections
 from autoshard.sharding import Indivisible, Role, Step
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
