@@ -34,7 +34,7 @@ from autoshard.passes.checkpointing import apply_activation_checkpointing
 from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.layouts import insert_redistributes
 from autoshard.passes.materialize import materialize
-from autoshard.passes.normalize import normalize
+from autoshard.passes.normalize import normalize, weights_on_the_right
 from autoshard.passes.partition import Partitioned, partition
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import LayoutPlan, propagate
@@ -536,6 +536,7 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
         context = _cut_sequence(captured, axes, options, example_inputs)
         context_graph = copy_graph_module(captured.gm) if keep_reference else None
     with in_stage("discover", captured.gm.graph):
+        weights_on_the_right(captured.gm, captured.param_shapes)
         sites = find_sites(captured.gm, captured.param_shapes)
     roles = None
     dp_placements = None

@@ -82,7 +82,7 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
         lay = layouts[src]
         return Decision(lay[index] if isinstance(lay, tuple) else lay, {src: lay})
     if any(lay in PARTIALS or isinstance(lay, Strided) for lay in layouts.values()):
-        return _partial_plus_zero(node, layouts, tp)  # the rest is DTensor's (passes.dtensor_rules)
+        return _split_reduced(node, layouts) or _partial_plus_zero(node, layouts, tp)  # the rest: DTensor's
     for ops, rule in _RULES:
         if node.target in ops:
             return rule(node, layouts, tp)
@@ -169,6 +169,18 @@ def _dropout_like(node, layouts, tp):
 
 
 _ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+
+
+def _split_reduced(node, layouts):
+    """A partial sum split into pieces is reduced once, before the split, not once per piece
+    (Mamba's ``x_proj`` output split into step size, B and C)."""
+    if node.target not in _SPLITS or layouts.get(node.args[0]) not in PARTIALS or len(layouts) != 1:
+        return None
+    val = node.meta.get("val")
+    return Decision(tuple(None for _ in val), {node.args[0]: None})
 
 
 def _partial_plus_zero(node, layouts, tp):
@@ -608,6 +620,28 @@ def _sections(node, layouts, tp):
     )
 
 
+def _channelwise_conv(node, layouts, tp):
+    """A depthwise (or grouped) convolution on channel-cut input ``[b, C, ...]``: each group reads
+    only its own channels, so a cut of whole groups over tp is a cut of the output channels too,
+    and of the weight's and bias's dim 0 (Mamba's causal ``conv1d``, ``groups=C``)."""
+    x, weight = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    position = 8 if node.target == aten.convolution.default else 6
+    groups = node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1)
+    if node.target == aten.convolution.default and node.args[6]:
+        return None  # transposed convolution: not a channel-wise rule here
+    if layouts.get(x) != 1 or not isinstance(groups, int) or groups <= 1 or groups % tp:
+        return None
+    if any(layouts.get(t) not in (None, 0) for t in (weight, bias) if isinstance(t, fx.Node)):
+        return None
+    wanted = {x: 1, weight: 0} | ({bias: 0} if isinstance(bias, fx.Node) else {})
+    args = list(node.args)
+    if len(args) > position:
+        args[position] = groups // tp
+        return Decision(1, wanted, tuple(args))
+    return None  # groups given as a keyword: left whole
+
+
 def _along_cp(node, layouts, tp):
     """A cp collective (``cp_gather`` along the sequence, ``cp_all_reduce``) works on each tp shard
     alike, unless it gathers the very dim tp shards."""
@@ -657,6 +691,7 @@ _RULES = (
     (_ELEMENTWISE_LIKE, _pointwise),
     ((CP_GATHER, CP_ALL_REDUCE), _along_cp),
     ((FUSED_SPLIT,), _sections),
+    ((aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default), _channelwise_conv),
     ((aten._assert_tensor_metadata.default,), _metadata_check),
     ((aten.sym_size.int,), _sym_size),
     ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),

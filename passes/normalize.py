@@ -33,6 +33,40 @@ def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
         expand_gqa_for_tp(gm.graph, tp)
 
 
+def weights_on_the_right(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> list[fx.Node]:
+    """``W @ x`` with ``W`` a 2-D parameter on the left (Mamba's ``dt_proj.weight @ dt.transpose(1,
+    2)``) is ``(x.mT @ W.T).mT``: rewritten as that linear between two transposes, so that it is a
+    linear site like any other (discover runs after this). Returns the new linears."""
+    graph = gm.graph
+    rewritten = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.matmul.default:
+            continue
+        weight, x = node.args[:2]
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and len(param_shapes.get(weight.target, ()))
+                == 2 and isinstance(x, fx.Node) and x.meta["val"].dim() >= 2):
+            continue
+        with graph.inserting_before(node):
+            if x.target == torch.ops.aten.transpose.int and sorted(d % x.meta["val"].dim() for d in x.args[1:3]) == [
+                    x.meta["val"].dim() - 2, x.meta["val"].dim() - 1]:
+                rows = x.args[0]  # already the transpose of what the linear reads
+            else:
+                rows = graph.call_function(torch.ops.aten.transpose.int, (x, -1, -2))
+                made_like(rows, node)
+                rows.meta["val"] = x.meta["val"].transpose(-1, -2)
+            linear = graph.call_function(torch.ops.aten.linear.default, (rows, weight))
+            made_like(linear, node)
+            linear.meta["val"] = node.meta["val"].transpose(-1, -2)
+            back = graph.call_function(torch.ops.aten.transpose.int, (linear, -1, -2))
+            made_like(back, node, also=("val",))
+        node.replace_all_uses_with(back)
+        graph.erase_node(node)
+        rewritten.append(linear)
+    if rewritten:
+        graph.eliminate_dead_code()
+    return rewritten
+
+
 def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:
     """``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph: regroup a chain of adds
     so that the outputs of linears are summed first, ``x + (a + m)``. Two rowwise

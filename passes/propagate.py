@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 
 import torch
 import torch.fx as fx
@@ -754,12 +755,41 @@ class Propagation:
             if source in self.carries_grad:  # each rank's expand sums its gradient over local copies only
                 self.edges[(source, value)] = (Redistribute(ENTER_TP),)
             return True
-        if value.op == "get_attr" and value.target in self.param_fqns and len(value.users) == 1 and isinstance(
-                wanted, int):
-            self.layouts[value] = wanted
-            self.sharded_params[value.target] = wanted
-            return True
-        return False
+        chain = self._param_chain(value, wanted) if isinstance(wanted, int) else None
+        if chain is None:
+            return False
+        for node, dim in chain:
+            self.layouts[node] = dim
+            if node.target in _SIZED_VIEWS:
+                sizes = layout_rules._local_shape_arg(node.args[1], dim, self.tp)
+                self.new_args[node] = (node.args[0], sizes, *node.args[2:])
+        param, dim = chain[-1]
+        self.sharded_params[param.target] = dim
+        return True
+
+    def _param_chain(self, value: fx.Node, wanted: int) -> list[tuple[fx.Node, int]] | None:
+        """``value`` and the ops back to the parameter it is computed from alone (casts, views,
+        elementwise ops of it: ``-exp(A_log.float())``, ``w.squeeze(1).unsqueeze(1)``), each used only
+        by the next, with the dim that is ``wanted`` in each; None unless the parameter's own dim
+        divides by tp."""
+        chain, node, dim = [], value, wanted
+        while node.op != "get_attr":
+            if node.op != "call_function" or len(node.users) != 1 or not node.args:
+                return None
+            source = node.args[0]
+            if not isinstance(source, fx.Node) or len(node.all_input_nodes) != 1:
+                return None
+            before = _dim_before(node, source, dim, self.tp)
+            if before is None:
+                return None
+            chain.append((node, dim))
+            node, dim = source, before
+        if node.target not in self.param_fqns or len(node.users) != 1:
+            return None
+        shape = node.meta["val"].shape
+        if shape[dim] % self.tp:
+            return None
+        return chain + [(node, dim)]
 
     @staticmethod
     def _steps(value: fx.Node, consumer: fx.Node, have, wanted) -> tuple[Redistribute, ...]:
@@ -778,6 +808,44 @@ class Propagation:
             f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
             f"{wanted} but it is {have}"
         )
+
+
+_SIZED_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+_SAME_DIMS = (_aten._to_copy.default, _aten.to.dtype, _aten.clone.default, _aten.contiguous.default,
+              _aten.alias.default)
+
+
+def _dim_before(node: fx.Node, source: fx.Node, dim: int, tp: int) -> int | None:
+    """The dim of ``source`` that becomes ``node``'s ``dim``, when ``node`` only moves or maps
+    ``source`` elementwise (a cast, a squeeze, an unsqueeze, a view, a unary elementwise op)."""
+    target = node.target
+    ndim = _ndim(node)
+    if target in _SAME_DIMS or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+                                and _ndim(source) == ndim):
+        return dim
+    if target == _aten.slice.Tensor and _whole_slice(node, source):
+        return dim
+    if target == _aten.unsqueeze.default:
+        at = node.args[1] % ndim
+        return None if dim == at else dim - (dim > at)
+    if target == _aten.squeeze.dim:
+        at = node.args[1] % _ndim(source)
+        return dim + (dim >= at) if source.meta["val"].shape[at] == 1 else dim
+    if target in _SIZED_VIEWS:
+        shapes = [layout_rules._shape(source), layout_rules._shape(node)]
+        found = [d for d in range(_ndim(source)) if layout_rules._map_reshape(*shapes, d, tp) == dim]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def _whole_slice(node: fx.Node, source: fx.Node) -> bool:
+    """``x[:, :]``: a slice that keeps every element of its dim (``A[None, :, None, :]``)."""
+    dim = node.args[1] if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else None
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    size = source.meta["val"].shape[dim]
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= size)) and step == 1
 
 
 def _norms_over_sharded_width(plan: LayoutPlan, sites: Sites) -> list[fx.Node]:
@@ -883,9 +951,13 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
     return frozenset(carries)
 
 
+# ops whose input gradient is their output gradient moved back (views, pieces of a split, casts):
+# partial gradients reaching a value through them are summed there as they are everywhere else
 _VIEWS = (
     _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.view.default,
     _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default, _aten.alias.default,
+    _aten.transpose.int, _aten.permute.default, _aten.split.Tensor, _aten.split_with_sizes.default,
+    _aten.chunk.default, _aten.unbind.int, operator.getitem, _aten._to_copy.default, _aten.to.dtype,
 )
 _ENTER = (Redistribute(ENTER_TP),)
 
@@ -899,7 +971,8 @@ def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
     def covered(node: fx.Node) -> bool:
         return bool(node.users) and all(
             edges.get((node, user)) == _ENTER
-            or (user.target in _VIEWS and layouts.get(user) is None and (node, user) not in edges and covered(user))
+            or (user.target in _VIEWS and not _is_sharded(layouts.get(user)) and (node, user) not in edges
+                and covered(user))
             for user in node.users
         )
 
@@ -913,12 +986,14 @@ def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
     entered = sorted({v for (v, c), steps in edges.items() if steps == _ENTER}, key=lambda n: n.name)
     done: set[fx.Node] = set()
     for value in entered:
-        top = value
+        top = node = value
         while (
-            top.target in _VIEWS and isinstance(top.args[0], fx.Node) and layouts.get(top.args[0]) is None
-            and covered(top.args[0])
+            node.target in _VIEWS and isinstance(node.args[0], fx.Node) and not _is_sharded(layouts.get(node.args[0]))
+            and covered(node.args[0])
         ):
-            top = top.args[0]
+            node = node.args[0]
+            if not isinstance(node.meta.get("val"), (tuple, list)):  # a split's pieces are entered, not the split
+                top = node
         if top is value or top in done:
             continue
         pairs = list(subtree(top))

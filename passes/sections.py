@@ -281,15 +281,12 @@ def _rewrite(graph: fx.Graph, found: FusedOutput) -> fx.Node:
         made_like(piece, section.node)
         piece.meta["val"] = split.meta["val"][i]
         previous = piece
-        target_shape = section.node.meta["val"].shape
-        if tuple(target_shape) != tuple(piece.meta["val"].shape):
-            with graph.inserting_after(previous):
-                shaped = graph.call_function(aten.view.default, (piece, _sizes(graph, value, target_shape, split)))
-            made_like(shaped, section.node)
-            shaped.meta["val"] = section.node.meta["val"]
-            previous = piece = shaped
-        section.node.replace_all_uses_with(piece)
-    for node in reversed(found.moved + tuple(s.node for s in found.sections)):
+        # the section's node stays (other passes' records, such as a site's input, name it): it
+        # now views its piece to the shape the model gave it
+        section.node.target = aten.view.default
+        section.node.args = (piece, _sizes(graph, value, section.node.meta["val"].shape, split))
+        section.node.kwargs = {}
+    for node in reversed(found.moved):
         if node is not value and not node.users:
             graph.erase_node(node)
     return split

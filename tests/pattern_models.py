@@ -1179,6 +1179,66 @@ class FluxSingleStream(TimestepConditioned):
         super().__init__(cfg, FluxSingleBlock)
 
 
+
+# --- a state-space mixer (Mamba) ------------------------------------------------------------
+
+
+class MambaMixer(nn.Module):
+    """transformers' ``MambaMixer`` in its torch path: ``in_proj`` to a gated pair over channels
+    ``[b, 2 * d_inner, s]``, a depthwise causal ``conv1d`` over channels (``groups=d_inner``),
+    ``x_proj`` to the step size, B and C, ``dt_proj.weight @ time_step`` (the weight on the left),
+    a selective scan per channel with ``A`` and ``D`` per channel, ``out_proj``."""
+
+    def __init__(self, cfg: Config, d_state: int = 8, d_conv: int = 4, expand: int = 2):
+        super().__init__()
+        self.d_inner, self.d_state, self.dt_rank = expand * cfg.dim, d_state, cfg.dim // 16
+        self.in_proj = nn.Linear(cfg.dim, 2 * self.d_inner, bias=False)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, cfg.dim, bias=False)
+
+    def forward(self, hidden_states):
+        seq_len = hidden_states.shape[1]
+        projected_states = self.in_proj(hidden_states).transpose(1, 2)
+        A = -torch.exp(self.A_log.float())
+        hidden_states_b_c, gate = projected_states.chunk(2, dim=1)
+        hidden_states_b_c = F.silu(F.conv1d(hidden_states_b_c, self.conv1d.weight.squeeze(1).unsqueeze(1),
+                                            self.conv1d.bias, padding=self.conv1d.padding[0],
+                                            groups=self.d_inner)[:, :, :seq_len])
+        time_step, B, C = torch.split(self.x_proj(hidden_states_b_c.transpose(1, 2)),
+                                      [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        time_step = self.dt_proj.weight @ time_step.transpose(1, 2)
+        dt = F.softplus(time_step + self.dt_proj.bias.float()[..., None])
+        discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
+        deltaB_u = dt[:, :, :, None] * B[:, None, :, :].float() * hidden_states_b_c[:, :, :, None].float()
+        ssm_state = torch.zeros(hidden_states_b_c.shape[0], self.d_inner, self.d_state)
+        scan_outputs = []
+        for i in range(seq_len):
+            ssm_state = discrete_A[:, :, i, :] * ssm_state + deltaB_u[:, :, i, :]
+            scan_outputs.append(torch.matmul(ssm_state, C[:, i, :].unsqueeze(-1))[:, :, 0])
+        scan_output = torch.stack(scan_outputs, dim=-1)
+        scan_output = (scan_output + hidden_states_b_c * self.D[None, :, None]) * F.silu(gate)
+        return self.out_proj(scan_output.transpose(1, 2))
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.mixer = MambaMixer(cfg)
+
+    def forward(self, x):
+        return x + self.mixer(self.norm(x))
+
+
+class Mamba(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):  # no attention: heads do not matter
+        super().__init__(cfg, MambaBlock)
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1208,6 +1268,7 @@ PATTERNS = {
     "in_place_parallel": InPlaceParallel,
     "diffusers_dit": DiffusersDiT,
     "flux_single_stream": FluxSingleStream,
+    "mamba_mixer": Mamba,
 }
 
 
@@ -1259,6 +1320,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # attention and MLP in parallel, concatenated into one proj_out: one input gradient, one output;
     # the per-head q/k RMSNorm weights read by every rank's heads: each gradient all-reduced (2 more)
     "flux_single_stream": 4,
+    # in_proj's input gradient, x_proj's and out_proj's outputs, dt_proj's input gradient, and the
+    # gradients of B and C (read whole by every rank's channels), each all-reduced: 6, where
+    # bucketing dt's, B's and C's gradients before the split would make it 4
+    "mamba_mixer": 6,
 }
 
 

@@ -38,7 +38,8 @@ def _blocks(plan, prefix):
     return [u for u in plan.units if u.startswith(prefix)]
 
 
-@pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel", "diffusers_dit", "flux_single_stream"))
+@pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel", "diffusers_dit", "flux_single_stream",
+                                                           "mamba_mixer"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()

@@ -30,7 +30,9 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # a fused q|k|v whose k/v sections are stored whole on every tp rank: 2 kv heads on tp=4, 1 on tp=2
     ("grouped_fused_qkv", "tp"), ("indexed_multi_query", "2d"),
     # a concatenation of sharded sections read by one rowwise linear (its input rows permuted)
-    ("flux_single_stream", "2d"))
+    ("flux_single_stream", "2d"),
+    # a state-space mixer: channel-cut conv, scan and parameters, the weight-on-the-left dt_proj
+    ("mamba_mixer", "tp"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
 # the grouped experts multiply in bfloat16 (the kernel's dtype): one device sums each expert's
 # down projection in one bf16 result, tp ranks each round their partial sum to bf16 first
