@@ -44,7 +44,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             part = part / copies
         total = part if total is None else (torch.maximum(total, part) if inf else total + part)
     if total is None:
-        return torch.zeros(())
+        return torch.zeros((), device="cpu")
     if mesh is not None:
         for dim in range(mesh.ndim):  # summed (or maxed) over every mesh axis in turn: over the mesh
             dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
@@ -66,7 +66,8 @@ def _copies_weight(plan, name: str, grad: DTensor) -> torch.Tensor | None:
     if not isinstance(placement, Shard):
         return None
     fused = entry.fused
-    weights = torch.cat([torch.full((size,), 1.0 / tp) if i in fused.whole else torch.ones(size // tp)
+    weights = torch.cat([torch.full((size,), 1.0 / tp, device="cpu") if i in fused.whole
+                         else torch.ones(size // tp, device="cpu")
                          for i, size in enumerate(fused.sizes)])
     shape = [1] * grad.ndim
     shape[placement.dim] = -1

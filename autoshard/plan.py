@@ -463,8 +463,9 @@ class FusedSections:
         """The original column of each stored column (whole sections repeated per rank)."""
         import torch
 
-        columns = torch.cat([torch.arange(a, b) for a, b in zip(self.runs[::2], self.runs[1::2], strict=True)]) \
-            if self.runs else torch.arange(sum(self.sizes))
+        columns = torch.cat([torch.arange(a, b, device="cpu") for a, b in
+                             zip(self.runs[::2], self.runs[1::2], strict=True)]) \
+            if self.runs else torch.arange(sum(self.sizes), device="cpu")
         parts = columns.split(list(self.sizes))
         order = [part if i in self.whole else part.chunk(tp)[rank]
                  for rank in range(tp) for i, part in enumerate(parts)]
@@ -475,8 +476,8 @@ class FusedSections:
         import torch
 
         order = self.order(tp)
-        first = torch.full((sum(self.sizes),), -1, dtype=torch.long)
-        positions = torch.arange(order.numel())
+        first = torch.full((sum(self.sizes),), -1, dtype=torch.long, device="cpu")
+        positions = torch.arange(order.numel(), device="cpu")
         first.scatter_reduce_(0, order, positions, "amin", include_self=False)
         return first.to(device)
 

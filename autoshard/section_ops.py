@@ -33,7 +33,7 @@ _LIB = "autoshard"
 def section_columns(runs: list[int], sizes: list[int]) -> list[torch.Tensor]:
     """Each section's column indices of the fused dim: ``runs`` (``[start0, stop0, start1, ...]``)
     concatenated, cut into ``sizes``."""
-    columns = torch.cat([torch.arange(a, b) for a, b in zip(runs[::2], runs[1::2], strict=True)])
+    columns = torch.cat([torch.arange(a, b, device="cpu") for a, b in zip(runs[::2], runs[1::2], strict=True)])
     return list(columns.split(list(sizes)))
 
 

@@ -112,7 +112,7 @@ def find_fused_output(gm: fx.GraphModule, value: fx.Node) -> FusedOutput | None:
         return None
     leading = _leading(val.shape[:-1])
     width = val.shape[-1]
-    probes: dict[fx.Node, object] = {value: torch.arange(width)}
+    probes: dict[fx.Node, object] = {value: torch.arange(width, device="cpu")}
     sections, moved, frontier = [], [], [value]
     while frontier:
         node = frontier.pop(0)
@@ -128,7 +128,7 @@ def find_fused_output(gm: fx.GraphModule, value: fx.Node) -> FusedOutput | None:
     if len(sections) < 2:
         return None
     used = torch.cat([s.columns.flatten() for s in sections])
-    if used.numel() != width or not torch.equal(used.sort().values, torch.arange(width)):
+    if used.numel() != width or not torch.equal(used.sort().values, torch.arange(width, device="cpu")):
         return None
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sections.sort(key=lambda s: order[s.node])
@@ -249,7 +249,7 @@ def _index(gm, indices, probe: torch.Tensor, start: int):
     value = _constant(gm, index)
     if value is None or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
         return None
-    return probe.index_select(position - start, value.long() % probe.shape[position - start])
+    return probe.index_select(position - start, value.to("cpu").long() % probe.shape[position - start])
 
 
 def _constant(gm, node) -> torch.Tensor | None:
