@@ -630,7 +630,9 @@ def _channelwise_conv(node, layouts, tp):
     groups = node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1)
     if node.target == aten.convolution.default and node.args[6]:
         return None  # transposed convolution: not a channel-wise rule here
-    if layouts.get(x) != 1 or not isinstance(groups, int) or groups <= 1 or groups % tp:
+    # at least 2 groups per rank: one group of one channel makes ATen's CPU convolution take its
+    # dense path, whose backward crashes for long kernels (nystromformer's 65 x 1 over 4 heads)
+    if layouts.get(x) != 1 or not isinstance(groups, int) or groups % tp or groups // tp < 2:
         return None
     if any(layouts.get(t) not in (None, 0) for t in (weight, bias) if isinstance(t, fx.Node)):
         return None
