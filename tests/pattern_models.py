@@ -1218,9 +1218,10 @@ class MambaMixer(nn.Module):
         scan_outputs = []
         for i in range(seq_len):
             ssm_state = discrete_A[:, :, i, :] * ssm_state + deltaB_u[:, :, i, :]
-            scan_outputs.append(torch.matmul(ssm_state, C[:, i, :].unsqueeze(-1))[:, :, 0])
+            scan_outputs.append(torch.matmul(ssm_state.to(C.dtype), C[:, i, :].unsqueeze(-1))[:, :, 0])
         scan_output = torch.stack(scan_outputs, dim=-1)
         scan_output = (scan_output + hidden_states_b_c * self.D[None, :, None]) * F.silu(gate)
+        scan_output = scan_output.to(hidden_states.dtype)
         return self.out_proj(scan_output.transpose(1, 2))
 
 
