@@ -428,13 +428,6 @@ class Plan:
         return f"tp breaks: {len(broken)} of {len(blocks)} blocks" + (f" ({where})" if where else "")
 
 
-def section_order(sections: tuple[int, ...], tp: int, device="cpu"):
-    """Stored order of a fused dim: rank 0's chunk of every section, then rank 1's, ...
-    so that an even cut over tp gives each rank its share of each section. An index made on
-    ``device``: that of the tensor it reorders."""
-    return FusedSections(tuple(sections)).order(tp, device)
-
-
 @dataclasses.dataclass(frozen=True)
 class FusedSections:
     """The output sections of a fused projection, as its stored tp-sharded dim holds them.

@@ -171,13 +171,13 @@ def _dropout_like(node, layouts, tp):
 _ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 
 
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 
 
 def _split_reduced(node, layouts):
     """A partial sum split into pieces is reduced once, before the split, not once per piece
     (Mamba's ``x_proj`` output split into step size, B and C)."""
-    if node.target not in _SPLITS or layouts.get(node.args[0]) not in PARTIALS or len(layouts) != 1:
+    if node.target not in SPLITS or layouts.get(node.args[0]) not in PARTIALS or len(layouts) != 1:
         return None
     val = node.meta.get("val")
     return Decision(tuple(None for _ in val), {node.args[0]: None})

@@ -703,14 +703,12 @@ class Propagation:
         site = self.site_of.get(reader)
         if (not isinstance(site, LinearSite) or site.input is not node or site.weight_fqn in self.sites.shared
                 or site.weight_fqn in self.sites.tied or self.fixed_roles is not None
-                or site.weight_fqn in self.revised.replicated or not self.from_colwise_inputs(node)
+                or site.weight_fqn in self.revised.replicated
+                or not all(self.from_colwise(value) for value in node.all_input_nodes)
                 or decision.output != _ndim(node) - 1 or _indivisible(site, ROWWISE, self.tp) is not None):
             return None
         self.input_sections[site.weight_fqn] = FusedSections(decision.fused_sections)
         return decision
-
-    def from_colwise_inputs(self, node: fx.Node) -> bool:
-        return all(self.from_colwise(value) for value in node.all_input_nodes)
 
     def _fuse(self, decision):
         """Accept a split of a fused projection if the path back to its colwise weight

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.passes.discover import Sites
-from autoshard.passes.layout_rules import size_expr
+from autoshard.passes.layout_rules import SPLITS, size_expr
 from autoshard.passes.partition import made_like
 from autoshard.section_ops import FUSED_SPLIT
 
@@ -40,7 +40,6 @@ _RESHAPES = (
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int, aten.flatten.using_ints,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
 )
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +97,10 @@ def split_fused_outputs(gm: fx.GraphModule, sites: Sites, tp: int) -> list[fx.No
     rewritten = []
     for site in sites.linears:
         found = find_fused_output(gm, site.output)
-        if found is None or all(h % tp == 0 for h in found.heads()):
+        heads = found.heads() if found is not None else []
+        if found is None or all(h % tp == 0 for h in heads):
             continue
-        rewritten.append(_rewrite(gm.graph, found))
+        rewritten.append(_rewrite(gm.graph, found, heads))
     return rewritten
 
 
@@ -182,7 +182,7 @@ def _moves(gm, user: fx.Node, node: fx.Node, probe, leading: list, probes: dict)
         trailing = tuple(int(d) for d in shape[k:])
         if r.numel() != math.prod(trailing):
             return False
-    if user.target in _SPLITS or isinstance(result, (list, tuple)):
+    if isinstance(result, (list, tuple)):
         probes[user] = tuple(r.reshape(tuple(int(d) for d in s[k:])) for r, s, k in zip(results, shapes, starts,
                                                                                           strict=True))
     else:
@@ -201,7 +201,7 @@ def _apply(gm, user: fx.Node, probe: torch.Tensor, start: int):
 
     if target in _SAME or target in _RESHAPES:
         return probe  # reshaped to the user's trailing shape by the caller
-    if target in _SPLITS:
+    if target in SPLITS:
         dim = along(args[2] if len(args) > 2 else user.kwargs.get("dim", 0)) if target != aten.unbind.int else \
             along(args[1] if len(args) > 1 else 0)
         if dim is None:
@@ -265,14 +265,15 @@ def _constant(gm, node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) and not value.is_meta else None
 
 
-def _rewrite(graph: fx.Graph, found: FusedOutput) -> fx.Node:
-    """One ``fused_split`` of ``found.value``, each section viewed back to the model's shape."""
+def _rewrite(graph: fx.Graph, found: FusedOutput, heads: list[int]) -> fx.Node:
+    """One ``fused_split`` of ``found.value`` (sections of ``heads`` heads), each section viewed back
+    to the model's shape."""
     value = found.value
-    sizes = [s.size for s in found.sections]
+    options = (found.runs(), [s.size for s in found.sections], heads)
     with graph.inserting_after(value):
-        split = graph.call_function(FUSED_SPLIT, (value, found.runs(), sizes, found.heads()))
+        split = graph.call_function(FUSED_SPLIT, (value, *options))
     made_like(split, value)
-    split.meta["val"] = FUSED_SPLIT(value.meta["val"], found.runs(), sizes, found.heads())
+    split.meta["val"] = FUSED_SPLIT(value.meta["val"], *options)
     split._rename(f"{value.name}_sections")
     previous = split
     for i, section in enumerate(found.sections):
