@@ -153,13 +153,17 @@ def _attention_heads(model) -> int | None:
 
 
 _MATMUL_NAMES = ("linear", "matmul", "mm", "bmm", "addmm", "grouped_mm", "einsum")
+# a value every head shares (MLA's one rotary key) broadcast over the cut heads: its gradient is
+# summed over tp once, as a multi-query k/v's is
+_BROADCASTS = ("expand",)
 
 
 def block_minimum(plan, unit: str) -> int:
     """The analytic minimum of tp collectives per training step for block ``unit`` of ``plan``.
 
     Each rowwise output the block reduces is one forward all-reduce; each input its sharded
-    matmuls read has its gradient all-reduced once in backward; a partial sum reduced away from
+    matmuls read has its gradient all-reduced once in backward, and so has a value every head
+    shares (MLA's rotary key) broadcast over the cut heads; a partial sum reduced away from
     any weight (a norm's statistic over a cut width, experts' summed outputs) costs its forward
     all-reduce and one backward all-reduce of the gradient it spreads; an attention whose kv heads
     are fewer than tp gathers its k/v gradients once. Breaks cost what this leaves out: gathers of
@@ -180,7 +184,7 @@ def block_minimum(plan, unit: str) -> int:
         if str(c.direction) == "fwd" and c.subject.startswith("partial sum"):
             sums += 1
         elif str(c.direction) == "bwd" and c.kind == "all-reduce" and any(f"({m}" in c.cause.split("`")[0]
-                                                                          for m in _MATMUL_NAMES):
+                                                                          for m in _MATMUL_NAMES + _BROADCASTS):
             inputs += 1
         elif c.kind == "take-shard":
             gathers += 1

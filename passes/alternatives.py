@@ -4,16 +4,25 @@ A walk decides each linear from its input's layout and revises regions by local 
 (:class:`~autoshard.passes.propagate.Revisions`). Some choices change the roles of every linear
 downstream, so only the whole block's bill can judge them.
 
-The one such choice here: a colwise linear whose sharded output meets a replicated activation
-that carries a gradient, so that activation is cut to match (``take_shard``), and from there
-the block is sharded the other way round. The canonical case is adaLN modulation in diffusion
-transformers: ``shift, scale, gate = adaLN(silu(c)).chunk(...)``, then
-``norm(x) * (1 + scale) + shift``. Sharding the modulation turns the normalized stream
-tp-sharded, so attention's q/k/v become rowwise, its output projection colwise and gathered,
-and the block pays 9 tp collectives and 2 gathers instead of 4. Computed whole, the modulation
-is a ``[batch, 6 * dim]`` product, small next to the block's ``[tokens, dim]`` ones.
+Two such choices, each a kind of candidate tried on its own:
 
-So every such linear is tried computed whole, all at once (one more walk, not one per block),
+* **Pulling linears**: a colwise linear whose sharded output meets a replicated activation
+  that carries a gradient, so that activation is cut to match (``take_shard``), and from there
+  the block is sharded the other way round. The canonical case is adaLN modulation in
+  diffusion transformers: ``shift, scale, gate = adaLN(silu(c)).chunk(...)``, then
+  ``norm(x) * (1 + scale) + shift``. Sharding the modulation turns the normalized stream
+  tp-sharded, so attention's q/k/v become rowwise, its output projection colwise and
+  gathered, and the block pays 9 tp collectives and 2 gathers instead of 4. Computed whole,
+  the modulation is a ``[batch, 6 * dim]`` product, small next to the block's ``[tokens, dim]``
+  ones.
+* **Bottlenecks**: the narrow first half of a low-rank pair (DeepSeek's multi-head latent
+  attention: ``q_b_proj(norm(q_a_proj(x)))``, ``kv_b_proj(norm(kv_a_proj(x)))``). Cut, the
+  latent's norm needs its statistic all-reduced, the wide second half turns rowwise and its
+  ``[tokens, heads * head_dim]`` output is all-reduced, and the heads after it are whole.
+  Computed whole (as DeepSeek's own and Megatron's plans keep the down-projections), the
+  second half is colwise over heads and attention stays cut.
+
+Each kind's linears are tried computed whole, all at once (one more walk, not one per block),
 and the result is kept if the plan's tp collectives are fewer (tp wire bytes settle a tie).
 Computing a linear whole adds work on every rank, so only linears that together add at most
 :data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run once per step, in
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -44,39 +54,51 @@ from autoshard.sharding import Step
 # computes whole this way may add at most this share of their block's matmul work per rank (a
 # root linear: of the model's; see _Budget).
 COMPUTE_BUDGET = 1 / 8
+# A bottleneck may take more: cut, it costs the all-reduce of its wide partner's output on every
+# token and leaves the heads after it whole (attention computed on every rank), work this budget
+# does not see. DeepSeek-V3's q_a_proj and kv_a_proj computed whole add 18% of a dense block's
+# matmul work per rank at tp=8 (vLLM and Megatron keep them whole too); the cap keeps out pairs
+# whose narrow half is most of the block.
+BOTTLENECK_BUDGET = 1 / 2
 
 
 def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
            layout_plan: LayoutPlan) -> LayoutPlan:
-    """``layout_plan``, or the plan with pulling linears computed whole while that costs less.
+    """``layout_plan``, or the plan with candidate linears computed whole while that costs less.
 
-    Each round tries every linear pulling on the current plan at once; a round that does not
-    lower the cost ends the search (so at most one walk per round is wasted, and rounds end:
-    the cost falls each time)."""
+    Each round tries each kind of candidate on the current plan (all linears of that kind at
+    once); the first trial that lowers the cost is kept and starts the next round. A round
+    whose trials all fail ends the search (so at most two walks per round are wasted, and
+    rounds end: the cost falls each time)."""
     whole: dict[str, str] = {}
     cost = None
     budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
     while True:
-        pulling = [fqn for fqn in _pulling_linears(layout_plan, sites) if fqn not in whole]
-        pulling = budget.affordable(pulling)
-        if not pulling:
+        kept = False
+        for kind in _KINDS:
+            candidates = budget.affordable([fqn for fqn in kind.find(layout_plan, sites) if fqn not in whole],
+                                           kind.budget)
+            if not candidates:
+                continue
+            if cost is None:
+                cost = _cost(build_plan(captured, sites, layout_plan, axes))
+            # on a copy: a walk may write out a norm, and the plan kept must match its graph
+            twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
+            twin_sites = find_sites(twin.gm, twin.param_shapes)
+            trial = propagate(twin.gm, twin_sites, axes.tp, None, options,
+                              whole=whole | dict.fromkeys(candidates, ""), written=twin.written)
+            revised = _cost(build_plan(twin, twin_sites, trial, axes))
+            if revised >= cost:
+                continue
+            why = f"{kind.why}; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
+            whole |= dict.fromkeys(candidates, why)
+            budget.spend(candidates)
+            layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
+                                    written=captured.written)
+            cost, kept = revised, True
+            break
+        if not kept:
             return layout_plan
-        if cost is None:
-            cost = _cost(build_plan(captured, sites, layout_plan, axes))
-        # on a copy: a walk may write out a norm, and the plan kept must match its graph
-        twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
-        twin_sites = find_sites(twin.gm, twin.param_shapes)
-        trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole | dict.fromkeys(pulling, ""),
-                          written=twin.written)
-        revised = _cost(build_plan(twin, twin_sites, trial, axes))
-        if revised >= cost:
-            return layout_plan
-        why = (f"its sharded output would cut the replicated stream it meets and turn the linears after "
-               f"it; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}")
-        whole |= dict.fromkeys(pulling, why)
-        budget.spend(pulling)
-        layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole, written=captured.written)
-        cost = revised
 
 
 def _stacked_blocks(captured: CapturedGraph) -> tuple[str, ...]:
@@ -111,18 +133,28 @@ class _Budget:
             flops, seen = _matmul_flops(site), self.flops.get(site.weight_fqn, 0)
             self.flops[site.weight_fqn] = None if flops is None or seen is None else seen + flops
         self.unit = {s.weight_fqn: unit_of_node(s.node, stacked_blocks) for s in sites.linears}
-        self.left: dict[str, float] = {}
+        self.work: dict[str, float] = {}  # unit -> matmul work per rank
+        self.spent: dict[str, float] = {}
         if any(f is None for f in self.flops.values()):
             return  # symbolic sizes: nothing is affordable
         for fqn, flops in self.flops.items():
             work = flops / (tp if plan.roles[fqn] in (COLWISE, ROWWISE) else 1)
             for unit in {self.unit[fqn], ""}:
-                self.left[unit] = self.left.get(unit, 0.0) + COMPUTE_BUDGET * work
+                self.work[unit] = self.work.get(unit, 0.0) + work
+        for site in sites.experts:  # a mixture of experts' work counts in its block's
+            flops = _matmul_flops(site)
+            if flops is None:
+                continue
+            work = flops / (tp if plan.roles.get(site.weight_fqn) in (COLWISE, ROWWISE) else 1)
+            for unit in {unit_of_node(site.node, stacked_blocks), ""}:
+                self.work[unit] = self.work.get(unit, 0.0) + work
 
-    def affordable(self, pulling: list[str]) -> list[str]:
-        """The pulling linears this budget still pays for (smallest first); not yet spent."""
-        left, chosen = dict(self.left), []
-        for fqn in sorted(pulling, key=lambda f: self.flops[f] or 0):
+    def affordable(self, candidates: list[str], share: float) -> list[str]:
+        """The candidates (smallest first) that keep each unit's added work within ``share`` of its
+        work per rank, with what earlier rounds spent; not yet spent."""
+        left = {unit: share * work - self.spent.get(unit, 0.0) for unit, work in self.work.items()}
+        chosen = []
+        for fqn in sorted(candidates, key=lambda f: self.flops[f] or 0):
             extra = (self.flops[fqn] or 0) * (1 - 1 / self.tp)
             unit = self.unit[fqn]
             if unit in left and extra <= left[unit]:
@@ -132,7 +164,8 @@ class _Budget:
 
     def spend(self, chosen: list[str]) -> None:
         for fqn in chosen:
-            self.left[self.unit[fqn]] -= self.flops[fqn] * (1 - 1 / self.tp)
+            unit = self.unit[fqn]
+            self.spent[unit] = self.spent.get(unit, 0.0) + self.flops[fqn] * (1 - 1 / self.tp)
 
 
 def _matmul_flops(site) -> int | None:
@@ -156,6 +189,40 @@ def _pulling_linears(plan: LayoutPlan, sites: Sites) -> list[str]:
         if plan.roles[site.weight_fqn] == COLWISE and _region(plan, site.output) & cut_into:
             found[site.weight_fqn] = None
     return list(found)
+
+
+def _bottlenecks(plan: LayoutPlan, sites: Sites) -> list[str]:
+    """Colwise narrowing linears (fewer outputs than inputs) whose sharded region reaches a
+    rowwise linear with more outputs than they have: the first half of a low-rank pair (MLA's
+    ``q_a_proj`` then ``q_b_proj``, a LoRA down-projection)."""
+    rowwise = [s for s in sites.linears if plan.roles[s.weight_fqn] == ROWWISE]
+    found = {}
+    for site in sites.linears:
+        if (plan.roles[site.weight_fqn] != COLWISE or site.out_features >= site.in_features
+                or site.weight_fqn in sites.tied):
+            continue
+        region = _region(plan, site.output)
+        if any(r.node in region and r.out_features > site.out_features for r in rowwise):
+            found[site.weight_fqn] = None
+    return list(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """One kind of candidate: how to find them on a plan, and why computing them whole helps."""
+
+    find: Callable[[LayoutPlan, Sites], list[str]]
+    why: str
+    budget: float  # the share of their block's matmul work per rank they may add
+
+
+_KINDS = (  # upstream first: a bottleneck cut turns everything after it, pulling linears included
+    _Kind(_bottlenecks, "a narrowing linear whose cut output a wider linear reads: cut, that linear turns "
+                        "rowwise and its wide output is all-reduced; whole, the wide linear is colwise",
+          BOTTLENECK_BUDGET),
+    _Kind(_pulling_linears, "its sharded output would cut the replicated stream it meets and turn the linears "
+                            "after it", COMPUTE_BUDGET),
+)
 
 
 def _region(plan: LayoutPlan, source: fx.Node) -> set[fx.Node]:

@@ -1,5 +1,9 @@
 """Normalize: the graph rewrites made before propagation, so that it plans the graph as it runs.
 
+* **Buffers filled by slices are concatenations.** ``k = x.new_empty(...)``, then
+  ``k[..., :a].copy_(p)`` and ``k[..., a:].copy_(r)`` (DeepSeek's ``expand_kv``) is
+  ``cat([p, r], -1)``: one functional op with a layout rule, where an empty buffer in the
+  shape of a cut value has none.
 * **Partial sums first.** ``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph; a chain
   of adds is regrouped so that the outputs of linears are summed first, ``x + (a + m)``:
   two rowwise outputs then add as partial sums and are all-reduced once (a parallel block).
@@ -27,6 +31,7 @@ from autoshard.passes.sections import split_fused_outputs
 
 def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
     """Rewrite ``gm`` in place (see the module docstring); ``sites`` are unchanged."""
+    _filled_buffers_as_cat(gm.graph)
     _sum_partials_first(gm, sites)
     if tp > 1:
         split_fused_outputs(gm, sites, tp)
@@ -65,6 +70,93 @@ def weights_on_the_right(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, 
     if rewritten:
         graph.eliminate_dead_code()
     return rewritten
+
+
+_FRESH_BUFFERS = (torch.ops.aten.new_empty.default, torch.ops.aten.empty.memory_format,
+                  torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default)
+
+
+def _filled_buffers_as_cat(graph: fx.Graph) -> None:
+    """A fresh buffer whose every element is written by ``copy_`` into slices along one dim before
+    anything reads it becomes the ``cat`` of the written values (each broadcast to its slice and
+    cast to the buffer's dtype, as ``copy_`` does). A buffer written in part, along several dims,
+    or read before it is full is left alone."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for buffer in [n for n in graph.nodes if n.op == "call_function" and n.target in _FRESH_BUFFERS]:
+        fill = _slice_fill(buffer, order)
+        if fill is None:
+            continue
+        dim, writes = fill
+        last = max((copy for _, copy in writes), key=order.__getitem__)
+        want = buffer.meta["val"]
+        pieces = []
+        with graph.inserting_after(last):
+            for view, copy in writes:
+                piece, shape = copy.args[1], tuple(view.meta["val"].shape)
+                if tuple(piece.meta["val"].shape) != shape:
+                    piece = _made(graph, torch.ops.aten.expand.default, (piece, list(shape)), copy,
+                                  piece.meta["val"].expand(shape))
+                if piece.meta["val"].dtype != want.dtype:
+                    piece = _made(graph, torch.ops.aten.to.dtype, (piece, want.dtype), copy,
+                                  piece.meta["val"].to(want.dtype))
+                pieces.append(piece)
+            cat = _made(graph, torch.ops.aten.cat.default, (pieces, dim), last, want)
+        for view, copy in writes:
+            graph.erase_node(copy)
+            graph.erase_node(view)
+        buffer.replace_all_uses_with(cat)
+        graph.erase_node(buffer)
+
+
+def _slice_fill(buffer: fx.Node, order: dict[fx.Node, int]):
+    """``(dim, [(slice, copy_), ...] in slice order)`` when ``buffer`` is tiled by written slices
+    along ``dim`` and read only after the last write; else None."""
+    val = buffer.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    writes, readers = [], []
+    for user in buffer.users:
+        copy = next(iter(user.users), None) if len(user.users) == 1 else None
+        if (user.target == torch.ops.aten.slice.Tensor and user.args[0] is buffer and copy is not None
+                and copy.target == torch.ops.aten.copy_.default and copy.args[0] is user and not copy.users
+                and isinstance(copy.args[1], fx.Node)):
+            writes.append((user, copy))
+        else:
+            readers.append(user)
+    if not writes:
+        return None
+    dims, spans = set(), []
+    for view, _ in writes:
+        dim, start, end, step = (list(view.args[1:]) + [0, None, None, 1][len(view.args) - 1:])[:4]
+        size = val.shape[dim] if isinstance(dim, int) else None
+        if not (isinstance(size, int) and isinstance(start, int) and step == 1):
+            return None
+        end = size if end is None else end
+        if not isinstance(end, int):
+            return None
+        dims.add(dim % val.dim())
+        spans.append((max(0, min(start + size if start < 0 else start, size)),
+                      max(0, min(end + size if end < 0 else end, size))))
+    if len(dims) != 1:
+        return None
+    dim = dims.pop()
+    ranked = sorted(zip(spans, writes, strict=True), key=lambda pair: pair[0])
+    covered = 0
+    for (start, end), _ in ranked:
+        if start != covered or end <= start:
+            return None
+        covered = end
+    last = max(order[copy] for _, copy in writes)
+    if covered != val.shape[dim] or any(order[reader] < last for reader in readers):
+        return None
+    return dim, [pair for _, pair in ranked]
+
+
+def _made(graph: fx.Graph, target, args: tuple, like: fx.Node, val: torch.Tensor) -> fx.Node:
+    new = graph.call_function(target, args)
+    made_like(new, like)
+    new.meta["val"] = val
+    return new
 
 
 def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:

@@ -776,6 +776,75 @@ class LatentAttentionModel(Decoder):
         super().__init__(cfg, lambda c: Block(c, LatentAttention))
 
 
+def hf_rotate_half(x):
+    """transformers' ``rotate_half``: the halves of the last dim swapped, the first negated."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_interleave(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb_interleave``: pairs de-interleaved by a view, a transpose
+    and a reshape to the shapes read off the inputs, then the usual rotation."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    b, h, s, d = q.shape
+    q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    b, h, s, d = k.shape
+    k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    return q * cos + hf_rotate_half(q) * sin, k * cos + hf_rotate_half(k) * sin
+
+
+class LowRankLatentAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention as transformers writes it: q through a low-rank
+    pair (``q_a_proj`` -> RMSNorm -> ``q_b_proj``); one ``kv_a_proj_with_mqa`` for the kv latent
+    and a rotary key shared by every head (one head, interleaved rope); keys assembled in a buffer
+    (``new_empty``, then each part copied into a slice, the shared part expanded to the heads)."""
+
+    def __init__(self, cfg: Config, q_lora: int = 16, kv_lora: int = 16, nope: int = 8, rope: int = 8,
+                 v_dim: int = 8):
+        super().__init__()
+        self.heads, self.kv_lora, self.nope, self.rope, self.v_dim = cfg.heads, kv_lora, nope, rope, v_dim
+        self.q_a_proj = nn.Linear(cfg.dim, q_lora, bias=False)
+        self.q_a_layernorm = nn.RMSNorm(q_lora)
+        self.q_b_proj = nn.Linear(q_lora, cfg.heads * (nope + rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, kv_lora + rope, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(kv_lora)
+        self.kv_b_proj = nn.Linear(kv_lora, cfg.heads * (nope + v_dim), bias=False)
+        self.o_proj = nn.Linear(cfg.heads * v_dim, cfg.dim, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def expand_kv(self, kv_nope, k_rot):
+        batch, _, seq, _ = kv_nope.shape
+        kv = self.kv_b_proj(kv_nope).view(batch, seq, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, value_states = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        k_rot = k_rot.expand(-1, k_nope.shape[1], -1, -1)
+        key_states = kv.new_empty(*kv.shape[:-1], self.nope + self.rope)
+        key_states[..., : self.nope].copy_(k_nope)
+        key_states[..., self.nope :].copy_(k_rot)
+        return key_states, value_states
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, seq, -1, self.nope + self.rope).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [self.nope, self.rope], dim=-1)
+        kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora, self.rope], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(batch, 1, seq, self.kv_lora)
+        k_rot = k_rot.view(batch, 1, seq, self.rope)
+        freqs = torch.outer(torch.arange(seq, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)[None]
+        q_rot, k_rot = rope_interleave(q_rot, k_rot, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+        query_states = torch.cat((q_pass, q_rot), dim=-1)
+        key_states, value_states = self.expand_kv(kv_nope, k_rot)
+        out = F.scaled_dot_product_attention(query_states, key_states, value_states, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class LowRankLatentAttentionModel(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, lambda c: Block(c, LowRankLatentAttention))
+
+
 # --- adaLN-Zero modulation (DiT, SD3, Flux): per-sample shift, scale and gate from a condition -----
 
 
@@ -1254,6 +1323,7 @@ PATTERNS = {
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
+    "low_rank_latent_attention": LowRankLatentAttentionModel,
     "adaln_modulation": AdaLNDecoder,
     "reused_embedder": ReusedEmbedderDiT,
     "shared_layer": SharedLayerDecoder,
@@ -1304,6 +1374,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # the latent path (wkv_a, narrowing) is computed whole: the gradients of the latent and of the
     # rotary key shared by all heads are each all-reduced in backward (2 more than a dense block)
     "latent_attention": 6,
+    # transformers' DeepSeek-V3 code: both down-projections (q_a_proj, kv_a_proj_with_mqa) computed
+    # whole, q_b_proj and kv_b_proj colwise over heads; as above, the kv latent's and the shared
+    # rotary key's gradients are each all-reduced, and the q latent's too
+    "low_rank_latent_attention": 6,
     "adaln_modulation": 4,  # the per-sample modulation computed whole (passes/alternatives.py)
     # block 0 also holds the timestep embedder, run twice (for the blocks and for the head), each
     # run colwise then rowwise: one forward all-reduce per run (its sinusoid input has no gradient)

@@ -9,6 +9,8 @@ pattern models (tests/pattern_models.py) are also trained on real ranks in tests
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers as hf
@@ -39,7 +41,7 @@ def _blocks(plan, prefix):
 
 
 @pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel", "diffusers_dit", "flux_single_stream",
-                                                           "mamba_mixer"))
+                                                           "mamba_mixer", "low_rank_latent_attention"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -113,3 +115,56 @@ def test_a_one_output_gate_on_the_stream_is_whole_by_choice_not_a_break():
     plan = _proven(hf.Qwen2MoeForCausalLM(config), {"tp": 4}, IDS)
     gate = plan.params["model.layers.0.mlp.shared_expert_gate.weight"]
     assert gate.role == Role.REPLICATE and "computed whole it needs no collective" in gate.why.computed_whole
+
+
+def test_a_low_rank_pair_computes_its_down_projection_whole_and_says_why():
+    """transformers' DeepSeek-V3 attention: cut, q_a_proj's latent would need its norm's statistic
+    all-reduced and would turn q_b_proj rowwise, its [tokens, heads * head_dim] output all-reduced
+    and the heads whole. Compared as whole plans, the down-projections are computed whole."""
+    plan = _proven(PATTERNS["low_rank_latent_attention"](), {"dp": 2, "tp": 2}, TOKENS)
+    entry = plan.params["layers.0.attention.q_a_proj.weight"]
+    assert entry.role == Role.REPLICATE
+    found = re.search(r"a narrowing linear whose cut output a wider linear reads.*tp collectives are (\d+) "
+                      r"instead of (\d+)", entry.note)
+    assert found and int(found[1]) < int(found[2]), entry.note
+    # the kv latent's region ends at its norm once q's is whole: a narrowing linear with an idle region
+    assert plan.params["layers.0.attention.kv_a_proj_with_mqa.weight"].role == Role.REPLICATE
+    for name in ("q_b_proj", "kv_b_proj"):
+        assert plan.params[f"layers.0.attention.{name}.weight"].role == Role.COLWISE
+
+
+class _FilledBuffer(torch.nn.Module):
+    """A buffer made with ``new_empty`` and written slice by slice (``tiles`` of the last dim)."""
+
+    def __init__(self, tiles):
+        super().__init__()
+        self.tiles = tiles
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        out = y.new_empty(*y.shape[:-1], 10)
+        for start, end in self.tiles:
+            out[..., start:end].copy_(y[..., : end - start] if end - start > 1 else y[..., :1])
+        return out * 2
+
+
+@pytest.mark.parametrize("tiles, rewritten", [(((0, 8), (8, 10)), True), (((8, 10), (0, 8)), True),
+                                               (((0, 8),), False), (((0, 6), (5, 10)), False)],
+                         ids=["in order", "out of order", "in part", "overlapping"])
+def test_a_buffer_filled_slice_by_slice_is_planned_as_a_concatenation(tiles, rewritten):
+    """Only a buffer whose every element is written before it is read becomes a cat (of the written
+    values, broadcast to their slices); a buffer written in part or twice keeps its writes."""
+    from autoshard.passes.capture import capture
+    from autoshard.passes.normalize import _filled_buffers_as_cat
+
+    model, x = _FilledBuffer(tiles), torch.randn(2, 3, 8)
+    captured = capture(model, (x,))
+    _filled_buffers_as_cat(captured.gm.graph)
+    captured.gm.recompile()
+    ops = {n.target for n in captured.gm.graph.nodes}
+    assert (torch.ops.aten.cat.default in ops) == rewritten
+    assert (torch.ops.aten.copy_.default in ops) != rewritten
+    if rewritten:
+        torch.testing.assert_close(captured.gm(x)[0] if isinstance(captured.gm(x), tuple) else captured.gm(x),
+                                   model(x))

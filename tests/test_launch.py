@@ -51,3 +51,18 @@ def test_a_rank_that_dies_is_reported_with_its_exit_code():
     with pytest.raises(RankFailed, match="rank 2 failed: exit code 3"):
         spawn(_rank_two_dies, 3)
     assert time.monotonic() - start < 60
+
+
+def _environment(rank, world_size):
+    return os.environ.get("AUTOSHARD_LAUNCH_PROBE"), os.environ["RANK"]
+
+
+def test_ranks_see_the_callers_environment_at_each_call(monkeypatch):
+    """Ranks fork from a server started at the first call, whose environment is that call's; each
+    rank still sees the caller's environment at its own call, with the agent's RANK over it."""
+    monkeypatch.setenv("AUTOSHARD_LAUNCH_PROBE", "first")
+    assert spawn(_environment, 2) == [("first", "0"), ("first", "1")]
+    monkeypatch.setenv("AUTOSHARD_LAUNCH_PROBE", "second")
+    assert spawn(_environment, 2) == [("second", "0"), ("second", "1")]
+    monkeypatch.delenv("AUTOSHARD_LAUNCH_PROBE")
+    assert spawn(_environment, 2) == [(None, "0"), (None, "1")]
