@@ -44,7 +44,7 @@ from autoshard.mesh import TP, MeshAxes
 from autoshard.options import PlanOptions
 from autoshard.passes.capture import CapturedGraph, copy_graph_module
 from autoshard.passes.discover import Sites, find_sites
-from autoshard.passes.partition import unit_of_node
+from autoshard.passes.partition import owner_block, unit_of_node
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, propagate
 from autoshard.plan import Plan
@@ -66,39 +66,52 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
            layout_plan: LayoutPlan) -> LayoutPlan:
     """``layout_plan``, or the plan with candidate linears computed whole while that costs less.
 
-    Each round tries each kind of candidate on the current plan (all linears of that kind at
-    once); the first trial that lowers the cost is kept and starts the next round. A round
-    whose trials all fail ends the search (so at most two walks per round are wasted, and
-    rounds end: the cost falls each time)."""
+    Each round tries each kind of candidate on the current plan: all its linears at once, then,
+    if that does not pay and they hold different places in their blocks, each place alone (a
+    place: the linear's name within its block, so a stack's layers go together). The first trial
+    that lowers the cost is kept and starts the next round; a round whose trials all fail ends the
+    search (rounds end: the cost falls each time)."""
     whole: dict[str, str] = {}
     cost = None
     budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
     while True:
         kept = False
         for kind in _KINDS:
-            candidates = budget.affordable([fqn for fqn in kind.find(layout_plan, sites) if fqn not in whole],
-                                           kind.budget)
-            if not candidates:
-                continue
-            if cost is None:
-                cost = _cost(build_plan(captured, sites, layout_plan, axes))
-            # on a copy: a walk may write out a norm, and the plan kept must match its graph
-            twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
-            twin_sites = find_sites(twin.gm, twin.param_shapes)
-            trial = propagate(twin.gm, twin_sites, axes.tp, None, options,
-                              whole=whole | dict.fromkeys(candidates, ""), written=twin.written)
-            revised = _cost(build_plan(twin, twin_sites, trial, axes))
-            if revised >= cost:
-                continue
-            why = f"{kind.why}; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
-            whole |= dict.fromkeys(candidates, why)
-            budget.spend(candidates)
-            layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
-                                    written=captured.written)
-            cost, kept = revised, True
-            break
+            found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in whole]
+            places: dict[str, list[str]] = {}
+            for fqn in found:
+                block = owner_block(fqn, captured.block_fqns)
+                places.setdefault(fqn[len(block) + 1:] if block else fqn, []).append(fqn)
+            trials = [found] + (list(places.values()) if len(places) > 1 else [])
+            for trial_fqns in trials:
+                candidates = budget.affordable(trial_fqns, kind.budget)
+                if not candidates:
+                    continue
+                if cost is None:
+                    cost = _cost(build_plan(captured, sites, layout_plan, axes))
+                revised = _trial_cost(captured, axes, options, whole | dict.fromkeys(candidates, ""))
+                if revised >= cost:
+                    continue
+                why = f"{kind.why}; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
+                whole |= dict.fromkeys(candidates, why)
+                budget.spend(candidates)
+                layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
+                                        written=captured.written)
+                cost, kept = revised, True
+                break
+            if kept:
+                break
         if not kept:
             return layout_plan
+
+
+def _trial_cost(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, whole: dict[str, str]):
+    """The cost of the plan with ``whole`` computed whole, walked on a copy (a walk may write out a
+    norm, and the plan kept must match its graph)."""
+    twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
+    twin_sites = find_sites(twin.gm, twin.param_shapes)
+    trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole, written=twin.written)
+    return _cost(build_plan(twin, twin_sites, trial, axes))
 
 
 def _stacked_blocks(captured: CapturedGraph) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import operator
 
 import sympy
@@ -81,6 +82,11 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
         src, index = node.args
         lay = layouts[src]
         return Decision(lay[index] if isinstance(lay, tuple) else lay, {src: lay})
+    lays = layouts.values()
+    if any(isinstance(lay, Strided) for lay in lays) and not any(lay in PARTIALS for lay in lays):
+        found = _strided_alike(node, layouts, tp)
+        if found is not None:
+            return found
     if any(lay in PARTIALS or isinstance(lay, Strided) for lay in layouts.values()):
         return _split_reduced(node, layouts) or _partial_plus_zero(node, layouts, tp)  # the rest: DTensor's
     for ops, rule in _RULES:
@@ -89,6 +95,31 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
     if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
         return _pointwise(node, layouts, tp)
     return None
+
+
+def _strided_alike(node, layouts, tp):
+    """An op that keeps each value of its sharded dim apart (elementwise, a reduction or a norm over
+    other dims) on values cut ``Strided`` alike (heads folded into rows, ``[b*s*h, d]``, as gated
+    DeltaNet's output norm reads them): the rule for a plain cut of that dim, with the runs kept."""
+    strided = {lay for lay in layouts.values() if lay is not None}
+    if len(strided) != 1:
+        return None
+    (lay,) = strided
+    if not isinstance(lay, Strided):
+        return None
+    pointwise = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+    rule = _pointwise if pointwise or node.target in ELEMENTWISE_LIKE else _STRIDED_RULES.get(node.target)
+    if rule is None:
+        return None
+    as_dims = {value: (None if v is None else lay.dim) for value, v in layouts.items()}
+    if rule is _pointwise and any(v is not None and _ndim(value) != _ndim(node) for value, v in as_dims.items()):
+        return None  # the runs are counted in the input's dims: keep the rank
+    decision = rule(node, as_dims, tp)
+    if decision is None or not isinstance(decision.output, int) or decision.args is not None:
+        return None
+    runs = lay.split_factor
+    return Decision(Strided(decision.output, runs),
+                    {value: None if d is None else Strided(d, runs) for value, d in decision.inputs.items()})
 
 
 # --- helpers ------------------------------------------------------------------
@@ -274,7 +305,7 @@ def _reshape(node, layouts, tp):
     if out_dim is None:
         out_dim, sections = _fused_reshape(_shape(value), _shape(node), dim, tp)
     if out_dim is None:
-        return None
+        return _folded_reshape(node, value, dim, tp)
     args = None
     if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         sizes = _local_shape_arg(node.args[1], out_dim, tp)
@@ -291,6 +322,31 @@ def _reshape(node, layouts, tp):
     if sections is not None and args is None:
         return None
     return Decision(out_dim, {value: dim}, args, sections)
+
+
+def _folded_reshape(node, value, dim, tp):
+    """A cut dim ``S`` whose outer part ``h`` (heads) is folded into the rows before it:
+    ``gate.reshape(-1, head_dim)`` of ``[b, s, h * d]`` is ``[b * s * h, d]``, rows in
+    ``b * s`` runs of ``h``, each run cut over tp (``Strided``), as DTensor folds a
+    ``[b, s, h, d]`` whose heads are cut. ``h`` must divide by tp."""
+    in_shape, out_shape = _shape(value), _shape(node)
+    if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    if not all(size.is_Integer for size in (*in_shape, *out_shape)):
+        return None
+    before, size = math.prod(int(x) for x in in_shape[:dim]), int(in_shape[dim])
+    after = math.prod(int(x) for x in in_shape[dim + 1:])
+    lead = 1
+    for j, out in enumerate(int(x) for x in out_shape):
+        if before % lead == 0 and (lead * out) % before == 0 and lead * out > before:
+            heads, runs = lead * out // before, before // lead
+            rest = math.prod(int(x) for x in out_shape[j + 1:])
+            if runs < 2 or size % heads or heads % tp or rest != size // heads * after:
+                return None
+            sizes = _local_shape_arg(node.args[1], j, tp)
+            return None if sizes is None else Decision(Strided(j, runs), {value: dim}, (value, sizes, *node.args[2:]))
+        lead *= out
+    return None
 
 
 def _fused_reshape(in_shape, out_shape, dim, tp) -> tuple[int | None, tuple[int, ...] | None]:
@@ -549,6 +605,15 @@ def _norm_over_last(node, layouts, tp):
     return Decision(out, dict(layouts))
 
 
+def _triangle(node, layouts, tp):
+    """tril / triu keep a triangle of the last two dims; a cut leading dim (heads of chunked decay
+    masks, as gated DeltaNet builds them) passes. DTensor replicates them."""
+    found = _single_sharded_input(node, layouts)
+    if found is None or found[1] >= _ndim(found[0]) - 2:
+        return None
+    return Decision(found[1], {found[0]: found[1]})
+
+
 # --- attention and batched matmul ----------------------------------------------
 
 
@@ -672,7 +737,7 @@ def _metadata_check(node, layouts, tp):
     return Decision(None, dict(layouts))
 
 
-_ELEMENTWISE_LIKE = (
+ELEMENTWISE_LIKE = (
     # elementwise overloads ATen does not tag pointwise: a scalar in place of a tensor operand
     aten.where.ScalarOther,
     aten.where.ScalarSelf,
@@ -689,8 +754,18 @@ _ELEMENTWISE_LIKE = (
     aten.type_as.default,
 )
 
+_STRIDED_RULES = {
+    op: rule
+    for ops, rule in (
+        ((aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction), _reduce),
+        ((aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default), _softmax),
+        ((aten.rms_norm.default, aten.layer_norm.default), _norm_over_last),
+    )
+    for op in ops
+}
+
 _RULES = (
-    (_ELEMENTWISE_LIKE, _pointwise),
+    (ELEMENTWISE_LIKE, _pointwise),
     ((CP_GATHER, CP_ALL_REDUCE), _along_cp),
     ((FUSED_SPLIT,), _sections),
     ((aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default), _channelwise_conv),
@@ -746,5 +821,6 @@ _RULES = (
         _attention,
     ),
     ((aten.matmul.default, aten.bmm.default), _batched_matmul),
+    ((aten.tril.default, aten.triu.default), _triangle),
 )
 

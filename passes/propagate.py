@@ -136,7 +136,7 @@ class TakeShardBucket:
 STATE_KEYS = {
     "roles": Key.FQN, "layouts": Key.NODE, "edges": Key.EDGE, "new_args": Key.NODE, "notes": Key.FQN,
     "fused": Key.FQN, "sharded_params": Key.FQN, "stream_entries": Key.NODE, "whole_sequences": Key.FQN,
-    "input_sections": Key.FQN,
+    "input_sections": Key.FQN, "section_splits": Key.NODE,
 }
 
 
@@ -457,6 +457,7 @@ class Propagation:
         self.sharded_params: dict[str, int] = {}
         self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
         self.input_sections: dict[str, FusedSections] = {}  # rowwise weights reading a cat of sections
+        self.section_splits: dict[fx.Node, tuple[int, ...]] = {}  # splits back into a cat's sections
         self.whole_sequences: dict[str, Indivisible] = {}
         index = _SiteIndex.of(sites)
         self.site_of, self.expert_of, self.owned, self.output_site = (
@@ -680,8 +681,12 @@ class Propagation:
         if any(lay is not None for lay in inputs.values()):
             decision = layout_rules.apply(node, inputs, self.tp) or dtensor_rules.query(node, inputs, self.tp)
         if decision is not None and decision.fused_sections is not None:
-            decision = self._read_in_sections(node, decision) if node.target == _aten.cat.default else (
-                self._fuse(decision))
+            if node.target == _aten.cat.default:
+                decision = self._read_in_sections(node, decision) or self._sections_to_split(node, decision)
+            elif self.section_splits.get(node) == decision.fused_sections:
+                pass  # split back into the sections a cat made (see _sections_to_split)
+            else:
+                decision = self._fuse(decision)
         if decision is None:
             for value in node.all_input_nodes:
                 self.require(value, node, None)
@@ -710,16 +715,49 @@ class Propagation:
         self.input_sections[site.weight_fqn] = FusedSections(decision.fused_sections)
         return decision
 
+    def _sections_to_split(self, node: fx.Node, decision):
+        """Accept a cat of sharded sections along their sharded dim when it is split back into those
+        sections after channel-wise work only (gated DeltaNet's ``cat([q, k, v])``, a depthwise
+        ``conv1d`` over the channels, then ``split`` into q, k and v): transposes, elementwise ops of
+        it alone, slices of other dims, casts, and depthwise convolutions. Each rank then holds its
+        share of each section all along, so the convolutions' weights and biases store their
+        channels section by section per rank (``fused``) and the split takes local sizes."""
+        sizes, dim, value, params = decision.fused_sections, decision.output, node, []
+        while True:
+            (user,) = value.users if len(value.users) == 1 else (None,)
+            if user is None or user.op != "call_function" or self.fixed_roles is not None:
+                return None
+            if user.target in layout_rules.SPLITS:
+                along = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+                if (user.target != _aten.split_with_sizes.default or _norm_dim(along, _ndim(value)) != dim
+                        or tuple(user.args[1]) != sizes):
+                    return None
+                self.section_splits[user] = sizes
+                for fqn in params:
+                    self.fused[fqn] = FusedSections(sizes)
+                return decision
+            moved = _section_dim_after(user, value, dim, self.param_fqns, self.tp)
+            if moved is None:
+                return None
+            dim, found = moved
+            params += found
+            value = user
+
     def _fuse(self, decision):
         """Accept a split of a fused projection if the path back to its colwise weight
         only reshapes other dims and nothing else reads the (permuted) columns."""
         value = next(iter(decision.inputs))
-        site = _fused_origin(value, self.layouts, self.output_site, readers=len(value.users))
+        site, params = _fused_origin(value, self.layouts, self.output_site, self.param_fqns,
+                                     readers=len(value.users))
         if site is None or self.roles.get(site.weight_fqn) != COLWISE:
             return None
         fused = FusedSections(decision.fused_sections, decision.whole_sections, decision.section_runs)
-        if self.fused.setdefault(site.weight_fqn, fused) != fused:
+        if params and fused.whole:
+            return None  # a convolution's channels are cut, never held whole
+        owners = (site.weight_fqn, *params)
+        if any(self.fused.get(fqn, fused) != fused for fqn in owners):
             return None
+        self.fused.update(dict.fromkeys(owners, fused))
         return decision
 
     # --- what a consumer needs ------------------------------------------------------------------
@@ -806,6 +844,49 @@ class Propagation:
             f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
             f"{wanted} but it is {have}"
         )
+
+
+_CONVOLUTIONS = (_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default, _aten.convolution.default)
+
+
+def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: int) -> tuple[int, list[str]] | None:
+    """Where ``value``'s sections dim ``dim`` is in ``user``'s output, and the parameters ``user``
+    reads along it, when ``user`` keeps each channel's values apart; else None."""
+    target = user.target
+    if target in (_aten.transpose.int, _aten.swapaxes.default):
+        a, b = (_norm_dim(d, _ndim(value)) for d in user.args[1:3])
+        return (b if dim == a else a if dim == b else dim), []
+    if target == _aten.permute.default:
+        order = [_norm_dim(d, _ndim(value)) for d in user.args[1]]
+        return order.index(dim), []
+    if target == _aten.slice.Tensor:
+        return None if _norm_dim(user.args[1] if len(user.args) > 1 else 0, _ndim(value)) == dim else (dim, [])
+    if target in _CONVOLUTIONS:
+        weight, bias = user.args[1], user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+        position = 8 if target == _aten.convolution.default else 6
+        groups = user.args[position] if len(user.args) > position else user.kwargs.get("groups", 1)
+        channels = value.meta["val"].shape[1]
+        if (user.args[0] is not value or dim != 1 or groups != channels or _ndim(user) != _ndim(value)
+                or groups % tp or groups // tp < 2):  # as layout_rules._channelwise_conv cuts it
+            return None
+        params = [_source_param(t, param_fqns) for t in (weight, bias) if isinstance(t, fx.Node)]
+        return None if None in params else (1, params)
+    single = user.all_input_nodes == [value] and _ndim(user) == _ndim(value)
+    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    if single and (pointwise or target in layout_rules.ELEMENTWISE_LIKE):
+        return dim, []
+    return None
+
+
+def _source_param(node: fx.Node, param_fqns) -> str | None:
+    """The parameter ``node`` is a view or cast of (``conv1d.weight.unsqueeze(1)``), if any."""
+    while node.op == "call_function" and len(node.all_input_nodes) == 1 and node.args[0] is node.all_input_nodes[0]:
+        node = node.args[0]
+    return node.target if node.op == "get_attr" and node.target in param_fqns else None
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
 
 
 _SIZED_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
@@ -904,23 +985,34 @@ def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: 
     return True
 
 
-def _fused_origin(value: fx.Node, layouts, output_site, readers: int = 1) -> LinearSite | None:
+def _fused_origin(value: fx.Node, layouts, output_site, param_fqns,
+                  readers: int = 1) -> tuple[LinearSite | None, list[str]]:
     """The colwise site whose output reaches ``value`` through single-use reshapes of
-    other dims (the sharded dim keeps the site's full output size all the way).
+    other dims (the sharded dim keeps the site's full output size all the way), and the
+    parameters of the depthwise convolutions on the way (gated DeltaNet's ``conv1d`` between
+    ``in_proj_qkv`` and its split), which hold their channels in the site's order.
     ``value`` itself has ``readers`` users: the split, or the slices tiling it."""
-    node, allowed_users = value, readers
+    node, allowed_users, params = value, readers, []
     while True:
         site = output_site.get(node)
         lay = layouts.get(node)
         size = layout_rules.size_expr(node.meta["val"].shape[lay]) if isinstance(lay, int) else None
         if len(node.users) != allowed_users or size is None:
-            return None
+            return None, []
         allowed_users = 1
         if site is not None:
-            return site if size == site.out_features else None
+            return (site, params) if size == site.out_features else (None, [])
+        if node.target in _CONVOLUTIONS and lay == 1:
+            weight, bias = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            found = [_source_param(t, param_fqns) for t in (weight, bias) if isinstance(t, fx.Node)]
+            if None in found or not isinstance(node.args[0], fx.Node):
+                return None, []
+            params += found
+            node = node.args[0]
+            continue
         sharded = [i for i in node.all_input_nodes if _is_sharded(layouts.get(i))]
         if len(sharded) != 1:
-            return None
+            return None, []
         node = sharded[0]
 
 

@@ -1309,6 +1309,88 @@ class Mamba(Decoder):
         super().__init__(cfg, MambaBlock)
 
 
+# --- gated DeltaNet (Qwen3-Next, Qwen3.5, Kimi-Linear, OLMo-Hybrid) ------------------------------
+
+
+def causal_conv1d_fn(hidden_states, weight, bias, activation=True):
+    """transformers' torch fallback: a depthwise ``conv1d`` over ``[b, channels, s]`` with
+    ``groups`` read off the input, padded on the left by its length, then SiLU."""
+    _, hidden_size, seq_len = hidden_states.shape
+    out = F.conv1d(hidden_states, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1,
+                   groups=hidden_size)[:, :, :seq_len]
+    return F.silu(out) if activation else out
+
+
+class GatedRMSNorm(nn.Module):
+    """``Qwen3NextRMSNormGated``: an RMSNorm over each head's values, times ``silu(gate)``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden_states, gate):
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + 1e-6)
+        return self.weight * hidden_states * F.silu(gate.float())
+
+
+class GatedDeltaNet(nn.Module):
+    """A gated DeltaNet layer as transformers writes its torch path. q, k and v come either from
+    separate projections concatenated (``torch.cat((query, key, value), dim=-1)``, Qwen3-Next,
+    Kimi-Linear) or from one fused ``in_proj_qkv`` (Qwen3.5); a depthwise causal conv runs over
+    their channels and ``torch.split`` takes them back; per head a decay ``g`` from ``A_log`` and
+    ``dt_bias``, a chunk's decay mask (``cumsum``, ``tril``, ``exp``) and the gated product; the
+    output normed per head on rows folded from ``[b, s, heads, d]``, gated by a flat projection
+    reshaped the same way (OLMo-Hybrid)."""
+
+    def __init__(self, cfg: Config, fused: bool, head_dim: int = 8, d_conv: int = 4):
+        super().__init__()
+        self.heads, self.head_dim, self.fused = cfg.heads, head_dim, fused
+        width = cfg.heads * head_dim
+        if fused:
+            self.in_proj_qkv = nn.Linear(cfg.dim, 3 * width, bias=False)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(cfg.dim, width, bias=False) for _ in range(3))
+        self.g_proj = nn.Linear(cfg.dim, width, bias=False)
+        self.b_proj = nn.Linear(cfg.dim, cfg.heads, bias=False)
+        self.a_proj = nn.Linear(cfg.dim, cfg.heads, bias=False)
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, d_conv, groups=3 * width, padding=d_conv - 1)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1, 4, cfg.heads)))
+        self.dt_bias = nn.Parameter(torch.ones(cfg.heads))
+        self.o_norm = GatedRMSNorm(head_dim)
+        self.o_proj = nn.Linear(width, cfg.dim, bias=False)
+
+    def forward(self, hidden_states):
+        batch_size, seq_len, _ = hidden_states.shape
+        width = self.heads * self.head_dim
+        if self.fused:
+            mixed_qkv = self.in_proj_qkv(hidden_states)
+        else:
+            query, key, value = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
+            mixed_qkv = torch.cat((query, key, value), dim=-1)
+        mixed_qkv = causal_conv1d_fn(mixed_qkv.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        query, key, value = torch.split(mixed_qkv.transpose(1, 2), [width, width, width], dim=-1)
+        query, key, value = (x.reshape(batch_size, seq_len, -1, self.head_dim).transpose(1, 2)
+                             for x in (query, key, value))
+        beta = self.b_proj(hidden_states).sigmoid().transpose(1, 2)
+        g = (-self.A_log.float().exp() * F.softplus(self.a_proj(hidden_states).float() + self.dt_bias)).transpose(1, 2)
+        query, key = F.normalize(query, dim=-1), F.normalize(key, dim=-1)
+        decay = g.cumsum(dim=-1)
+        mask = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).tril().exp().tril()
+        attn = (query @ key.transpose(-1, -2)) * mask
+        output = (attn @ (value * beta.unsqueeze(-1))).transpose(1, 2)
+        gate = self.g_proj(hidden_states)
+        output = output.reshape(-1, self.head_dim)
+        gate = gate.reshape(-1, self.head_dim)
+        output = self.o_norm(output, gate)
+        return self.o_proj(output.reshape(batch_size, seq_len, -1))
+
+
+class GatedDeltaNetModel(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8), fused: bool = False):
+        super().__init__(cfg, lambda c: Block(c, lambda c2: GatedDeltaNet(c2, fused)))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1324,6 +1406,8 @@ PATTERNS = {
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
     "low_rank_latent_attention": LowRankLatentAttentionModel,
+    "gated_deltanet": GatedDeltaNetModel,
+    "gated_deltanet_fused": lambda: GatedDeltaNetModel(fused=True),
     "adaln_modulation": AdaLNDecoder,
     "reused_embedder": ReusedEmbedderDiT,
     "shared_layer": SharedLayerDecoder,
@@ -1378,6 +1462,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # whole, q_b_proj and kv_b_proj colwise over heads; as above, the kv latent's and the shared
     # rotary key's gradients are each all-reduced, and the q latent's too
     "low_rank_latent_attention": 6,
+    # q|k|v through a depthwise conv and back (its channels stored in sections): a dense block's 4,
+    # and the per-head output norm's weight, read by every rank's heads: its gradient all-reduced
+    "gated_deltanet": 5,
+    "gated_deltanet_fused": 5,
     "adaln_modulation": 4,  # the per-sample modulation computed whole (passes/alternatives.py)
     # block 0 also holds the timestep embedder, run twice (for the blocks and for the head), each
     # run colwise then rowwise: one forward all-reduce per run (its sinusoid input has no gradient)

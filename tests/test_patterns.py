@@ -32,8 +32,12 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # a concatenation of sharded sections read by one rowwise linear (its input rows permuted)
     ("flux_single_stream", "2d"),
     # a state-space mixer: channel-cut conv, scan and parameters, the weight-on-the-left dt_proj
-    ("mamba_mixer", "tp"))
+    ("mamba_mixer", "tp"),
+    # q|k|v concatenated through a depthwise conv and split back: the conv stores its channels in sections
+    ("gated_deltanet", "2d"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
+# stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
+RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}
 # the grouped experts multiply in bfloat16 (the kernel's dtype): one device sums each expert's
 # down projection in one bf16 result, tp ranks each round their partial sum to bf16 first
 PARITY_TOLERANCE = {"moe_grouped_mm": 2e-3}
@@ -127,10 +131,14 @@ def _make_check(name: str, mesh_name: str):
         with CollectiveCounter(axes) as step:
             lm_loss(run.sharded(local), dp_slice(targets, mesh)).backward()
         assert step.count("tp") == plan.num_tp_collectives(), (name, step.stats(), str(plan))
-        if name in WHOLE_SECTIONS:
-            # whole sections are stored once per tp rank: the state dict has each column once, and
-            # loading the single-device weights back gives its outputs
-            assert any(p.whole_sections for p in plan.params.values()), str(plan)
+        if name in RELOADED:
+            # whole sections are stored once per tp rank, a conv's channels section by section: the
+            # state dict has each column once, in order, and loading the single-device weights back
+            # gives its outputs
+            if name in WHOLE_SECTIONS:
+                assert any(p.whole_sections for p in plan.params.values()), str(plan)
+            else:
+                assert plan.params["layers.0.attention.conv1d.weight"].sections == (64, 64, 64), str(plan)
             run.sharded.load_state_dict(run.reference.state_dict())
             with torch.no_grad():
                 expected = run.reference(tokens)
