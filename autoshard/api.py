@@ -551,7 +551,8 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
     with in_stage("normalize", captured.gm.graph):
         normalize(captured.gm, sites, axes.tp)
     with in_stage("propagate", captured.gm.graph):
-        layout_plan = propagate(captured.gm, sites, axes.tp, roles, options, written=captured.written)
+        layout_plan = propagate(captured.gm, sites, axes.tp, roles, options, written=captured.written,
+                                block_fqns=captured.block_fqns)
     if roles is None and axes.has_tp:
         with in_stage("alternatives", captured.gm.graph):
             layout_plan = settle(captured, sites, axes, options, layout_plan)

@@ -149,6 +149,39 @@ def _enter_tp_backward(ctx, grad):
     return _all_reduce_sum(grad, ctx.group_name, ctx.reduce_dtype), None, None
 
 
+# --- enter_tps: enter_tp of several tensors, one all-reduce backward -----------
+
+
+@torch.library.custom_op(f"{_LIB}::enter_tps", mutates_args=())
+def enter_tps(xs: list[torch.Tensor], group_name: str, reduce_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """``enter_tp`` of every tensor of ``xs`` (a block's replicated weights read by its cut heads:
+    q/k norm weights, a per-head output norm's): their partial gradients arrive by the end of the
+    block's backward and are summed in one all-reduce."""
+    return [x.clone() for x in xs]
+
+
+@enter_tps.register_fake
+def _(xs, group_name, reduce_dtype=None):
+    return [torch.empty_like(x) for x in xs]
+
+
+def _enter_tps_backward(ctx, grads):
+    grads = [g if g is not None else torch.zeros(s, dtype=d, device=dev)
+             for g, s, d, dev in zip(grads, ctx.shapes, ctx.dtypes, ctx.devices, strict=True)]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    summed = _all_reduce_sum(flat, ctx.group_name, ctx.reduce_dtype)
+    return list(torch.split(summed, [g.numel() for g in grads])), None, None
+
+
+def _keep_entered(ctx, inputs, output):
+    """The group and what a missing gradient's zero is made like (each output's shape, dtype, device)."""
+    ctx.group_name = inputs[1]
+    ctx.reduce_dtype = inputs[2] if len(inputs) > 2 else None
+    ctx.shapes = [tuple(o.shape) for o in output]
+    ctx.dtypes = [o.dtype for o in output]
+    ctx.devices = [o.device for o in output]
+
+
 # --- reduce_partial: all-reduce forward, identity backward --------------------
 
 
@@ -342,6 +375,7 @@ def _keep_dim_and_group(ctx, inputs, output):
 # under a mode registers them again, wrapped, from this table.
 AUTOGRAD = (
     (enter_tp, _enter_tp_backward, _keep_group),
+    (enter_tps, _enter_tps_backward, _keep_entered),
     (reduce_partial, _reduce_partial_backward, _keep_group),
     (gather_shards, _gather_shards_backward, _keep_dim_and_group),
     (take_shard, _take_shard_backward, _keep_dim_and_group),
@@ -353,6 +387,7 @@ for _op, _backward, _keep in AUTOGRAD:
     _op.register_autograd(_backward, setup_context=_keep)
 
 ENTER_TP = torch.ops.autoshard.enter_tp.default
+ENTER_TPS = torch.ops.autoshard.enter_tps.default
 REDUCE_PARTIAL = torch.ops.autoshard.reduce_partial.default
 GATHER_SHARDS = torch.ops.autoshard.gather_shards.default
 TAKE_SHARD = torch.ops.autoshard.take_shard.default
@@ -362,4 +397,4 @@ REDUCE_SCATTER_PARTIAL = torch.ops.autoshard.reduce_scatter_partial.default
 GATHER_FOR_COLWISE = torch.ops.autoshard.gather_for_colwise.default
 
 FORWARD_COLLECTIVES = (REDUCE_PARTIAL, GATHER_SHARDS)
-BACKWARD_COLLECTIVES = (ENTER_TP, TAKE_SHARD, TAKE_SHARDS)
+BACKWARD_COLLECTIVES = (ENTER_TP, ENTER_TPS, TAKE_SHARD, TAKE_SHARDS)

@@ -20,7 +20,8 @@ from autoshard import collectives
 from autoshard.errors import describe
 
 # each summing collective's position of ``reduce_dtype`` in its arguments
-_SUMS = {collectives.REDUCE_PARTIAL: 2, collectives.ENTER_TP: 2, collectives.REDUCE_SCATTER_PARTIAL: 3,
+_SUMS = {collectives.REDUCE_PARTIAL: 2, collectives.ENTER_TP: 2, collectives.ENTER_TPS: 2,
+         collectives.REDUCE_SCATTER_PARTIAL: 3,
          collectives.GATHER_FOR_COLWISE: 3}
 
 
@@ -54,7 +55,8 @@ def _running_order(gm: fx.GraphModule):
 def _narrow_sum(node: fx.Node, values: dict, reduce_dtype: torch.dtype | None) -> str | None:
     if reduce_dtype is None:
         return None
-    summed = _dtype_of(values.get(node.args[0].name) if isinstance(node.args[0], fx.Node) else None)
+    first = node.args[0][0] if isinstance(node.args[0], (list, tuple)) and node.args[0] else node.args[0]
+    summed = _dtype_of(values.get(first.name) if isinstance(first, fx.Node) else None)
     if summed is None or not summed.is_floating_point or summed.itemsize >= reduce_dtype.itemsize:
         return None
     position = _SUMS[node.target]

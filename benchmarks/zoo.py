@@ -13,7 +13,8 @@ family and mesh:
   block's analytic minimum (:func:`block_minimum`: one forward all-reduce per partial sum the
   block must reduce, one backward all-reduce per input its sharded matmuls read, or as many as
   the forward ones if more, and one backward all-gather per attention whose kv heads are fewer
-  than tp: a dense attention + MLP block's is 4, 5 with kv heads fewer than tp, a parallel
+  than tp, and one backward all-reduce of the replicated weights its cut heads read, bucketed:
+  a dense attention + MLP block's is 4, 5 with kv heads fewer than tp or q/k norms, a parallel
   block's 2), and every break of a block's tp sharding with its cause (``plan.breaks``).
 
 The summary gives, by kind, the runs with no break and the runs at their analytic minimum, over
@@ -166,10 +167,12 @@ def block_minimum(plan, unit: str) -> int:
     shares (MLA's rotary key) broadcast over the cut heads; a partial sum reduced away from
     any weight (a norm's statistic over a cut width, experts' summed outputs) costs its forward
     all-reduce and one backward all-reduce of the gradient it spreads; an attention whose kv heads
-    are fewer than tp gathers its k/v gradients once. Breaks cost what this leaves out: gathers of
-    activations and weights, and gradients entering tp at other ops.
+    are fewer than tp gathers its k/v gradients once; replicated weights its cut heads read (q/k
+    norm weights) have their partial gradients summed over tp in one all-reduce for the block.
+    Breaks cost what this leaves out: gathers of activations and weights, and gradients entering
+    tp at other ops.
     """
-    outputs = inputs = sums = gathers = 0
+    outputs = inputs = sums = gathers = weights = 0
     for entry in plan.params.values():
         if entry.unit != unit:
             continue
@@ -178,6 +181,8 @@ def block_minimum(plan, unit: str) -> int:
                 outputs += 1
             elif c.runs and c.subject == "input grad" and str(c.direction) == "bwd":
                 inputs += 1
+            elif c.subject == "grad" and str(c.direction) == "bwd" and c.kind == "all-reduce":
+                weights = 1  # replicated weights read by cut heads: their gradients summed in one bucket
     for i, c in enumerate(plan.activations):
         if not c.runs or plan.unit_of_activation(i) != unit:
             continue
@@ -188,7 +193,7 @@ def block_minimum(plan, unit: str) -> int:
             inputs += 1
         elif c.kind == "take-shard":
             gathers += 1
-    return outputs + inputs + 2 * sums + gathers
+    return outputs + inputs + 2 * sums + gathers + weights
 
 
 def _first_line(err: Exception) -> str:

@@ -23,7 +23,8 @@ Two such choices, each a kind of candidate tried on its own:
   second half is colwise over heads and attention stays cut.
 
 Each kind's linears are tried computed whole, all at once (one more walk, not one per block),
-and the result is kept if the plan's tp collectives are fewer (tp wire bytes settle a tie).
+and the result is kept if the plan's tp collectives are fewer (tp wire bytes settle a tie) and
+no more blocks break tp (a plan never trades a kept block for a collective).
 Computing a linear whole adds work on every rank, so only linears that together add at most
 :data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run once per step, in
 the root or in a unit of its own such as a final layer's modulation: of the model's) are
@@ -90,13 +91,13 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
                 if cost is None:
                     cost = _cost(build_plan(captured, sites, layout_plan, axes))
                 revised = _trial_cost(captured, axes, options, whole | dict.fromkeys(candidates, ""))
-                if revised >= cost:
-                    continue
+                if revised[:2] >= cost[:2] or revised[2] > cost[2]:
+                    continue  # no cheaper, or cheaper by breaking tp in more blocks
                 why = f"{kind.why}; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
                 whole |= dict.fromkeys(candidates, why)
                 budget.spend(candidates)
                 layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
-                                        written=captured.written)
+                                        written=captured.written, block_fqns=captured.block_fqns)
                 cost, kept = revised, True
                 break
             if kept:
@@ -110,7 +111,8 @@ def _trial_cost(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, w
     norm, and the plan kept must match its graph)."""
     twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     twin_sites = find_sites(twin.gm, twin.param_shapes)
-    trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole, written=twin.written)
+    trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole, written=twin.written,
+                      block_fqns=twin.block_fqns)
     return _cost(build_plan(twin, twin_sites, trial, axes))
 
 
@@ -266,7 +268,7 @@ def _layout(plan: LayoutPlan, node: fx.Node):
     return plan.layouts.get(node)
 
 
-def _cost(plan: Plan) -> tuple[int, int]:
-    """(tp collectives per training step, tp wire bytes per rank)."""
+def _cost(plan: Plan) -> tuple[int, int, int]:
+    """(tp collectives per training step, tp wire bytes per rank, blocks whose tp breaks)."""
     wire = plan.predicted_comm().get(TP, {})
-    return plan.num_tp_collectives(), sum(bytes_ for _, bytes_ in wire.values())
+    return plan.num_tp_collectives(), sum(bytes_ for _, bytes_ in wire.values()), len({u for u, _ in plan.breaks})

@@ -19,7 +19,7 @@ import torch.fx as fx
 from autoshard import collectives
 from autoshard.passes.layout_rules import Strided
 from autoshard.passes.partition import made_like
-from autoshard.passes.propagate import GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
+from autoshard.passes.propagate import ENTER_ONLY, GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
 
 aten = torch.ops.aten
 # the steps that move a ``Strided`` dim (a reduction leaves no dim to stride)
@@ -39,6 +39,16 @@ def insert_redistributes(
             readers[(value, steps[: i + 1])].append(consumer)
     made: dict[tuple, fx.Node] = {}
     written = _written_in_place(graph)
+    for bucket in plan.enter_tp_buckets():
+        with graph.inserting_before(bucket.first):
+            entered = graph.call_function(collectives.ENTER_TPS, ([*bucket.values], group_name, reduce_dtype))
+            entered._rename(f"{bucket.first.name}_entered")
+            _inherit_meta(entered, bucket.first)
+            for i, value in enumerate(bucket.values):
+                item = graph.call_function(operator.getitem, (entered, i))
+                item._rename(f"{value.name}_entered")
+                _inherit_meta(item, bucket.first)
+                made[(value, ENTER_ONLY)] = item
     for bucket in plan.take_shard_buckets():
         with graph.inserting_before(bucket.first):
             cuts = graph.call_function(collectives.TAKE_SHARDS, ([*bucket.values], bucket.dim, group_name))

@@ -300,6 +300,7 @@ class _Records:
         self.origin |= {s.node: s.weight_fqn for s in sites.embeddings}
         self.colwise_nodes = {s.node for s in sites.linears if lp.roles[s.weight_fqn] in COLWISE_LIKE}
         self.buckets = {v: b.values for b in lp.take_shard_buckets() for v in b.values}  # value -> its bucket
+        self.entered = {v: b.values for b in lp.enter_tp_buckets() for v in b.values}  # parameter -> its bucket
         self._position: dict[fx.Node, int] | None = None
 
     def position(self, graph: fx.Graph) -> dict[fx.Node, int]:
@@ -383,7 +384,16 @@ class _Records:
         kind = step.kind.plan_kind
         if step.kind is Step.ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
             cause = f"sharded {describe(consumer)}"
-            if value.op == "get_attr":
+            if value in self.entered:  # one all-reduce for the block's bucket, recorded with its first
+                bucket = self.entered[value]
+                if value is bucket[0]:
+                    names = tuple(v.target for v in bucket)
+                    collective = _sized(Collective(kind, BWD, "grad", cause=cause, shared_by=names), value)
+                    for other in bucket[1:]:
+                        collective = dataclasses.replace(
+                            collective, numel=collective.numel + _sized(collective, other).numel)
+                    _add_shared(self.by_weight, collective)
+            elif value.op == "get_attr":
                 self.record(value.target, Collective(kind, BWD, "grad", cause=cause), node, value)
             else:
                 self.record(None, Collective(kind, BWD, f"grad of '{value.name}'", cause), node, value)

@@ -81,6 +81,7 @@ from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
 from autoshard.passes.layout_rules import Layout, Strided
+from autoshard.passes.partition import unit_of_node
 from autoshard.passes.stamping import Arrival, Copies, Key, Stamper, find_copies
 from autoshard.plan import FusedSections
 from autoshard.sharding import Indivisible, Role, Step
@@ -120,6 +121,15 @@ class Redistribute:
     kind: Step
     dim: int | Strided | None = None
     average: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EnterTpBucket:
+    """Parameters of one block whose gradients enter tp (``enter_tp``), by one op placed before
+    ``first``, the earliest of their consumers."""
+
+    values: tuple[fx.Node, ...]
+    first: fx.Node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +231,7 @@ class LayoutPlan:
     # under sequence parallelism, the weights whose output stays whole over tp because its sequence
     # does not divide by tp (a class token's 17 positions, a pooled stage's 1): FQN -> why
     whole_sequences: dict[str, Indivisible] = dataclasses.field(default_factory=dict)
+    block_fqns: tuple[str, ...] = ()  # the FSDP blocks, by which parameters' gradients are bucketed
 
     def rowwise_exit(self, site: LinearSite) -> RowwiseExit | None:
         """How ``site``'s output leaves it, if its weight is rowwise: propagation left its output
@@ -231,6 +242,31 @@ class LayoutPlan:
         if layout in PARTIALS:
             return RowwiseExit.PARTIAL
         return RowwiseExit.REDUCE_SCATTER if layout == SEQ_DIM else RowwiseExit.ALL_REDUCE
+
+    def enter_tp_buckets(self) -> tuple[EnterTpBucket, ...]:
+        """A block's parameters read by its sharded ops (q and k norm weights applied to cut heads,
+        a per-head output norm's), each only through ``enter_tp`` and all in one block: one op
+        for all of them, so their partial gradients are summed in one all-reduce at the end of
+        the block's backward instead of one each."""
+        consumers: dict[fx.Node, list[fx.Node]] = {}
+        for (value, consumer), steps in self.edges.items():
+            if value.op == "get_attr" and value in self.carries_grad:
+                if steps == ENTER_ONLY:
+                    consumers.setdefault(value, []).append(consumer)
+                else:
+                    consumers[value] = []  # read another way too: left alone
+        position = {}
+        groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
+        for value, readers in consumers.items():
+            units = {unit_of_node(c, self.block_fqns) for c in readers}
+            if len(units) != 1:
+                continue
+            if not position:
+                position = {n: i for i, n in enumerate(value.graph.nodes)}
+            first = min(readers, key=position.__getitem__)
+            groups.setdefault((units.pop(), value.meta["val"].dtype), []).append((value, first))
+        return tuple(EnterTpBucket(tuple(v for v, _ in pairs), min((c for _, c in pairs), key=position.__getitem__))
+                     for pairs in groups.values() if len(pairs) > 1)
 
     def take_shard_buckets(self) -> tuple[TakeShardBucket, ...]:
         """Replicated values cut on the same dim for consumers in one module (k and v of one
@@ -266,6 +302,7 @@ def propagate(
     options: PlanOptions = DEFAULT_OPTIONS,
     whole: dict[str, str] | None = None,
     written: tuple[str, ...] = (),
+    block_fqns: tuple[str, ...] = (),
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts, on a graph :func:`~autoshard.passes.
     normalize.normalize` has rewritten. ``whole``: linears to compute whole over tp (weight FQN
@@ -288,7 +325,8 @@ def propagate(
     ``written``: a stack's block 1 and the blocks written as its copies
     (:attr:`~autoshard.passes.capture.CapturedGraph.written`); each walk decides block 1
     once and stamps its decisions on every copy found to be the same code
-    (:mod:`~autoshard.passes.stamping`).
+    (:mod:`~autoshard.passes.stamping`). ``block_fqns``: the FSDP blocks, within each of which
+    the gradients of parameters entering tp are bucketed (:meth:`LayoutPlan.enter_tp_buckets`).
     """
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
@@ -304,7 +342,7 @@ def propagate(
             copies = block_copies(gm.graph, sites, carries_grad, written)
             continue
         if not revised.learn(plan):
-            return dataclasses.replace(plan, gathered_early=revised.gathered_early)
+            return dataclasses.replace(plan, gathered_early=revised.gathered_early, block_fqns=tuple(block_fqns))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1049,7 +1087,7 @@ _VIEWS = (
     _aten.transpose.int, _aten.permute.default, _aten.split.Tensor, _aten.split_with_sizes.default,
     _aten.chunk.default, _aten.unbind.int, operator.getitem, _aten._to_copy.default, _aten.to.dtype,
 )
-_ENTER = (Redistribute(ENTER_TP),)
+ENTER_ONLY = (Redistribute(ENTER_TP),)
 
 
 def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
@@ -1060,7 +1098,7 @@ def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
 
     def covered(node: fx.Node) -> bool:
         return bool(node.users) and all(
-            edges.get((node, user)) == _ENTER
+            edges.get((node, user)) == ENTER_ONLY
             or (user.target in _VIEWS and not _is_sharded(layouts.get(user)) and (node, user) not in edges
                 and covered(user))
             for user in node.users
@@ -1068,12 +1106,12 @@ def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
 
     def subtree(node: fx.Node):
         for user in node.users:
-            if edges.get((node, user)) == _ENTER:
+            if edges.get((node, user)) == ENTER_ONLY:
                 yield node, user
             else:
                 yield from subtree(user)
 
-    entered = sorted({v for (v, c), steps in edges.items() if steps == _ENTER}, key=lambda n: n.name)
+    entered = sorted({v for (v, c), steps in edges.items() if steps == ENTER_ONLY}, key=lambda n: n.name)
     done: set[fx.Node] = set()
     for value in entered:
         top = node = value
@@ -1092,7 +1130,7 @@ def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
         for pair in pairs:
             del edges[pair]
         for user in top.users:
-            edges[(top, user)] = _ENTER
+            edges[(top, user)] = ENTER_ONLY
         done.add(top)
 
 

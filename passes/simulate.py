@@ -171,6 +171,21 @@ def _take_shards(tally: Tally, values: list[PerRank], dim, group_name) -> PerRan
     return PerRank([[out[i * tp + r] for i in range(count)] for r in range(tp)])
 
 
+def _enter_tps(tally: Tally, values: list[PerRank], group_name, reduce_dtype=None) -> PerRank:
+    """Several ``enter_tp``s in one op: per rank a list; their gradients summed in one all-reduce."""
+    tp, count = len(values[0]), len(values)
+    flat = [x for v in values for x in v.values]  # value-major: flat[i * tp + r]
+
+    def backward(grads):
+        per_rank = [torch.cat([grads[i * tp + r].reshape(-1) for i in range(count)]) for r in range(tp)]
+        total = _summed(tally, per_rank, reduce_dtype)  # one all-reduce for every value
+        pieces = torch.split(total, [grads[i * tp].numel() for i in range(count)])
+        return [piece.view(grads[i * tp].shape).clone() for i, piece in enumerate(pieces) for _ in range(tp)]
+
+    out = _AcrossRanks.apply(lambda xs: [x.clone() for x in xs], backward, *flat)
+    return PerRank([[out[i * tp + r] for i in range(count)] for r in range(tp)])
+
+
 def _reduce_scatter_partial(tally, xs, dim, group_name, reduce_dtype=None):
     tp = len(xs)
     return _across(lambda v: _chunks(_summed(tally, v, reduce_dtype, scattered=True), tp, dim),
@@ -370,6 +385,9 @@ class RankSimulator(fx.Interpreter):
         if target is collectives.TAKE_SHARDS:
             return self._grouped(False, list(args[0]),
                                  lambda tally, xs: _take_shards(tally, xs, *on_rank(args[1:], 0)))
+        if target is collectives.ENTER_TPS:
+            return self._grouped(False, list(args[0]),
+                                 lambda tally, xs: _enter_tps(tally, xs, *on_rank(args[1:], 0)))
         if target is context_ops.CP_POSITIONS:
             return _cp_positions(args[0], *on_rank(args[1:], 0), tp=self.tp)
         if target is context_ops.CP_CAUSAL_ATTENTION:

@@ -1481,8 +1481,9 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "in_place_parallel": 2,  # a parallel block: one input gradient, one sum of both partial outputs
     "diffusers_dit": 4,  # the modulation computed whole (passes/alternatives.py), as for adaln_modulation
     # attention and MLP in parallel, concatenated into one proj_out: one input gradient, one output;
-    # the per-head q/k RMSNorm weights read by every rank's heads: each gradient all-reduced (2 more)
-    "flux_single_stream": 4,
+    # the per-head q/k RMSNorm weights read by every rank's heads: their gradients all-reduced
+    # together, once per block (1 more)
+    "flux_single_stream": 3,
     # in_proj's input gradient, x_proj's and out_proj's outputs, dt_proj's input gradient, and the
     # gradients of B and C (read whole by every rank's channels), each all-reduced: 6, where
     # bucketing dt's, B's and C's gradients before the split would make it 4
