@@ -665,6 +665,41 @@ def _batched_matmul(node, layouts, tp):
     return None
 
 
+def _einsum(node, layouts, tp):
+    """``einsum`` with one letter cut: every operand that has the letter is cut on it (a replicated
+    one is cut to match), the others are read whole, and the letter stays in the output (heads
+    or batch, as Mamba-2's chunked scan and ProphetNet's attention use them). A cut letter summed
+    away is left to DTensor."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or not all(isinstance(t, fx.Node) for t in operands):
+        return None
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if not output or "." in equation or len(terms) != len(operands):
+        return None
+    if any(len(term) != _ndim(t) for term, t in zip(terms, operands, strict=True)):
+        return None
+    letters = {terms[i][lay] for i, t in enumerate(operands) if isinstance(lay := layouts.get(t), int)}
+    if len(letters) != 1 or any(isinstance(layouts.get(t), tuple) for t in operands):
+        return None
+    (letter,) = letters
+    if letter not in output:
+        return None
+    wanted = {}
+    for term, t in zip(terms, operands, strict=True):
+        lay = layouts.get(t)
+        if letter in term:
+            at = term.index(letter)
+            if (lay is not None and lay != at) or _shape(t)[at] != _shape(node)[output.index(letter)]:
+                return None  # cut elsewhere, or a size-1 dim einsum broadcasts
+            wanted[t] = at
+        elif lay is not None:
+            return None
+        else:
+            wanted[t] = None
+    return Decision(output.index(letter), wanted)
+
+
 def _sections(node, layouts, tp):
     """``fused_split`` of a colwise output (see :mod:`autoshard.passes.sections`): a section with
     whole heads on every rank is cut over tp, the others are computed whole on every rank. Each
@@ -822,5 +857,6 @@ _RULES = (
     ),
     ((aten.matmul.default, aten.bmm.default), _batched_matmul),
     ((aten.tril.default, aten.triu.default), _triangle),
+    ((aten.einsum.default,), _einsum),
 )
 

@@ -225,6 +225,25 @@ class BaddbmmModel(Decoder):
         super().__init__(cfg, lambda c: Block(c, BaddbmmAttention))
 
 
+class EinsumAttention(QKVAttention):
+    """Attention in ``torch.einsum`` (PEGASUS-X, ProphetNet, Mamba-2's chunked scan): scores over
+    ``b, h, q, k``, a position bias from a per-position table shared by every head, and the
+    weighted values, the heads kept as a letter of every product."""
+
+    def attend(self, q, k, v):
+        b, s, h, d = q.shape
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+        positions = torch.arange(s, dtype=q.dtype)
+        bias = torch.einsum("q,k->qk", positions, -positions.new_ones(s)).tril() * 0.01
+        causal = torch.full((s, s), float("-inf")).triu(1)
+        return torch.einsum("bhqk,bkhd->bqhd", (scores + bias + causal).softmax(-1), v)
+
+
+class EinsumModel(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, EinsumAttention))
+
+
 # --- q/k norm over the full projected width (OLMo-2) ---------------------------------------
 
 
@@ -1397,6 +1416,7 @@ PATTERNS = {
     "alibi_bias": AlibiBias,
     "sdpa_bias_mask": lambda: AlibiBias(sdpa=True),
     "baddbmm_attention": BaddbmmModel,
+    "einsum_attention": EinsumModel,
     "wide_qk_norm": WideQKNorm,
     "parallel_block": ParallelBlock,
     "custom_function": CustomFunctionMLP,
@@ -1439,6 +1459,7 @@ PATTERNS = {
 # the routing weights' gradient is a sum over the tp-sharded width: one more all-reduce, in
 # backward (reducing each expert's output first would cost one per expert).
 MINIMUM: dict[str, int | dict[str, int]] = {
+    "einsum_attention": 4,
     "interleaved_rope": 4,
     "repeat_interleave_gqa": 4,
     "alibi_bias": 4,
