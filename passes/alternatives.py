@@ -23,8 +23,9 @@ Two such choices, each a kind of candidate tried on its own:
   second half is colwise over heads and attention stays cut.
 
 Each kind's linears are tried computed whole, all at once (one more walk, not one per block),
-and the result is kept if the plan's tp collectives are fewer (tp wire bytes settle a tie) and
-no more blocks break tp (a plan never trades a kept block for a collective).
+and the result is kept if the plan's tp collectives are fewer (tp wire bytes, then the blocks
+whose tp breaks, settle a tie). A trial may break more blocks on the way: a later round often
+mends them (a modulation computed whole first, its neighbours next).
 Computing a linear whole adds work on every rank, so only linears that together add at most
 :data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run once per step, in
 the root or in a unit of its own such as a final layer's modulation: of the model's) are
@@ -91,8 +92,8 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
                 if cost is None:
                     cost = _cost(build_plan(captured, sites, layout_plan, axes))
                 revised = _trial_cost(captured, axes, options, whole | dict.fromkeys(candidates, ""))
-                if revised[:2] >= cost[:2] or revised[2] > cost[2]:
-                    continue  # no cheaper, or cheaper by breaking tp in more blocks
+                if revised >= cost:
+                    continue
                 why = f"{kind.why}; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
                 whole |= dict.fromkeys(candidates, why)
                 budget.spend(candidates)
@@ -269,6 +270,7 @@ def _layout(plan: LayoutPlan, node: fx.Node):
 
 
 def _cost(plan: Plan) -> tuple[int, int, int]:
-    """(tp collectives per training step, tp wire bytes per rank, blocks whose tp breaks)."""
+    """(tp collectives per training step, tp wire bytes per rank, blocks whose tp breaks): compared
+    in that order."""
     wire = plan.predicted_comm().get(TP, {})
     return plan.num_tp_collectives(), sum(bytes_ for _, bytes_ in wire.values()), len({u for u, _ in plan.breaks})

@@ -723,13 +723,18 @@ def _sections(node, layouts, tp):
 def _channelwise_conv(node, layouts, tp):
     """A depthwise (or grouped) convolution on channel-cut input ``[b, C, ...]``: each group reads
     only its own channels, so a cut of whole groups over tp is a cut of the output channels too,
-    and of the weight's and bias's dim 0 (Mamba's causal ``conv1d``, ``groups=C``)."""
+    and of the weight's and bias's dim 0 (Mamba's causal ``conv1d``, ``groups=C``). A dense one
+    (``groups=1``, its bias added apart) is rowwise: the weight cut on its input channels, the
+    output each rank's partial sum."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     position = 8 if node.target == aten.convolution.default else 6
     groups = node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1)
     if node.target == aten.convolution.default and node.args[6]:
         return None  # transposed convolution: not a channel-wise rule here
+    if groups == 1 and layouts.get(x) == 1 and bias is None and layouts.get(weight) is None:
+        # dense over channels, reading them cut: rowwise, each rank's share of the sum (see propagate)
+        return Decision(PARTIAL, {x: 1, weight: 1})
     # at least 2 groups per rank: one group of one channel makes ATen's CPU convolution take its
     # dense path, whose backward crashes for long kernels (nystromformer's 65 x 1 over 4 heads)
     if layouts.get(x) != 1 or not isinstance(groups, int) or groups % tp or groups // tp < 2:
@@ -742,6 +747,22 @@ def _channelwise_conv(node, layouts, tp):
         args[position] = groups // tp
         return Decision(1, wanted, tuple(args))
     return None  # groups given as a keyword: left whole
+
+
+def _group_norm(node, layouts, tp):
+    """GroupNorm on channel-cut input ``[b, C, ...]`` whose groups divide by tp: each rank holds
+    whole groups, so their statistics are its own; the per-channel weight and bias are cut with
+    the channels and the op counts its local groups."""
+    x, groups = node.args[:2]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    affine = [t for t in (weight, bias) if isinstance(t, fx.Node)]
+    if layouts.get(x) != 1 or not isinstance(groups, int) or groups % tp or node.kwargs:
+        return None
+    if any(layouts.get(t) not in (None, 0) for t in affine):
+        return None
+    args = (x, groups // tp, *node.args[2:])
+    return Decision(1, {x: 1} | {t: 0 for t in affine}, args)
 
 
 def _along_cp(node, layouts, tp):
@@ -858,5 +879,6 @@ _RULES = (
     ((aten.matmul.default, aten.bmm.default), _batched_matmul),
     ((aten.tril.default, aten.triu.default), _triangle),
     ((aten.einsum.default,), _einsum),
+    ((aten.group_norm.default,), _group_norm),
 )
 

@@ -4,6 +4,9 @@
   ``k[..., :a].copy_(p)`` and ``k[..., a:].copy_(r)`` (DeepSeek's ``expand_kv``) is
   ``cat([p, r], -1)``: one functional op with a layout rule, where an empty buffer in the
   shape of a cut value has none.
+* **A dense convolution's bias apart.** ``conv(x, w, b)`` with ``groups=1`` is
+  ``conv(x, w) + b`` over the channel dim, so that cut rowwise over its input channels the
+  bias is added once, after the partial sums are reduced.
 * **Partial sums first.** ``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph; a chain
   of adds is regrouped so that the outputs of linears are summed first, ``x + (a + m)``:
   two rowwise outputs then add as partial sums and are all-reduced once (a parallel block).
@@ -34,6 +37,7 @@ def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
     _filled_buffers_as_cat(gm.graph)
     _sum_partials_first(gm, sites)
     if tp > 1:
+        _convolution_bias_apart(gm.graph)
         split_fused_outputs(gm, sites, tp)
         expand_gqa_for_tp(gm.graph, tp)
 
@@ -157,6 +161,33 @@ def _made(graph: fx.Graph, target, args: tuple, like: fx.Node, val: torch.Tensor
     made_like(new, like)
     new.meta["val"] = val
     return new
+
+
+_CONVOLUTIONS = {torch.ops.aten.conv1d.default: 6, torch.ops.aten.conv2d.default: 6,
+                 torch.ops.aten.conv3d.default: 6, torch.ops.aten.convolution.default: 8}  # op -> groups position
+
+
+def _convolution_bias_apart(graph: fx.Graph) -> None:
+    """A dense convolution (``groups=1``) with a bias becomes the convolution without it, plus the
+    bias broadcast over the spatial dims: cut rowwise over its input channels, each rank's partial
+    sum must not add the bias, which is added once the sum is reduced."""
+    for node in list(graph.nodes):
+        position = _CONVOLUTIONS.get(node.target) if node.op == "call_function" else None
+        if position is None or len(node.args) < 3 or not isinstance(node.args[2], fx.Node):
+            continue
+        groups = node.args[position] if len(node.args) > position else 1
+        if groups != 1 or (node.target == torch.ops.aten.convolution.default and node.args[6]):
+            continue
+        bias, out = node.args[2], node.meta["val"]
+        shape = [out.shape[1]] + [1] * (out.dim() - 2)
+        with graph.inserting_after(node):
+            bare = _made(graph, node.target, (node.args[0], node.args[1], None, *node.args[3:]), node, out)
+            with graph.inserting_after(bare):
+                view = _made(graph, torch.ops.aten.view.default, (bias, shape), node, bias.meta["val"].view(shape))
+                with graph.inserting_after(view):
+                    added = _made(graph, torch.ops.aten.add.Tensor, (bare, view), node, out)
+        node.replace_all_uses_with(added)
+        graph.erase_node(node)
 
 
 def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:

@@ -146,7 +146,7 @@ class TakeShardBucket:
 STATE_KEYS = {
     "roles": Key.FQN, "layouts": Key.NODE, "edges": Key.EDGE, "new_args": Key.NODE, "notes": Key.FQN,
     "fused": Key.FQN, "sharded_params": Key.FQN, "stream_entries": Key.NODE, "whole_sequences": Key.FQN,
-    "input_sections": Key.FQN, "section_splits": Key.NODE,
+    "input_sections": Key.FQN, "section_splits": Key.NODE, "convolutions": Key.NODE,
 }
 
 
@@ -232,6 +232,8 @@ class LayoutPlan:
     # does not divide by tp (a class token's 17 positions, a pooled stage's 1): FQN -> why
     whole_sequences: dict[str, Indivisible] = dataclasses.field(default_factory=dict)
     block_fqns: tuple[str, ...] = ()  # the FSDP blocks, by which parameters' gradients are bucketed
+    # dense convolutions over channels cut like linears: node -> (weight FQN, COLWISE or ROWWISE)
+    convolutions: dict[fx.Node, tuple[str, Role]] = dataclasses.field(default_factory=dict)
 
     def rowwise_exit(self, site: LinearSite) -> RowwiseExit | None:
         """How ``site``'s output leaves it, if its weight is rowwise: propagation left its output
@@ -396,8 +398,13 @@ class Revisions:
         """Take every revision that pays on ``plan``; whether anything new was learned."""
         idle = {s: why for s, why in self.idle_sources(plan).items() if s not in self.gathered_early}
         early = self.partials_reduced_early(plan) - self.reduced_early
+        convolutions = {node: fqn for node, (fqn, role) in plan.convolutions.items() if role == COLWISE}
         for source, why in idle.items():
-            if source in self.narrowing and self.may_replicate:
+            if source in convolutions:
+                self.replicated[convolutions[source]] = (
+                    f"its output channels reach nothing that reads them cut (its sharded region ends at {why}); "
+                    f"computed whole, it needs no collective")
+            elif source in self.narrowing and self.may_replicate:
                 site = self.narrowing[source]
                 self.replicated[site.weight_fqn] = (
                     f"its {site.out_features} outputs (fewer than its {site.in_features} inputs) feed no rowwise "
@@ -416,6 +423,7 @@ class Revisions:
         sites = self.sites
         useful = _useful(plan, sites)
         sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
+        sources |= {node for node, (_, role) in plan.convolutions.items() if role == COLWISE}
         if not plan.sequence_parallel:  # under sequence parallelism embeddings feed the sharded stream
             sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
         idle = {}
@@ -496,6 +504,7 @@ class Propagation:
         self.stream_entries: set[fx.Node] = set()  # embedding outputs read sequence-sharded
         self.input_sections: dict[str, FusedSections] = {}  # rowwise weights reading a cat of sections
         self.section_splits: dict[fx.Node, tuple[int, ...]] = {}  # splits back into a cat's sections
+        self.convolutions: dict[fx.Node, tuple[str, Role]] = {}  # dense convolutions cut over channels
         self.whole_sequences: dict[str, Indivisible] = {}
         index = _SiteIndex.of(sites)
         self.site_of, self.expert_of, self.owned, self.output_site = (
@@ -515,6 +524,7 @@ class Propagation:
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
             sequence_parallel=self.options.sequence_parallel, carries_grad=self.carries_grad,
             sharded_params=self.sharded_params, whole_sequences=self.whole_sequences,
+            convolutions=self.convolutions,
         )
 
     def visit(self, node: fx.Node) -> None:
@@ -716,8 +726,16 @@ class Propagation:
         else (or when no rule fits) its inputs gathered and its output replicated."""
         inputs = {v: self.seen(v) for v in node.all_input_nodes}
         decision = None
+        if not any(lay is not None for lay in inputs.values()) and self._colwise_convolution(node):
+            return
         if any(lay is not None for lay in inputs.values()):
             decision = layout_rules.apply(node, inputs, self.tp) or dtensor_rules.query(node, inputs, self.tp)
+        if decision is not None and node.target in _CONVOLUTIONS and decision.output == layout_rules.PARTIAL:
+            weight = _dense_convolution_weight(node, self.param_fqns)
+            if weight is None or self.fixed_roles is not None:
+                decision = None
+            else:
+                self.convolutions[node] = (weight, ROWWISE)
         if decision is not None and decision.fused_sections is not None:
             if node.target == _aten.cat.default:
                 decision = self._read_in_sections(node, decision) or self._sections_to_split(node, decision)
@@ -752,6 +770,27 @@ class Propagation:
             return None
         self.input_sections[site.weight_fqn] = FusedSections(decision.fused_sections)
         return decision
+
+    def _colwise_convolution(self, node: fx.Node) -> bool:
+        """A dense convolution (``groups=1``) of a replicated input by a parameter is colwise over
+        its output channels, like a linear over its features: the weight is stored cut on dim 0
+        (FSDP takes another dim), the output is cut on its channel dim 1 and the input's gradient
+        is all-reduced (``enter_tp``). Not when a revision computes it whole (its cut channels
+        reach nothing that reads them cut), under a user plan, or when the channels do not divide."""
+        weight = _dense_convolution_weight(node, self.param_fqns)
+        if weight is None or self.fixed_roles is not None or node.meta["val"].shape[1] % self.tp:
+            return False
+        if weight in self.revised.replicated:
+            self.notes[weight] = self.revised.replicated[weight]
+            return False
+        chain = self._param_chain(node.args[1], 0)
+        if chain is None:
+            return False
+        self.require(node.args[1], node, 0)
+        self.require(node.args[0], node, None, then=self.partial_grad(node.args[0]))
+        self.layouts[node] = 1
+        self.convolutions[node] = (weight, COLWISE)
+        return True
 
     def _sections_to_split(self, node: fx.Node, decision):
         """Accept a cat of sharded sections along their sharded dim when it is split back into those
@@ -914,6 +953,21 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
     if single and (pointwise or target in layout_rules.ELEMENTWISE_LIKE):
         return dim, []
     return None
+
+
+def _dense_convolution_weight(node: fx.Node, param_fqns) -> str | None:
+    """The parameter FQN of a dense convolution's weight (``groups=1``, not transposed, no bias:
+    normalize adds a bias apart), read directly; else None."""
+    if node.op != "call_function" or node.target not in _CONVOLUTIONS or len(node.args) < 2:
+        return None
+    position = 8 if node.target == _aten.convolution.default else 6
+    groups = node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1)
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    transposed = node.target == _aten.convolution.default and node.args[6]
+    weight = node.args[1]
+    if groups != 1 or bias is not None or transposed or not isinstance(weight, fx.Node):
+        return None
+    return weight.target if weight.op == "get_attr" and weight.target in param_fqns else None
 
 
 def _source_param(node: fx.Node, param_fqns) -> str | None:
@@ -1178,6 +1232,7 @@ def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
     """Sharded values on a path to a rowwise linear's input."""
     useful: set[fx.Node] = set()
     frontier = [s.input for s in (*sites.linears, *sites.experts) if plan.roles[s.weight_fqn] == ROWWISE]
+    frontier += [node.args[0] for node, (_, role) in plan.convolutions.items() if role == ROWWISE]
     while frontier:
         value = frontier.pop()
         if value in useful or not _is_sharded(plan.layouts.get(value)):

@@ -1410,6 +1410,35 @@ class GatedDeltaNetModel(Decoder):
         super().__init__(cfg, lambda c: Block(c, lambda c2: GatedDeltaNet(c2, fused)))
 
 
+# --- dense convolutions over channels (diffusers' ResnetBlock2D) ------------------------------
+
+
+class ResnetBlock2D(nn.Module):
+    """diffusers' ``ResnetBlock2D``: GroupNorm, SiLU, a 3x3 ``conv1``, GroupNorm, SiLU, a 3x3
+    ``conv2``, plus the input; here on the token stream folded into a ``[b, C, 4, 4]`` image.
+    ``conv1`` is colwise over its output channels and ``conv2`` rowwise over its input channels,
+    the GroupNorm between them cut with its groups."""
+
+    def __init__(self, cfg: Config, groups: int = 8):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, cfg.dim)
+        self.conv1 = nn.Conv2d(cfg.dim, cfg.dim, kernel_size=3, padding=1)
+        self.norm2 = nn.GroupNorm(groups, cfg.dim)
+        self.conv2 = nn.Conv2d(cfg.dim, cfg.dim, kernel_size=3, padding=1)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        image = x.transpose(1, 2).reshape(b, c, 4, s // 4)
+        hidden = self.conv1(F.silu(self.norm1(image)))
+        hidden = self.conv2(F.silu(self.norm2(hidden)))
+        return x + hidden.reshape(b, c, s).transpose(1, 2)
+
+
+class ConvResnet(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, ResnetBlock2D)
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1427,6 +1456,7 @@ PATTERNS = {
     "latent_attention": LatentAttentionModel,
     "low_rank_latent_attention": LowRankLatentAttentionModel,
     "gated_deltanet": GatedDeltaNetModel,
+    "conv_resnet": ConvResnet,
     "gated_deltanet_fused": lambda: GatedDeltaNetModel(fused=True),
     "adaln_modulation": AdaLNDecoder,
     "reused_embedder": ReusedEmbedderDiT,
@@ -1486,6 +1516,9 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # q|k|v through a depthwise conv and back (its channels stored in sections): a dense block's 4,
     # and the per-head output norm's weight, read by every rank's heads: its gradient all-reduced
     "gated_deltanet": 5,
+    # conv1 and conv2 cut over channels like a pair of linears, the GroupNorm between them cut with
+    # its groups: one forward all-reduce, one backward (as a parallel block's 2)
+    "conv_resnet": 2,
     "gated_deltanet_fused": 5,
     "adaln_modulation": 4,  # the per-sample modulation computed whole (passes/alternatives.py)
     # block 0 also holds the timestep embedder, run twice (for the blocks and for the head), each

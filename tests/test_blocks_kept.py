@@ -42,7 +42,7 @@ def _blocks(plan, prefix):
 
 @pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel", "diffusers_dit", "flux_single_stream",
                                                            "mamba_mixer", "low_rank_latent_attention", "gated_deltanet",
-                                                           "gated_deltanet_fused"))
+                                                           "gated_deltanet_fused", "conv_resnet"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()

@@ -34,7 +34,9 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # a state-space mixer: channel-cut conv, scan and parameters, the weight-on-the-left dt_proj
     ("mamba_mixer", "tp"),
     # q|k|v concatenated through a depthwise conv and split back: the conv stores its channels in sections
-    ("gated_deltanet", "2d"))
+    ("gated_deltanet", "2d"),
+    # dense convolutions cut over channels: weights stored cut on dim 0 or 1, FSDP on the other
+    ("conv_resnet", "2d"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
 # stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
 RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}
