@@ -153,15 +153,16 @@ def _enter_tp_backward(ctx, grad):
 
 
 @torch.library.custom_op(f"{_LIB}::enter_tps", mutates_args=())
-def enter_tps(xs: list[torch.Tensor], group_name: str, reduce_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def enter_tps(xs: list[torch.Tensor], group_name: str, reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
     """``enter_tp`` of every tensor of ``xs`` (a block's replicated weights read by its cut heads:
     q/k norm weights, a per-head output norm's): their partial gradients arrive by the end of the
-    block's backward and are summed in one all-reduce."""
+    block's backward and are summed in one all-reduce. ``reduce_dtype`` has no default: a tensor
+    list op's backward must answer every argument the dispatcher passes, and it drops defaults."""
     return [x.clone() for x in xs]
 
 
 @enter_tps.register_fake
-def _(xs, group_name, reduce_dtype=None):
+def _(xs, group_name, reduce_dtype):
     return [torch.empty_like(x) for x in xs]
 
 
@@ -170,13 +171,13 @@ def _enter_tps_backward(ctx, grads):
              for g, s, d, dev in zip(grads, ctx.shapes, ctx.dtypes, ctx.devices, strict=True)]
     flat = torch.cat([g.reshape(-1) for g in grads])
     summed = _all_reduce_sum(flat, ctx.group_name, ctx.reduce_dtype)
-    return list(torch.split(summed, [g.numel() for g in grads])), None, None
+    pieces = torch.split(summed, [g.numel() for g in grads])
+    return [piece.view(g.shape) for piece, g in zip(pieces, grads, strict=True)], None, None
 
 
 def _keep_entered(ctx, inputs, output):
     """The group and what a missing gradient's zero is made like (each output's shape, dtype, device)."""
-    ctx.group_name = inputs[1]
-    ctx.reduce_dtype = inputs[2] if len(inputs) > 2 else None
+    ctx.group_name, ctx.reduce_dtype = inputs[1], inputs[2]
     ctx.shapes = [tuple(o.shape) for o in output]
     ctx.dtypes = [o.dtype for o in output]
     ctx.devices = [o.device for o in output]

@@ -241,14 +241,21 @@ def sharded_by_fsdp(placements) -> bool:
     return placement_dim(dp_choice(placements)) is not None
 
 
-def default_dp_placement(role: Role, shape, tp_dim: int | None = None) -> Placement:
+def default_dp_placement(role: Role, shape, tp_dim: int | None = None, dp: int | None = None) -> Placement:
     """FSDP shards dim 0, except a colwise bias (already cut by tp) and scalars stay
     replicated, a vocabulary-parallel table gives dim 0 to tp and dim 1 to FSDP, and a
-    ``sharded`` parameter whose dim 0 tp cuts gives FSDP dim 1."""
+    ``sharded`` parameter whose dim 0 tp cuts gives FSDP its first other dim that ``dp``
+    divides (FSDP2 pads dim 0 only), or stays replicated over dp when none does (a
+    depthwise convolution's ``[C, 1, 3]``: small)."""
     if role == Role.VOCAB_PARALLEL:
         return shard_on(1)
     if role == Role.SHARDED:
-        return REPLICATED if len(shape) <= 1 else shard_on(1) if tp_dim == 0 else shard_on(0)
+        if len(shape) <= 1:
+            return REPLICATED
+        if tp_dim != 0:
+            return shard_on(0)
+        even = [d for d in range(1, len(shape)) if dp is None or shape[d] % dp == 0]
+        return shard_on(even[0]) if even else REPLICATED
     return REPLICATED if role == Role.COLWISE_BIAS or not shape else shard_on(0)
 
 
@@ -263,7 +270,7 @@ def param_placements(
     if axes.is_hsdp:
         placements[DP_REPLICATE] = REPLICATED  # HSDP replicates every shard; only the shard axis is a choice
     if axes.has_dp:
-        chosen = dp_placement or default_dp_placement(role, shape, tp_dim)
+        chosen = dp_placement or default_dp_placement(role, shape, tp_dim, axes.dp)
         for axis in axes.fsdp_axes:  # with a cp axis FSDP shards over dp x cp as one axis
             placements[axis] = chosen
     if axes.has_tp:

@@ -1435,7 +1435,7 @@ class ResnetBlock2D(nn.Module):
 
 
 class ConvResnet(Decoder):
-    def __init__(self, cfg: Config = Config()):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):  # no attention: heads do not matter
         super().__init__(cfg, ResnetBlock2D)
 
 
