@@ -42,7 +42,9 @@ WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
 RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}
 # the grouped experts multiply in bfloat16 (the kernel's dtype): one device sums each expert's
 # down projection in one bf16 result, tp ranks each round their partial sum to bf16 first
-PARITY_TOLERANCE = {"moe_grouped_mm": 2e-3}
+# gated DeltaNet's decay mask is exp of cumulative sums: the reordered tp sums' rounding reaches
+# the k/v projections' updates at ~2e-5 after 3 steps (its one-process proof holds at 1e-4)
+PARITY_TOLERANCE = {"moe_grouped_mm": 2e-3, "gated_deltanet": 1e-4}
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
