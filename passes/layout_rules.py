@@ -720,17 +720,44 @@ def _sections(node, layouts, tp):
     )
 
 
+CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Convolution:
+    """A convolution node's operands as its overload spells them (``convolution`` puts
+    ``transposed`` and ``output_padding`` before ``groups``)."""
+
+    input: object
+    weight: object
+    bias: object
+    groups: object
+    transposed: bool
+    groups_position: int
+
+    @classmethod
+    def of(cls, node: fx.Node) -> Convolution | None:
+        if node.op != "call_function" or node.target not in CONVOLUTIONS or len(node.args) < 2:
+            return None
+        position = 8 if node.target == aten.convolution.default else 6
+        general = node.target == aten.convolution.default
+        return cls(
+            input=node.args[0], weight=node.args[1],
+            bias=node.args[2] if len(node.args) > 2 else node.kwargs.get("bias"),
+            groups=node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1),
+            transposed=bool(general and node.args[6]), groups_position=position,
+        )
+
+
 def _channelwise_conv(node, layouts, tp):
     """A depthwise (or grouped) convolution on channel-cut input ``[b, C, ...]``: each group reads
     only its own channels, so a cut of whole groups over tp is a cut of the output channels too,
     and of the weight's and bias's dim 0 (Mamba's causal ``conv1d``, ``groups=C``). A dense one
     (``groups=1``, its bias added apart) is rowwise: the weight cut on its input channels, the
     output each rank's partial sum."""
-    x, weight = node.args[:2]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    position = 8 if node.target == aten.convolution.default else 6
-    groups = node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1)
-    if node.target == aten.convolution.default and node.args[6]:
+    conv = Convolution.of(node)
+    x, weight, bias, groups, position = conv.input, conv.weight, conv.bias, conv.groups, conv.groups_position
+    if conv.transposed:
         return None  # transposed convolution: not a channel-wise rule here
     if groups == 1 and layouts.get(x) == 1 and bias is None and layouts.get(weight) is None:
         # dense over channels, reading them cut: rowwise, each rank's share of the sum (see propagate)
@@ -824,7 +851,7 @@ _RULES = (
     (ELEMENTWISE_LIKE, _pointwise),
     ((CP_GATHER, CP_ALL_REDUCE), _along_cp),
     ((FUSED_SPLIT,), _sections),
-    ((aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default), _channelwise_conv),
+    (CONVOLUTIONS, _channelwise_conv),
     ((aten._assert_tensor_metadata.default,), _metadata_check),
     ((aten.sym_size.int,), _sym_size),
     ((aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default), _dropout_like),

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from autoshard.passes.decompose import expand_gqa_for_tp
 from autoshard.passes.discover import Sites
+from autoshard.passes.layout_rules import Convolution
 from autoshard.passes.partition import made_like
 from autoshard.passes.sections import split_fused_outputs
 
@@ -163,22 +164,16 @@ def _made(graph: fx.Graph, target, args: tuple, like: fx.Node, val: torch.Tensor
     return new
 
 
-_CONVOLUTIONS = {torch.ops.aten.conv1d.default: 6, torch.ops.aten.conv2d.default: 6,
-                 torch.ops.aten.conv3d.default: 6, torch.ops.aten.convolution.default: 8}  # op -> groups position
-
-
 def _convolution_bias_apart(graph: fx.Graph) -> None:
     """A dense convolution (``groups=1``) with a bias becomes the convolution without it, plus the
     bias broadcast over the spatial dims: cut rowwise over its input channels, each rank's partial
     sum must not add the bias, which is added once the sum is reduced."""
     for node in list(graph.nodes):
-        position = _CONVOLUTIONS.get(node.target) if node.op == "call_function" else None
-        if position is None or len(node.args) < 3 or not isinstance(node.args[2], fx.Node):
+        conv = Convolution.of(node)
+        if conv is None or len(node.args) < 3 or not isinstance(conv.bias, fx.Node) or conv.groups != 1 \
+                or conv.transposed:
             continue
-        groups = node.args[position] if len(node.args) > position else 1
-        if groups != 1 or (node.target == torch.ops.aten.convolution.default and node.args[6]):
-            continue
-        bias, out = node.args[2], node.meta["val"]
+        bias, out = conv.bias, node.meta["val"]
         shape = [out.shape[1]] + [1] * (out.dim() - 2)
         with graph.inserting_after(node):
             bare = _made(graph, node.target, (node.args[0], node.args[1], None, *node.args[3:]), node, out)

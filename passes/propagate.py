@@ -730,7 +730,8 @@ class Propagation:
             return
         if any(lay is not None for lay in inputs.values()):
             decision = layout_rules.apply(node, inputs, self.tp) or dtensor_rules.query(node, inputs, self.tp)
-        if decision is not None and node.target in _CONVOLUTIONS and decision.output == layout_rules.PARTIAL:
+        convolution = node.target in layout_rules.CONVOLUTIONS
+        if decision is not None and convolution and decision.output == layout_rules.PARTIAL:
             weight = _dense_convolution_weight(node, self.param_fqns)
             if weight is None or self.fixed_roles is not None:
                 decision = None
@@ -923,9 +924,6 @@ class Propagation:
         )
 
 
-_CONVOLUTIONS = (_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default, _aten.convolution.default)
-
-
 def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: int) -> tuple[int, list[str]] | None:
     """Where ``value``'s sections dim ``dim`` is in ``user``'s output, and the parameters ``user``
     reads along it, when ``user`` keeps each channel's values apart; else None."""
@@ -938,15 +936,13 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
         return order.index(dim), []
     if target == _aten.slice.Tensor:
         return None if _norm_dim(user.args[1] if len(user.args) > 1 else 0, _ndim(value)) == dim else (dim, [])
-    if target in _CONVOLUTIONS:
-        weight, bias = user.args[1], user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
-        position = 8 if target == _aten.convolution.default else 6
-        groups = user.args[position] if len(user.args) > position else user.kwargs.get("groups", 1)
-        channels = value.meta["val"].shape[1]
-        if (user.args[0] is not value or dim != 1 or groups != channels or _ndim(user) != _ndim(value)
+    conv = layout_rules.Convolution.of(user)
+    if conv is not None:
+        groups, channels = conv.groups, value.meta["val"].shape[1]
+        if (conv.input is not value or dim != 1 or groups != channels or _ndim(user) != _ndim(value)
                 or groups % tp or groups // tp < 2):  # as layout_rules._channelwise_conv cuts it
             return None
-        params = [_source_param(t, param_fqns) for t in (weight, bias) if isinstance(t, fx.Node)]
+        params = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
         return None if None in params else (1, params)
     single = user.all_input_nodes == [value] and _ndim(user) == _ndim(value)
     pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
@@ -958,16 +954,12 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
 def _dense_convolution_weight(node: fx.Node, param_fqns) -> str | None:
     """The parameter FQN of a dense convolution's weight (``groups=1``, not transposed, no bias:
     normalize adds a bias apart), read directly; else None."""
-    if node.op != "call_function" or node.target not in _CONVOLUTIONS or len(node.args) < 2:
+    conv = layout_rules.Convolution.of(node)
+    if conv is None or conv.groups != 1 or conv.bias is not None or conv.transposed:
         return None
-    position = 8 if node.target == _aten.convolution.default else 6
-    groups = node.args[position] if len(node.args) > position else node.kwargs.get("groups", 1)
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    transposed = node.target == _aten.convolution.default and node.args[6]
-    weight = node.args[1]
-    if groups != 1 or bias is not None or transposed or not isinstance(weight, fx.Node):
-        return None
-    return weight.target if weight.op == "get_attr" and weight.target in param_fqns else None
+    weight = conv.weight
+    return weight.target if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target in param_fqns \
+        else None
 
 
 def _source_param(node: fx.Node, param_fqns) -> str | None:
@@ -1094,13 +1086,13 @@ def _fused_origin(value: fx.Node, layouts, output_site, param_fqns,
         allowed_users = 1
         if site is not None:
             return (site, params) if size == site.out_features else (None, [])
-        if node.target in _CONVOLUTIONS and lay == 1:
-            weight, bias = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            found = [_source_param(t, param_fqns) for t in (weight, bias) if isinstance(t, fx.Node)]
-            if None in found or not isinstance(node.args[0], fx.Node):
+        conv = layout_rules.Convolution.of(node)
+        if conv is not None and lay == 1:
+            found = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
+            if None in found or not isinstance(conv.input, fx.Node):
                 return None, []
             params += found
-            node = node.args[0]
+            node = conv.input
             continue
         sharded = [i for i in node.all_input_nodes if _is_sharded(layouts.get(i))]
         if len(sharded) != 1:
