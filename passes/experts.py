@@ -5,6 +5,7 @@ as Hugging Face stores ``gate_up_proj`` and ``down_proj`` (or ``[E, in, out]``),
 and read them per token or per expert:
 
 * ``torch.bmm(W[ids], x.unsqueeze(-1))``   -> ``aten.index.Tensor(W, [ids])`` then ``aten.bmm``
+* ``torch.bmm(x.view(E, -1, d), W)``       -> ``aten.bmm`` of the whole ``[E, in, out]``: expert ``e`` on batch ``e``
 * ``F.linear(x, W[e])`` in a loop          -> ``aten.select.int(W, 0, e)`` then ``aten.linear``
 * ``x @ W[e]`` / ``x @ W[e].T``            -> ``select`` (``transpose``) then ``aten.matmul``
 * ``torch._grouped_mm(rows, W.transpose(-2, -1), offs=offsets)``, rows sorted by expert
@@ -150,8 +151,10 @@ def _matmul_site(param, node, operand, dims, chain, chain_dims, shape) -> Expert
     args = node.args
     if node.target == aten._grouped_mm.default or _op_name(node) in _GROUPED_MM_EQUIVALENTS:
         return _grouped_site(param, node, operand, dims, chain, chain_dims, shape)
-    if not chain:
-        return None  # the whole parameter read by a plain matmul is no expert pick
+    if not chain and not (node.target == aten.bmm.default and len(dims) == 3 and args[1] is operand):
+        # the whole parameter read by a plain matmul is no expert pick; a bmm of [E, rows, in] by the
+        # whole [E, in, out] is every expert at once, expert e on batch e (Llama-4's experts)
+        return None
     if node.target == aten.linear.default and len(dims) == 2 and args[1] is operand and args[0] is not operand:
         if len(args) > 2 and args[2] is not None:
             return None  # an expert bias: not handled, the weight stays replicated

@@ -396,8 +396,28 @@ class GroupedExperts(Experts):
         return out.view(tokens, k, -1).sum(dim=1)
 
 
+class BatchedExperts(nn.Module):
+    """Llama-4's ``Llama4TextExperts``: weights ``[E, dim, 2*ffn]`` and ``[E, ffn, dim]`` read whole
+    by one ``bmm`` each, the tokens scattered into ``[E, tokens, dim]`` by their routing weights
+    (every token visits every expert, weighted; zero where not chosen)."""
+
+    def __init__(self, cfg: Config, num_experts: int):
+        super().__init__()
+        self.num_experts, self.dim = num_experts, cfg.dim
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, cfg.dim, 2 * cfg.ffn) / cfg.dim**0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, cfg.ffn, cfg.dim) / cfg.ffn**0.5)
+
+    def forward(self, x, top_idx, top_w):
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype).scatter(1, top_idx, top_w)
+        hidden_states = (x[None] * dense.t()[:, :, None]).view(self.num_experts, -1, self.dim)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        next_states = torch.bmm(up * F.silu(gate), self.down_proj)
+        return next_states.sum(dim=0)
+
+
 class MoEFeedForward(nn.Module):
-    def __init__(self, cfg: Config, experts: type[Experts], num_experts: int = 4, top_k: int = 2):
+    def __init__(self, cfg: Config, experts: type[nn.Module], num_experts: int = 4, top_k: int = 2):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(cfg.dim, num_experts, bias=False)
@@ -413,7 +433,7 @@ class MoEFeedForward(nn.Module):
 
 
 class ExpertsMoE(Decoder):
-    def __init__(self, cfg: Config = Config(), loop: bool = False, experts: type[Experts] | None = None):
+    def __init__(self, cfg: Config = Config(), loop: bool = False, experts: type[nn.Module] | None = None):
         experts = experts or (LoopExperts if loop else IndexedExperts)
         super().__init__(cfg, lambda c: Block(c, QKVAttention, lambda c2: MoEFeedForward(c2, experts)))
 
@@ -1452,6 +1472,7 @@ PATTERNS = {
     "moe_indexed": ExpertsMoE,
     "moe_loop": lambda: ExpertsMoE(loop=True),
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
+    "moe_batched_bmm": lambda: ExpertsMoE(experts=BatchedExperts),
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
     "low_rank_latent_attention": LowRankLatentAttentionModel,
@@ -1501,6 +1522,8 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "moe_indexed": 4,
     "moe_loop": 5,
     "moe_grouped_mm": 4,
+    # Llama-4's experts read whole by one bmm each: colwise gate|up, rowwise down, as a dense MLP
+    "moe_batched_bmm": 4,
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,

@@ -126,6 +126,10 @@ EXPERT_CASES = [
     ("x @ W[e] on [E, in, out]", lambda w, x, ids: x @ w[1], (4, 16, 32), [(2, 1)]),
     ("a weight also read whole is no expert weight",
      lambda w, x, ids: F.linear(x, w[0]) * w.mean(), (4, 32, 16), None),
+    ("bmm(x.view(E, -1, in), W) on [E, in, out]: every expert at once",
+     lambda w, x, ids: torch.bmm(x.view(4, -1, 16), w), (4, 16, 32), [(2, 1)]),
+    ("the whole stack on the left of a bmm is no expert pick",
+     lambda w, x, ids: torch.bmm(w, x.view(4, 16, -1)), (4, 32, 16), None),
 ]
 
 
