@@ -235,7 +235,7 @@ class EinsumAttention(QKVAttention):
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
         positions = torch.arange(s, dtype=q.dtype)
         bias = torch.einsum("q,k->qk", positions, -positions.new_ones(s)).tril() * 0.01
-        causal = torch.full((s, s), float("-inf")).triu(1)
+        causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
         return torch.einsum("bhqk,bkhd->bqhd", (scores + bias + causal).softmax(-1), v)
 
 
@@ -1370,7 +1370,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, hidden_states, gate):
         variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + 1e-6)
-        return self.weight * hidden_states * F.silu(gate.float())
+        return (self.weight * hidden_states * F.silu(gate.float())).to(gate.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -1413,11 +1413,13 @@ class GatedDeltaNet(nn.Module):
                              for x in (query, key, value))
         beta = self.b_proj(hidden_states).sigmoid().transpose(1, 2)
         g = (-self.A_log.float().exp() * F.softplus(self.a_proj(hidden_states).float() + self.dt_bias)).transpose(1, 2)
+        dtype = query.dtype  # the chunked rule runs in float32, as transformers' does
+        query, key, value, beta = (t.float() for t in (query, key, value, beta))
         query, key = F.normalize(query, dim=-1), F.normalize(key, dim=-1)
         decay = g.cumsum(dim=-1)
         mask = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).tril().exp().tril()
         attn = (query @ key.transpose(-1, -2)) * mask
-        output = (attn @ (value * beta.unsqueeze(-1))).transpose(1, 2)
+        output = (attn @ (value * beta.unsqueeze(-1))).transpose(1, 2).to(dtype)
         gate = self.g_proj(hidden_states)
         output = output.reshape(-1, self.head_dim)
         gate = gate.reshape(-1, self.head_dim)
