@@ -22,8 +22,9 @@ Two such choices, each a kind of candidate tried on its own:
   Computed whole (as DeepSeek's own and Megatron's plans keep the down-projections), the
   second half is colwise over heads and attention stays cut.
 
-Each kind's linears are tried computed whole, all at once (one more walk, not one per block),
-and the result is kept if the plan's tp collectives are fewer (tp wire bytes, then the blocks
+Each kind's linears are tried computed whole, bottlenecks first, all at once and then, when
+that does not pay, place by place (a linear's name within its block: one walk per place, not
+per block), and the result is kept if the plan's tp collectives are fewer (tp wire bytes, then the blocks
 whose tp breaks, settle a tie). A trial may break more blocks on the way: a later round often
 mends them (a modulation computed whole first, its neighbours next).
 Computing a linear whole adds work on every rank, so only linears that together add at most

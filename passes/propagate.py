@@ -784,9 +784,8 @@ class Propagation:
         if weight in self.revised.replicated:
             self.notes[weight] = self.revised.replicated[weight]
             return False
-        chain = self._param_chain(node.args[1], 0)
-        if chain is None:
-            return False
+        if self._param_chain(node.args[1], 0) is None:
+            return False  # a weight read elsewhere too, or computed: kept whole
         self.require(node.args[1], node, 0)
         self.require(node.args[0], node, None, then=self.partial_grad(node.args[0]))
         self.layouts[node] = 1
@@ -800,10 +799,12 @@ class Propagation:
         it alone, slices of other dims, casts, and depthwise convolutions. Each rank then holds its
         share of each section all along, so the convolutions' weights and biases store their
         channels section by section per rank (``fused``) and the split takes local sizes."""
+        if self.fixed_roles is not None:
+            return None
         sizes, dim, value, params = decision.fused_sections, decision.output, node, []
         while True:
             (user,) = value.users if len(value.users) == 1 else (None,)
-            if user is None or user.op != "call_function" or self.fixed_roles is not None:
+            if user is None or user.op != "call_function":
                 return None
             if user.target in layout_rules.SPLITS:
                 along = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
