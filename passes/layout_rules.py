@@ -88,7 +88,8 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
         if found is not None:
             return found
     if any(lay in PARTIALS or isinstance(lay, Strided) for lay in layouts.values()):
-        return _split_reduced(node, layouts) or _partial_plus_zero(node, layouts, tp)  # the rest: DTensor's
+        return (_split_reduced(node, layouts) or _partial_plus_zero(node, layouts, tp)
+                or _statistic_reduced(node, layouts, tp))  # the rest: DTensor's
     for ops, rule in _RULES:
         if node.target in ops:
             return rule(node, layouts, tp)
@@ -212,6 +213,22 @@ def _split_reduced(node, layouts):
         return None
     val = node.meta.get("val")
     return Decision(tuple(None for _ in val), {node.args[0]: None})
+
+
+def _statistic_reduced(node, layouts, tp):
+    """An elementwise op of a cut value and a partial statistic broadcast over the cut dim (a
+    layer norm's mean over a cut width, ``x - mean``): the statistic is reduced, the value stays
+    cut. DTensor would rather gather the value."""
+    pointwise = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+    if not (pointwise or node.target in ELEMENTWISE_LIKE):
+        return None
+    if any(isinstance(lay, (Strided, tuple)) for lay in layouts.values()):
+        return None
+    partials = [v for v, lay in layouts.items() if lay in PARTIALS]
+    if not partials or not any(isinstance(lay, int) for lay in layouts.values()):
+        return None
+    decision = _pointwise(node, {v: None if v in partials else lay for v, lay in layouts.items()}, tp)
+    return decision  # each partial wanted whole: reduced once, then broadcast
 
 
 def _partial_plus_zero(node, layouts, tp):

@@ -248,10 +248,13 @@ class EinsumModel(Decoder):
 
 
 class WideQKNormAttention(QKVAttention):
-    def __init__(self, cfg: Config):
+    """OLMo-2's q/k RMSNorm over the full projected width; ``norm=nn.LayerNorm`` is ESMC's and
+    Persimmon-style centred one (its mean over the cut width reduced before ``x - mean``)."""
+
+    def __init__(self, cfg: Config, norm: type[nn.Module] = nn.RMSNorm):
         super().__init__(cfg)
-        self.q_norm = nn.RMSNorm(cfg.heads * cfg.head_dim)
-        self.k_norm = nn.RMSNorm(cfg.kv_heads * cfg.head_dim)
+        self.q_norm = norm(cfg.heads * cfg.head_dim)
+        self.k_norm = norm(cfg.kv_heads * cfg.head_dim)
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -262,8 +265,8 @@ class WideQKNormAttention(QKVAttention):
 
 
 class WideQKNorm(Decoder):
-    def __init__(self, cfg: Config = Config()):
-        super().__init__(cfg, lambda c: Block(c, WideQKNormAttention))
+    def __init__(self, cfg: Config = Config(), norm: type[nn.Module] = nn.RMSNorm):
+        super().__init__(cfg, lambda c: Block(c, lambda c2: WideQKNormAttention(c2, norm)))
 
 
 # --- parallel block ---------------------------------------------------------------------------
@@ -1469,6 +1472,7 @@ PATTERNS = {
     "baddbmm_attention": BaddbmmModel,
     "einsum_attention": EinsumModel,
     "wide_qk_norm": WideQKNorm,
+    "wide_qk_layernorm": lambda: WideQKNorm(norm=nn.LayerNorm),
     "parallel_block": ParallelBlock,
     "custom_function": CustomFunctionMLP,
     "moe_indexed": ExpertsMoE,
@@ -1519,6 +1523,8 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "sdpa_bias_mask": 4,
     "baddbmm_attention": 4,
     "wide_qk_norm": 8,
+    # the same with layer norms: each also all-reduces its mean, forward and backward (2 x 2 more)
+    "wide_qk_layernorm": 12,
     "parallel_block": 2,
     "custom_function": 4,
     "moe_indexed": 4,
