@@ -216,19 +216,16 @@ def _split_reduced(node, layouts):
 
 
 def _statistic_reduced(node, layouts, tp):
-    """An elementwise op of a cut value and a partial statistic broadcast over the cut dim (a
-    layer norm's mean over a cut width, ``x - mean``): the statistic is reduced, the value stays
-    cut. DTensor would rather gather the value."""
-    pointwise = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
-    if not (pointwise or node.target in ELEMENTWISE_LIKE):
+    """``x - mean(x)`` over a cut width (a layer norm's centring, as written out by
+    ``decompose_norm``): the mean is reduced, ``x`` stays cut. DTensor would rather gather ``x``.
+    Only this form: elsewhere a partial next to a cut value is left to DTensor's costs."""
+    if node.target != aten.sub.Tensor or len(node.args) != 2:
         return None
-    if any(isinstance(lay, (Strided, tuple)) for lay in layouts.values()):
+    x, mean = node.args
+    if not (isinstance(mean, fx.Node) and mean.target == aten.mean.dim and mean.args[0] is x
+            and layouts.get(mean) in PARTIALS and isinstance(layouts.get(x), int)):
         return None
-    partials = [v for v, lay in layouts.items() if lay in PARTIALS]
-    if not partials or not any(isinstance(lay, int) for lay in layouts.values()):
-        return None
-    decision = _pointwise(node, {v: None if v in partials else lay for v, lay in layouts.items()}, tp)
-    return decision  # each partial wanted whole: reduced once, then broadcast
+    return _pointwise(node, {x: layouts[x], mean: None}, tp)
 
 
 def _partial_plus_zero(node, layouts, tp):
