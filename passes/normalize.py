@@ -133,6 +133,7 @@ def _slice_fill(buffer: fx.Node, order: dict[fx.Node, int]):
     dims, spans = set(), []
     for view, _ in writes:
         dim, start, end, step = (list(view.args[1:]) + [0, None, None, 1][len(view.args) - 1:])[:4]
+        start = 0 if start is None else start
         size = val.shape[dim] if isinstance(dim, int) else None
         if not (isinstance(size, int) and isinstance(start, int) and step == 1):
             return None
