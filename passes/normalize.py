@@ -95,7 +95,7 @@ def _filled_buffers_as_cat(graph: fx.Graph) -> None:
         last = max((copy for _, copy in writes), key=order.__getitem__)
         want = buffer.meta["val"]
         pieces = []
-        with graph.inserting_after(last):
+        with graph.inserting_before(last.next):  # in the order made (inserting_after reverses it)
             for view, copy in writes:
                 piece, shape = copy.args[1], tuple(view.meta["val"].shape)
                 if tuple(piece.meta["val"].shape) != shape:
@@ -176,12 +176,10 @@ def _convolution_bias_apart(graph: fx.Graph) -> None:
             continue
         bias, out = conv.bias, node.meta["val"]
         shape = [out.shape[1]] + [1] * (out.dim() - 2)
-        with graph.inserting_after(node):
+        with graph.inserting_before(node):
             bare = _made(graph, node.target, (node.args[0], node.args[1], None, *node.args[3:]), node, out)
-            with graph.inserting_after(bare):
-                view = _made(graph, torch.ops.aten.view.default, (bias, shape), node, bias.meta["val"].view(shape))
-                with graph.inserting_after(view):
-                    added = _made(graph, torch.ops.aten.add.Tensor, (bare, view), node, out)
+            view = _made(graph, torch.ops.aten.view.default, (bias, shape), node, bias.meta["val"].view(shape))
+            added = _made(graph, torch.ops.aten.add.Tensor, (bare, view), node, out)
         node.replace_all_uses_with(added)
         graph.erase_node(node)
 

@@ -170,7 +170,8 @@ class _FilledBuffer(torch.nn.Module):
         y = self.proj(x)
         out = y.new_empty(*y.shape[:-1], 10)
         for start, end in self.tiles:
-            out[..., start:end].copy_(y[..., : end - start] if end - start > 1 else y[..., :1])
+            # a piece of the width it fills, or one column broadcast over it, in float64 (copy_ casts)
+            out[..., start:end].copy_(y[..., : end - start] if end - start > 2 else y[..., :1].double())
         return out * 2
 
 
@@ -187,6 +188,7 @@ def test_a_buffer_filled_slice_by_slice_is_planned_as_a_concatenation(tiles, rew
     captured = capture(model, (x,))
     _filled_buffers_as_cat(captured.gm.graph)
     captured.gm.recompile()
+    captured.gm.graph.lint()  # every node after its inputs
     ops = {n.target for n in captured.gm.graph.nodes}
     assert (torch.ops.aten.cat.default in ops) == rewritten
     assert (torch.ops.aten.copy_.default in ops) != rewritten
