@@ -167,8 +167,7 @@ def _(xs, group_name, reduce_dtype):
 
 
 def _enter_tps_backward(ctx, grads):
-    grads = [g if g is not None else torch.zeros(s, dtype=d, device=dev)
-             for g, s, d, dev in zip(grads, ctx.shapes, ctx.dtypes, ctx.devices, strict=True)]
+    grads = _zeros_for_missing(ctx, grads)
     flat = torch.cat([g.reshape(-1) for g in grads])
     summed = _all_reduce_sum(flat, ctx.group_name, ctx.reduce_dtype)
     pieces = torch.split(summed, [g.numel() for g in grads])
@@ -178,9 +177,7 @@ def _enter_tps_backward(ctx, grads):
 def _keep_entered(ctx, inputs, output):
     """The group and what a missing gradient's zero is made like (each output's shape, dtype, device)."""
     ctx.group_name, ctx.reduce_dtype = inputs[1], inputs[2]
-    ctx.shapes = [tuple(o.shape) for o in output]
-    ctx.dtypes = [o.dtype for o in output]
-    ctx.devices = [o.device for o in output]
+    _keep_outputs(ctx, output)
 
 
 # --- reduce_partial: all-reduce forward, identity backward --------------------
@@ -253,17 +250,25 @@ def _(xs, dim, group_name):
 
 
 def _take_shards_backward(ctx, grads):
-    grads = [g if g is not None else torch.zeros(s, dtype=d, device=dev)
-             for g, s, d, dev in zip(grads, ctx.shapes, ctx.dtypes, ctx.devices, strict=True)]
-    return _all_gather_many(grads, ctx.dim, ctx.group_name), None, None
+    return _all_gather_many(_zeros_for_missing(ctx, grads), ctx.dim, ctx.group_name), None, None
 
 
 def _keep_shards(ctx, inputs, output):
-    """What a missing gradient's zero is made like: each output's shape, dtype and device."""
     ctx.dim, ctx.group_name = inputs[1], inputs[2]
+    _keep_outputs(ctx, output)
+
+
+def _keep_outputs(ctx, output: list[torch.Tensor]) -> None:
+    """What a missing gradient's zero is made like: each output's shape, dtype and device."""
     ctx.shapes = [tuple(o.shape) for o in output]
     ctx.dtypes = [o.dtype for o in output]
     ctx.devices = [o.device for o in output]
+
+
+def _zeros_for_missing(ctx, grads) -> list[torch.Tensor]:
+    """A list op's output gradients, zeros (as :func:`_keep_outputs` kept) for the unused outputs."""
+    return [g if g is not None else torch.zeros(s, dtype=d, device=dev)
+            for g, s, d, dev in zip(grads, ctx.shapes, ctx.dtypes, ctx.devices, strict=True)]
 
 
 def _all_gather_many(xs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:

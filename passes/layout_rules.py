@@ -93,7 +93,7 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
     for ops, rule in _RULES:
         if node.target in ops:
             return rule(node, layouts, tp)
-    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+    if is_pointwise(node.target):
         return _pointwise(node, layouts, tp)
     return None
 
@@ -108,8 +108,8 @@ def _strided_alike(node, layouts, tp):
     (lay,) = strided
     if not isinstance(lay, Strided):
         return None
-    pointwise = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
-    rule = _pointwise if pointwise or node.target in ELEMENTWISE_LIKE else _STRIDED_RULES.get(node.target)
+    rule = (_pointwise if is_pointwise(node.target) or node.target in ELEMENTWISE_LIKE
+            else _STRIDED_RULES.get(node.target))
     if rule is None:
         return None
     as_dims = {value: (None if v is None else lay.dim) for value, v in layouts.items()}
@@ -139,6 +139,11 @@ def divides(size: sympy.Expr, tp: int) -> bool:
 
 def _shape(value) -> tuple[sympy.Expr, ...]:
     return tuple(size_expr(n) for n in value.meta["val"].shape)
+
+
+def is_pointwise(target) -> bool:
+    """An ATen overload tagged pointwise (elementwise, broadcasting)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
 def _ndim(value) -> int:
@@ -753,8 +758,8 @@ class Convolution:
     def of(cls, node: fx.Node) -> Convolution | None:
         if node.op != "call_function" or node.target not in CONVOLUTIONS or len(node.args) < 2:
             return None
-        position = 8 if node.target == aten.convolution.default else 6
         general = node.target == aten.convolution.default
+        position = 8 if general else 6
         return cls(
             input=node.args[0], weight=node.args[1],
             bias=node.args[2] if len(node.args) > 2 else node.kwargs.get("bias"),
@@ -851,15 +856,12 @@ ELEMENTWISE_LIKE = (
     aten.type_as.default,
 )
 
-_STRIDED_RULES = {
-    op: rule
-    for ops, rule in (
-        ((aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction), _reduce),
-        ((aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default), _softmax),
-        ((aten.rms_norm.default, aten.layer_norm.default), _norm_over_last),
-    )
-    for op in ops
-}
+_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction)
+_SOFTMAXES = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+_NORMS = (aten.rms_norm.default, aten.layer_norm.default)  # native_layer_norm returns a tuple: not Strided
+# the rules that keep each value of a cut dim apart, applied to Strided values too (_strided_alike)
+_STRIDED_RULES = {op: rule for ops, rule in ((_REDUCTIONS, _reduce), (_SOFTMAXES, _softmax), (_NORMS, _norm_over_last))
+                  for op in ops}
 
 _RULES = (
     (ELEMENTWISE_LIKE, _pointwise),
@@ -900,12 +902,9 @@ _RULES = (
         _slice_like,
     ),
     ((aten.cat.default,), _cat),
-    (
-        (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction),
-        _reduce,
-    ),
-    ((aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default), _softmax),
-    ((aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default), _norm_over_last),
+    (_REDUCTIONS, _reduce),
+    (_SOFTMAXES, _softmax),
+    ((*_NORMS, aten.native_layer_norm.default), _norm_over_last),
     (
         (
             aten.scaled_dot_product_attention.default,

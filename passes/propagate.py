@@ -946,8 +946,7 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
         params = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
         return None if None in params else (1, params)
     single = user.all_input_nodes == [value] and _ndim(user) == _ndim(value)
-    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-    if single and (pointwise or target in layout_rules.ELEMENTWISE_LIKE):
+    if single and (layout_rules.is_pointwise(target) or target in layout_rules.ELEMENTWISE_LIKE):
         return dim, []
     return None
 
