@@ -163,7 +163,8 @@ def block_minimum(plan, unit: str) -> int:
     """The analytic minimum of tp collectives per training step for block ``unit`` of ``plan``.
 
     Each rowwise output the block reduces is one forward all-reduce; each input its sharded
-    matmuls read has its gradient all-reduced once in backward, and so has a value every head
+    matmuls read has its gradient all-reduced once in backward (reduce-scattered, when the input
+    arrives cut and is gathered for them: a post-norm block reading the embedding), and so has a value every head
     shares (MLA's rotary key) broadcast over the cut heads; a partial sum reduced away from
     any weight (a norm's statistic over a cut width, experts' summed outputs) costs its forward
     all-reduce and one backward all-reduce of the gradient it spreads; an attention whose kv heads
@@ -181,6 +182,8 @@ def block_minimum(plan, unit: str) -> int:
                 outputs += 1
             elif c.runs and c.subject == "input grad" and str(c.direction) == "bwd":
                 inputs += 1
+            elif c.runs and c.subject == "input" and c.kind == "all-gather+reduce-scatter":
+                inputs += 1  # a cut input gathered for colwise linears: its reduce-scatter is the input grad's
             elif c.subject == "grad" and str(c.direction) == "bwd" and c.kind == "all-reduce":
                 weights = 1  # replicated weights read by cut heads: their gradients summed in one bucket
     for i, c in enumerate(plan.activations):

@@ -30,6 +30,7 @@ from autoshard.passes.propagate import (
     VOCAB_PARALLEL,
     LayoutPlan,
     RowwiseExit,
+    is_sharded,
 )
 from autoshard.plan import ParamSharding, Plan
 from autoshard.sharding import (
@@ -357,6 +358,8 @@ class _Records:
                 first = Collective(GATHER_SCATTER, FWD, "input", over_sequence=True, shared_by=names)
             elif group[0].input not in self.lp.carries_grad:
                 continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
+            elif not any(step.kind is Step.ENTER_TP for step in steps):
+                continue  # entered higher up, with other views of one value (recorded at that edge)
             else:
                 first = Collective(ALL_REDUCE, BWD, "input grad", shared_by=names)
             _add_shared(self.by_weight, _sized(first, group[0].input))
@@ -383,7 +386,7 @@ class _Records:
         node = consumer if consumer.op != "output" else value
         kind = step.kind.plan_kind
         if step.kind is Step.ENTER_TP:  # a replicated input of a sharded op: its gradient is partial
-            cause = f"sharded {describe(consumer)}"
+            cause = _entered_cause(consumer, self.lp)
             if value in self.entered:  # one all-reduce for the block's bucket, recorded with its first
                 bucket = self.entered[value]
                 if value is bucket[0]:
@@ -422,6 +425,28 @@ class _Records:
             subject = ", ".join(f"'{v.name}'" for v in bucket)
             take = Collective(kind, BWD, subject, describe(consumer), dim=step.dim)
             self.record(None, take, node, value, also=bucket[1:])
+
+
+def _entered_cause(consumer: fx.Node, lp: LayoutPlan) -> str:
+    """Why a value's gradient is partial: the sharded op reading it, or, when ``enter_tp`` was
+    hoisted above replicated views and chains (a split's pieces, ``1 + w``), the sharded ops that
+    read it through them."""
+    if is_sharded(lp.layouts.get(consumer)) or consumer.op == "output":
+        return f"sharded {describe(consumer)}"
+    readers, frontier, seen = [], [consumer], set()
+    while frontier:
+        node = frontier.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_sharded(lp.layouts.get(node)):
+            readers.append(node)
+        else:
+            frontier += list(node.users)
+    if not readers:
+        return f"sharded {describe(consumer)}"
+    kinds = sorted({getattr(r.target, "__name__", str(r.target)) for r in readers})
+    return (f"{len(readers)} sharded op(s) ({', '.join(kinds)}) reading it through {describe(consumer)}")
 
 
 def _sized(collective: Collective, value: fx.Node) -> Collective:

@@ -519,7 +519,7 @@ class Propagation:
             if stamper is None or not stamper.handles(node):
                 self.visit(node)
         self.stamped = tuple(stamper.stamped) if stamper is not None else ()
-        _hoist_enter_tp(self.edges, self.layouts)
+        _hoist_enter_tp(self.edges, self.layouts, self.carries_grad)
         return LayoutPlan(
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
             sequence_parallel=self.options.sequence_parallel, carries_grad=self.carries_grad,
@@ -622,7 +622,7 @@ class Propagation:
             site = self.output_site.get(node)
             if site is not None and self.roles.get(site.weight_fqn) in COLWISE_LIKE:
                 return True
-            frontier += [v for v in node.all_input_nodes if _is_sharded(self.seen(v))]
+            frontier += [v for v in node.all_input_nodes if is_sharded(self.seen(v))]
         return False
 
     # --- roles ----------------------------------------------------------------------------
@@ -750,7 +750,7 @@ class Propagation:
             self.layouts[node] = None
             return
         self.layouts[node] = decision.output
-        sharded_output = _is_sharded(decision.output)
+        sharded_output = is_sharded(decision.output)
         for value, wanted in decision.inputs.items():
             then = self.partial_grad(value) if sharded_output and wanted is None else ()
             self.require(value, node, wanted, then)
@@ -1094,25 +1094,28 @@ def _fused_origin(value: fx.Node, layouts, output_site, param_fqns,
             params += found
             node = conv.input
             continue
-        sharded = [i for i in node.all_input_nodes if _is_sharded(layouts.get(i))]
+        sharded = [i for i in node.all_input_nodes if is_sharded(layouts.get(i))]
         if len(sharded) != 1:
             return None, []
         node = sharded[0]
 
 
-def _is_sharded(layout) -> bool:
+def is_sharded(layout) -> bool:
+    """Whether a value of ``layout`` differs across tp ranks: cut or partial (a tuple-valued
+    node's layout, per output)."""
     if isinstance(layout, tuple):
         return any(lay is not None for lay in layout)
     return layout is not None
 
 
 def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
-    """Values a gradient flows back through: computed from a trainable parameter,
+    """Values a gradient flows back through: computed from a trainable parameter or from an
+    input that requires grad (an activation handed over from the graph before a graph break),
     floating point, and not cut off by ``detach``."""
     carries = set()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if node.op == "get_attr":
+        if node.op in ("get_attr", "placeholder"):
             if isinstance(val, torch.Tensor) and val.requires_grad:
                 carries.add(node)
         elif node.op == "call_function" and node.target not in _GRAD_STOPS:
@@ -1134,55 +1137,122 @@ _VIEWS = (
     _aten.chunk.default, _aten.unbind.int, operator.getitem, _aten._to_copy.default, _aten.to.dtype,
 )
 ENTER_ONLY = (Redistribute(ENTER_TP),)
+# ops whose second tensor lends only its dtype or shape: no gradient flows to it
+_SHAPED_LIKE = (_aten.type_as.default, _aten.expand_as.default, _aten.view_as.default, _aten.reshape_as.default)
 
 
-def _hoist_enter_tp(edges: dict, layouts: dict) -> None:
-    """One ``enter_tp`` for a replicated value read only through views by consumers that
-    each need ``enter_tp`` (dense routing weights sliced per expert): the views' gradients
-    scatter into the value's gradient, which is then all-reduced once instead of per view.
-    Valid because every gradient reaching the value is partial."""
+def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]) -> None:
+    """Move ``enter_tp`` up to where one all-reduce serves several readers.
 
-    def covered(node: fx.Node) -> bool:
-        return bool(node.users) and all(
-            edges.get((node, user)) == ENTER_ONLY
-            or (user.target in _VIEWS and not _is_sharded(layouts.get(user)) and (node, user) not in edges
-                and covered(user))
-            for user in node.users
-        )
+    Entering tp earlier is exact whenever every gradient reaching the earlier value is partial:
+    backward is linear in the gradient it is given, and a replicated computation is the same on
+    every rank, so summing over tp before it or after it gives one sum. So ``enter_tp`` may climb
+    from a value to an ancestor ``top`` when everything between them is replicated, takes its
+    gradient only from ``top``, and is read only by ``enter_tp`` or by itself (views, casts, a
+    weightless norm of a split's piece). Two hoists pay:
 
-    def subtree(node: fx.Node):
-        for user in node.users:
-            if edges.get((node, user)) == ENTER_ONLY:
-                yield node, user
+    - several entered values meet in one (a split's pieces, per-step selects, per-expert slices
+      of dense routing weights) that is no larger than they are together: one all-reduce instead
+      of one each. A split is entered on its input's edge (after the reduction that made the
+      input whole), since its pieces are a tuple: Mamba's step size, B and C cost one all-reduce.
+    - a chain computed from one parameter alone (``1 + w.float()``, ``softplus(alpha)``): entered
+      at the parameter, which then joins its block's bucket (:meth:`LayoutPlan.enter_tp_buckets`).
+    """
+
+    def gradient_inputs(node: fx.Node) -> list[fx.Node]:
+        if node.target in _VIEWS or node.target in _SHAPED_LIKE:
+            return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
+        return [i for i in node.all_input_nodes if i in carries_grad]
+
+    def below(top: fx.Node) -> tuple[set[fx.Node], list[tuple[fx.Node, fx.Node]]] | None:
+        """The values between ``top`` and its ``enter_tp`` edges, and those edges, when ``top``
+        may be entered in their place."""
+        members: set[fx.Node] = set()
+        pairs, frontier = [], [top]
+        while frontier:
+            node = frontier.pop()
+            if not node.users:
+                return None
+            for user in node.users:
+                steps = edges.get((node, user))
+                if steps == ENTER_ONLY:
+                    pairs.append((node, user))
+                elif steps is not None or user.op != "call_function" or is_sharded(layouts.get(user)):
+                    return None
+                elif getattr(getattr(user.target, "_schema", None), "is_mutable", False):
+                    return None
+                elif user not in members:
+                    if len(members) == _HOIST_REACH:
+                        return None
+                    members.add(user)
+                    frontier.append(user)
+        if any(i is not top and i not in members for m in members for i in gradient_inputs(m)):
+            return None  # a gradient from elsewhere meets top's below it
+        return members, pairs
+
+    def ancestors(node: fx.Node):
+        """Replicated values ``node``'s gradient flows to, nearest first."""
+        seen, frontier = {node}, [node]
+        for _ in range(_HOIST_DEPTH):
+            frontier = [i for n in frontier for i in gradient_inputs(n) if i not in seen
+                        and i in carries_grad and not is_sharded(layouts.get(i))]
+            seen.update(frontier)
+            yield from dict.fromkeys(frontier)
+
+    def climb(value: fx.Node):
+        """The highest ``top`` above ``value`` that may be entered for it, what lies below it, and
+        the split the climb last passed, if it stopped there (then entered on its input's edge)."""
+        top, split, node, found = value, None, value, None
+        while True:
+            step = next(((a, r) for a in ancestors(node) if (r := below(a)) is not None and node in r[0]), None)
+            if step is None:
+                return top, split, found
+            node, found = step
+            if isinstance(node.meta.get("val"), (tuple, list)):
+                split = node
             else:
-                yield from subtree(user)
+                top, split = node, None
 
     entered = sorted({v for (v, c), steps in edges.items() if steps == ENTER_ONLY}, key=lambda n: n.name)
-    done: set[fx.Node] = set()
     for value in entered:
-        top = node = value
-        while (
-            node.target in _VIEWS and isinstance(node.args[0], fx.Node) and not _is_sharded(layouts.get(node.args[0]))
-            and covered(node.args[0])
-        ):
-            node = node.args[0]
-            if not isinstance(node.meta.get("val"), (tuple, list)):  # a split's pieces are entered, not the split
-                top = node
-        if top is value or top in done:
+        if not any(edges.get((value, user)) == ENTER_ONLY for user in value.users):
+            continue  # already entered higher up
+        top, split, found = climb(value)
+        if found is None:
             continue
-        pairs = list(subtree(top))
-        if len({v for v, _ in pairs}) < 2:
+        if split is not None:
+            found = below(split)
+        _, pairs = found
+        values = {v for v, _ in pairs}
+        whole = split.args[0] if split is not None else top
+        at_parameter = split is None and top.op == "get_attr"
+        if not at_parameter and (len(values) < 2 or _numel(whole) > sum(_numel(v) for v in values)):
             continue
         for pair in pairs:
             del edges[pair]
-        for user in top.users:
-            edges[(top, user)] = ENTER_ONLY
-        done.add(top)
+        if split is not None:
+            edges[(whole, split)] = edges.get((whole, split), ()) + ENTER_ONLY
+        else:
+            for user in top.users:
+                edges[(top, user)] = ENTER_ONLY
+
+
+# how far (values below, ancestors above) one ``enter_tp`` may be hoisted
+_HOIST_REACH, _HOIST_DEPTH = 256, 8
+
+
+def _numel(node: fx.Node) -> int:
+    """Elements of ``node``'s value; 0 when symbolic (a hoist is then judged by count alone)."""
+    val = node.meta.get("val")
+    try:
+        return int(val.numel()) if isinstance(val, torch.Tensor) else 0
+    except (TypeError, ValueError, RuntimeError):
+        return 0
 
 
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
     """Connected idle sharded values (joined by uses that keep them sharded)."""
-    idle = {v for v, lay in plan.layouts.items() if _is_sharded(lay) and lay not in PARTIALS and v not in useful}
+    idle = {v for v, lay in plan.layouts.items() if is_sharded(lay) and lay not in PARTIALS and v not in useful}
     return _components(idle, lambda value, user: not _gathers(plan, value, user))
 
 
@@ -1227,7 +1297,7 @@ def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
     frontier += [node.args[0] for node, (_, role) in plan.convolutions.items() if role == ROWWISE]
     while frontier:
         value = frontier.pop()
-        if value in useful or not _is_sharded(plan.layouts.get(value)):
+        if value in useful or not is_sharded(plan.layouts.get(value)):
             continue
         useful.add(value)
         for source in value.all_input_nodes:

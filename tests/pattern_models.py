@@ -1319,8 +1319,7 @@ class MambaMixer(nn.Module):
         hidden_states_b_c = F.silu(F.conv1d(hidden_states_b_c, self.conv1d.weight.squeeze(1).unsqueeze(1),
                                             self.conv1d.bias, padding=self.conv1d.padding[0],
                                             groups=self.d_inner)[:, :, :seq_len])
-        time_step, B, C = torch.split(self.x_proj(hidden_states_b_c.transpose(1, 2)),
-                                      [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        time_step, B, C = self.split_steps(self.x_proj(hidden_states_b_c.transpose(1, 2)))
         time_step = self.dt_proj.weight @ time_step.transpose(1, 2)
         dt = F.softplus(time_step + self.dt_proj.bias.float()[..., None])
         discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
@@ -1335,12 +1334,15 @@ class MambaMixer(nn.Module):
         scan_output = scan_output.to(hidden_states.dtype)
         return self.out_proj(scan_output.transpose(1, 2))
 
+    def split_steps(self, projected):
+        return torch.split(projected, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+
 
 class MambaBlock(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, mixer: type[nn.Module] = MambaMixer):
         super().__init__()
         self.norm = nn.RMSNorm(cfg.dim)
-        self.mixer = MambaMixer(cfg)
+        self.mixer = mixer(cfg)
 
     def forward(self, x):
         return x + self.mixer(self.norm(x))
@@ -1349,6 +1351,92 @@ class MambaBlock(nn.Module):
 class Mamba(Decoder):
     def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):  # no attention: heads do not matter
         super().__init__(cfg, MambaBlock)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """FalconMamba's norm of the step size, B and C: no weight, computed in float32, cast back
+    with ``type_as``."""
+
+    def forward(self, x):
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+class NormedMambaMixer(MambaMixer):
+    """FalconMamba's mixer: the step size, B and C each go through a weightless RMSNorm after
+    the split."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.dt_norm, self.b_norm, self.c_norm = WeightlessRMSNorm(), WeightlessRMSNorm(), WeightlessRMSNorm()
+
+    def split_steps(self, projected):
+        time_step, B, C = super().split_steps(projected)
+        return self.dt_norm(time_step), self.b_norm(B), self.c_norm(C)
+
+
+class NormedMamba(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, lambda c: MambaBlock(c, NormedMambaMixer))
+
+
+# --- zero-centred and learned per-head parameters (Gemma, Apertus) ------------------------------
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight stored as an offset from 1 and applied as ``1 + w`` in float32."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim) * 0.1)
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class ZeroCentredQKNormAttention(QKVAttention):
+    """Gemma-3's attention: per-head q and k norms whose weights are read as ``1 + w``, and fewer
+    k/v heads than q heads given to SDPA as they are (``enable_gqa``)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.q_norm = ZeroCentredRMSNorm(cfg.head_dim)
+        self.k_norm = ZeroCentredRMSNorm(cfg.head_dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim))
+        k = self.k_norm(self.wk(x).view(b, s, self.n_kv, self.head_dim))
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return self.wo(out.reshape(b, s, -1))
+
+
+class LearnedActivationMLP(nn.Module):
+    """Apertus's xIELU MLP: an activation with two learned scalars, each read through
+    ``softplus`` by every element of the cut hidden width."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+        self.alpha_p = nn.Parameter(torch.tensor([0.6]))
+        self.alpha_n = nn.Parameter(torch.tensor([0.4]))
+
+    def forward(self, x):
+        h = self.up_proj(x)
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = 0.5 + F.softplus(self.alpha_n)
+        h = torch.where(h > 0, alpha_p * h * h + 0.5 * h, alpha_n * (torch.expm1(torch.clamp(h, max=0.0)) - h) + 0.5 * h)
+        return self.down_proj(h)
+
+
+class ZeroCentredQKNorm(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=2)):
+        super().__init__(cfg, lambda c: Block(c, ZeroCentredQKNormAttention, LearnedActivationMLP))
 
 
 # --- gated DeltaNet (Qwen3-Next, Qwen3.5, Kimi-Linear, OLMo-Hybrid) ------------------------------
@@ -1501,6 +1589,8 @@ PATTERNS = {
     "diffusers_dit": DiffusersDiT,
     "flux_single_stream": FluxSingleStream,
     "mamba_mixer": Mamba,
+    "normed_mamba_mixer": NormedMamba,
+    "zero_centred_qk_norm": ZeroCentredQKNorm,
 }
 
 
@@ -1569,10 +1659,16 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # the per-head q/k RMSNorm weights read by every rank's heads: their gradients all-reduced
     # together, once per block (1 more)
     "flux_single_stream": 3,
-    # in_proj's input gradient, x_proj's and out_proj's outputs, dt_proj's input gradient, and the
-    # gradients of B and C (read whole by every rank's channels), each all-reduced: 6, where
-    # bucketing dt's, B's and C's gradients before the split would make it 4
-    "mamba_mixer": 6,
+    # in_proj's input gradient, x_proj's and out_proj's outputs, and one all-reduce of x_proj's
+    # output gradient: the step size, B and C (each read whole by every rank's channels) enter tp
+    # together at the split
+    "mamba_mixer": 4,
+    # the same with a weightless norm on each piece after the split: the norms are replicated
+    # work, so the pieces still enter tp together at the split
+    "normed_mamba_mixer": 4,
+    # 4, and one all-reduce for the block's replicated parameters read by cut values: the q/k
+    # norm weights (read as 1 + w) and the activation's two scalars (read through softplus)
+    "zero_centred_qk_norm": 5,
 }
 
 

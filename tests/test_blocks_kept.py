@@ -43,7 +43,8 @@ def _blocks(plan, prefix):
 
 @pytest.mark.parametrize("name", WHOLE_SECTION_PATTERNS + ("in_place_parallel", "diffusers_dit", "flux_single_stream",
                                                            "mamba_mixer", "low_rank_latent_attention", "gated_deltanet",
-                                                           "gated_deltanet_fused", "conv_resnet"))
+                                                           "gated_deltanet_fused", "conv_resnet",
+                                                           "normed_mamba_mixer", "zero_centred_qk_norm"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -55,7 +56,8 @@ def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
 
 BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "in_place_parallel", "diffusers_dit", "flux_single_stream", "mamba_mixer", "low_rank_latent_attention",
-    "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm")
+    "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
+    "normed_mamba_mixer", "zero_centred_qk_norm")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
@@ -156,6 +158,31 @@ def test_a_low_rank_pair_computes_its_down_projection_whole_and_says_why():
     assert plan.params["layers.0.attention.kv_a_proj_with_mqa.weight"].role == Role.REPLICATE
     for name in ("q_b_proj", "kv_b_proj"):
         assert plan.params[f"layers.0.attention.{name}.weight"].role == Role.COLWISE
+
+
+def test_parameters_read_through_their_own_chain_join_the_block_bucket():
+    """Gemma's ``1 + w`` q/k norm weights and xIELU's ``softplus(alpha)`` scalars: the replicated
+    chain from each parameter is the same on every rank, so their partial gradients are summed at
+    the parameters, all four in one all-reduce for the block."""
+    plan = _proven(PATTERNS["zero_centred_qk_norm"](), {"dp": 2, "tp": 2}, TOKENS)
+    bucket = [c for entry in plan.params.values() for c in entry.collectives
+              if c.counted and c.subject == "grad" and c.shared_by and c.shared_by[0].startswith("layers.0.")]
+    assert len(bucket) == 1
+    assert set(bucket[0].shared_by) == {f"layers.0.{n}" for n in (
+        "attention.q_norm.weight", "attention.k_norm.weight", "feed_forward.alpha_p", "feed_forward.alpha_n")}
+    assert not [c for c in plan.activations if c.subject.startswith("grad of")]
+
+
+@pytest.mark.parametrize("name", ["mamba_mixer", "normed_mamba_mixer"])
+def test_the_pieces_of_a_split_enter_tp_together_at_the_split(name):
+    """Mamba's step size, B and C, read whole by every rank's channels (dt_proj colwise, the scan),
+    each through views or a weightless norm: one all-reduce of x_proj's output gradient, at the
+    split, instead of one per piece."""
+    plan = _proven(PATTERNS[name](), {"dp": 2, "tp": 2}, TOKENS)
+    entered = [c for i, c in enumerate(plan.activations)
+               if c.subject.startswith("grad of") and plan.unit_of_activation(i) == "layers.0"]
+    assert len(entered) == 1 and "split" in entered[0].cause, entered
+    assert not [c for c in plan.params["layers.0.mixer.dt_proj.weight"].collectives if c.runs]
 
 
 class _FilledBuffer(torch.nn.Module):
