@@ -1430,7 +1430,8 @@ class LearnedActivationMLP(nn.Module):
         h = self.up_proj(x)
         alpha_p = F.softplus(self.alpha_p)
         alpha_n = 0.5 + F.softplus(self.alpha_n)
-        h = torch.where(h > 0, alpha_p * h * h + 0.5 * h, alpha_n * (torch.expm1(torch.clamp(h, max=0.0)) - h) + 0.5 * h)
+        negative = alpha_n * (torch.expm1(torch.clamp(h, max=0.0)) - h) + 0.5 * h
+        h = torch.where(h > 0, alpha_p * h * h + 0.5 * h, negative)
         return self.down_proj(h)
 
 
