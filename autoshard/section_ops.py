@@ -13,6 +13,8 @@ op                             forward                                          
                                into sections (a fused output's q, k, v)           their columns
 ``matmul_input_grad_scaled``   ``x @ w``                                          ``dw = x.T dy``,
                                                                                   ``dx = scale * dy @ w.T``
+``take_sections``              this rank's columns of a replicated ``x``, in the  none (only values that
+                               projection's stored order                          carry no gradient)
 =============================  =================================================  ===========================
 
 ``fused_split`` is how :mod:`autoshard.passes.sections` writes any fused output (a view to groups
@@ -96,3 +98,38 @@ def _keep_operands(ctx, inputs, output):
 
 matmul_input_grad_scaled.register_autograd(_matmul_backward, setup_context=_keep_operands)
 MATMUL_INPUT_GRAD_SCALED = torch.ops.autoshard.matmul_input_grad_scaled.default
+
+
+@torch.library.custom_op(f"{_LIB}::take_sections", mutates_args=())
+def take_sections(x: torch.Tensor, dim: int, runs: list[int], sizes: list[int], whole: list[int],
+                  group_name: str) -> torch.Tensor:
+    """This tp rank's columns of a replicated ``x`` along ``dim``, in the order a fused projection
+    stores its sections (:meth:`~autoshard.plan.FusedSections.order`): a constant that multiplies a
+    fused output before its split (Falcon-H1's per-section muP vector) must meet each column where
+    the rank holds it. Planned only for values no gradient reaches, so it has no backward."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    return x.index_select(dim, section_order(runs, sizes, whole, tp, rank).to(x.device))
+
+
+def section_order(runs: list[int], sizes: list[int], whole: list[int], tp: int, rank: int) -> torch.Tensor:
+    """The original columns rank ``rank`` stores of a fused dim, in its stored order."""
+    from autoshard.plan import FusedSections
+
+    order = FusedSections(tuple(sizes), tuple(whole), tuple(runs)).order(tp)
+    return order.view(tp, -1)[rank]
+
+
+@take_sections.register_fake
+def _(x, dim, runs, sizes, whole, group_name):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    tp = torch.distributed.get_world_size(_resolve_process_group(group_name))
+    shape = list(x.shape)
+    shape[dim] = sum(size if i in whole else size // tp for i, size in enumerate(sizes))
+    return x.new_empty(shape)
+
+
+TAKE_SECTIONS = torch.ops.autoshard.take_sections.default

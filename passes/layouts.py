@@ -20,6 +20,7 @@ from autoshard import collectives
 from autoshard.passes.layout_rules import Strided
 from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import ENTER_ONLY, GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
+from autoshard.section_ops import TAKE_SECTIONS
 
 aten = torch.ops.aten
 # the steps that move a ``Strided`` dim (a reduction leaves no dim to stride)
@@ -90,6 +91,10 @@ def _insert_step(
     with graph.inserting_before(first_reader if at_top else value.next):
         if isinstance(step.dim, Strided):
             node = _strided_step(graph, value, step, group_name, reduce_dtype)
+        elif step.sections is not None:  # a constant cut as a fused projection stores its sections
+            sections = step.sections
+            node = graph.call_function(TAKE_SECTIONS, (value, step.dim, list(sections.runs), list(sections.sizes),
+                                                       list(sections.whole), group_name))
         else:
             args = (value, group_name) if step.dim is None else (value, step.dim, group_name)
             if reduce_dtype is not None and step.kind.sums_partials:

@@ -7,6 +7,8 @@
 * **A dense convolution's bias apart.** ``conv(x, w, b)`` with ``groups=1`` is
   ``conv(x, w) + b`` over the channel dim, so that cut rowwise over its input channels the
   bias is added once, after the partial sums are reduced.
+* **No global size for ``repeat_interleave``.** Its ``output_size`` hint is dropped, so that
+  the op cut over the repeated dim needs no local one.
 * **Partial sums first.** ``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph; a chain
   of adds is regrouped so that the outputs of linears are summed first, ``x + (a + m)``:
   two rowwise outputs then add as partial sums and are all-reduced once (a parallel block).
@@ -39,6 +41,7 @@ def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
     _sum_partials_first(gm, sites)
     if tp > 1:
         _convolution_bias_apart(gm.graph)
+        _repeat_interleave_without_output_size(gm.graph)
         split_fused_outputs(gm, sites, tp)
         expand_gqa_for_tp(gm.graph, tp)
 
@@ -182,6 +185,16 @@ def _convolution_bias_apart(graph: fx.Graph) -> None:
             added = _made(graph, torch.ops.aten.add.Tensor, (bare, view), node, out)
         node.replace_all_uses_with(added)
         graph.erase_node(node)
+
+
+def _repeat_interleave_without_output_size(graph: fx.Graph) -> None:
+    """``repeat_interleave(x, r, dim, output_size=n)``: ``n`` only spares a device sync, and is the
+    global size; without it the op's local form on a cut ``dim`` (each rank's groups repeated to its
+    heads, Mamba-2's B and C) needs no local size."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.aten.repeat_interleave.self_int \
+                and "output_size" in node.kwargs:
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
 
 
 def _sum_partials_first(gm: fx.GraphModule, sites: Sites) -> None:

@@ -116,11 +116,13 @@ _GRAD_STOPS = (
 @dataclasses.dataclass(frozen=True)
 class Redistribute:
     """What a consumer needs done to a value before reading it: ``kind`` on ``dim`` (the sharded
-    dim gathered or cut; none for a sum); ``average`` for a reduced partial mean."""
+    dim gathered or cut; none for a sum); ``average`` for a reduced partial mean; ``sections``: a
+    cut that follows a fused projection's stored sections (a constant along its output)."""
 
     kind: Step
     dim: int | Strided | None = None
     average: bool = False
+    sections: FusedSections | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -729,7 +731,8 @@ class Propagation:
         if not any(lay is not None for lay in inputs.values()) and self._colwise_convolution(node):
             return
         if any(lay is not None for lay in inputs.values()):
-            decision = layout_rules.apply(node, inputs, self.tp) or dtensor_rules.query(node, inputs, self.tp)
+            decision = (self._nested_sections(node, inputs) or layout_rules.apply(node, inputs, self.tp)
+                        or dtensor_rules.query(node, inputs, self.tp))
         convolution = node.target in layout_rules.CONVOLUTIONS
         if decision is not None and convolution and decision.output == layout_rules.PARTIAL:
             weight = _dense_convolution_weight(node, self.param_fqns)
@@ -822,6 +825,81 @@ class Propagation:
             params += found
             value = user
 
+    def _nested_sections(self, node: fx.Node, inputs: dict):
+        """A split of one section of a fused projection's output, after channel-wise work on that
+        section alone (Mamba-2: ``in_proj`` -> ``split([gate, xBC, dt])``, a depthwise ``conv1d``
+        over ``xBC``, then ``split([x, B, C])``). The projection's sections become the finer ones
+        (gate, x, B, C, dt) and the convolutions store their channels in the inner ones.
+
+        An inner section whose heads do not divide by tp (B and C, whose groups every head shares,
+        fewer than the tp ranks) is held whole on every rank, as a fused projection's k/v with
+        fewer heads than tp are: its columns computed whole (their input gradient scaled, see
+        :mod:`passes.transpose`), its channels convolved whole, and its piece replicated, entering
+        tp where the cut heads read it. The outer split and the convolutions take local sizes."""
+        if node.target != _aten.split_with_sizes.default or self.fixed_roles is not None:
+            return None
+        value = node.args[0]
+        dim = inputs.get(value)
+        along = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if not isinstance(dim, int) or _norm_dim(along, _ndim(value)) != dim:
+            return None
+        chain = self._channel_chain(value)
+        if chain is None:
+            return None
+        piece, convolutions = chain
+        outer = piece.args[0]
+        if outer.target != _aten.split_with_sizes.default or outer not in self.new_args:
+            return None
+        source, outer_sizes, index = outer.args[0], tuple(outer.args[1]), piece.args[1]
+        site, params = _fused_origin(source, self.layouts, self.output_site, self.param_fqns,
+                                     readers=len(source.users))
+        sizes = tuple(node.args[1])
+        if (site is None or params or self.fused.get(site.weight_fqn) != FusedSections(outer_sizes)
+                or sum(sizes) != outer_sizes[index]):
+            return None
+        pieces = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        whole = tuple(j for j, size in enumerate(sizes) if size % self.tp or _heads_of(pieces.get(j), size) % self.tp)
+        if len(whole) == len(sizes):
+            return None
+        local = [size if j in whole else size // self.tp for j, size in enumerate(sizes)]
+        refined = FusedSections(outer_sizes[:index] + sizes + outer_sizes[index + 1:], tuple(index + j for j in whole))
+        if (any(layout_rules.Convolution.of(c).groups_position >= len(c.args) for c in convolutions)
+                or not self._cut_in_sections(source, refined)):
+            return None
+        for conv in convolutions:
+            args = list(self.new_args.get(conv, conv.args))
+            args[layout_rules.Convolution.of(conv).groups_position] = sum(local)
+            self.new_args[conv] = tuple(args)
+            for fqn in _convolution_params(conv, self.param_fqns):
+                self.fused[fqn] = FusedSections(sizes, whole)
+        self.fused[site.weight_fqn] = refined
+        outer_args = list(self.new_args[outer])
+        outer_args[1] = [sum(local) if i == index else size // self.tp for i, size in enumerate(outer_sizes)]
+        self.new_args[outer] = tuple(outer_args)
+        return layout_rules.Decision(tuple(None if j in whole else dim for j in range(len(sizes))), {value: dim},
+                                     (value, local, *node.args[2:]))
+
+    def _channel_chain(self, value: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+        """The piece of a split (a ``getitem``) that ``value`` is made from by channel-wise work on
+        it alone (what :func:`_section_dim_after` accepts: transposes, slices of other dims,
+        elementwise ops, depthwise convolutions), each step read only by the next, and the
+        convolutions on the way."""
+        node, convolutions = value, []
+        while node.target is not operator.getitem:
+            conv = layout_rules.Convolution.of(node)
+            sharded = [i for i in node.all_input_nodes if is_sharded(self.layouts.get(i))]
+            source = conv.input if conv is not None else (sharded[0] if len(sharded) == 1 else None)
+            if (not isinstance(source, fx.Node) or len(source.users) != 1
+                    or not isinstance(self.layouts.get(source), int)):
+                return None
+            moved = _section_dim_after(node, source, self.layouts[source], self.param_fqns, self.tp)
+            if moved is None or moved[0] != self.layouts.get(node):
+                return None
+            if conv is not None:
+                convolutions.append(node)
+            node = source
+        return (node, convolutions) if isinstance(self.layouts.get(node), int) else None
+
     def _fuse(self, decision):
         """Accept a split of a fused projection if the path back to its colwise weight
         only reshapes other dims and nothing else reads the (permuted) columns."""
@@ -834,10 +912,32 @@ class Propagation:
         if params and fused.whole:
             return None  # a convolution's channels are cut, never held whole
         owners = (site.weight_fqn, *params)
-        if any(self.fused.get(fqn, fused) != fused for fqn in owners):
+        if any(self.fused.get(fqn, fused) != fused for fqn in owners) or not self._cut_in_sections(value, fused):
             return None
         self.fused.update(dict.fromkeys(owners, fused))
         return decision
+
+    def _cut_in_sections(self, value: fx.Node, fused: FusedSections) -> bool:
+        """Cut the replicated operands met between a colwise output and its split ``value`` along the
+        fused dim (a constant multiplying the output: Falcon-H1's per-section muP vector) as the
+        projection stores its sections, not in contiguous chunks. False when one carries a gradient:
+        such a cut is not built, and the split is not accepted."""
+        node, cuts = value, {}
+        while self.output_site.get(node) is None:
+            conv = layout_rules.Convolution.of(node)
+            sharded = [i for i in node.all_input_nodes if is_sharded(self.layouts.get(i))]
+            previous = conv.input if conv is not None else sharded[0]
+            for other in node.all_input_nodes:
+                steps = self.edges.get((other, node), ())
+                if other is previous or not any(step.kind == TAKE_SHARD for step in steps):
+                    continue
+                if other in self.carries_grad:
+                    return False
+                cuts[(other, node)] = tuple(dataclasses.replace(step, sections=fused) if step.kind == TAKE_SHARD
+                                            else step for step in steps)
+            node = previous
+        self.edges.update(cuts)
+        return True
 
     # --- what a consumer needs ------------------------------------------------------------------
 
@@ -949,6 +1049,23 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
     if single and (layout_rules.is_pointwise(target) or target in layout_rules.ELEMENTWISE_LIKE):
         return dim, []
     return None
+
+
+def _convolution_params(node: fx.Node, param_fqns) -> list[str]:
+    conv = layout_rules.Convolution.of(node)
+    return [fqn for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)
+            and (fqn := _source_param(t, param_fqns)) is not None]
+
+
+def _heads_of(piece: fx.Node | None, size: int) -> int:
+    """The heads a split's piece of ``size`` channels is viewed into (``B.view(b, s, groups,
+    state)``: its groups), or ``size`` when no reader views it so."""
+    for user in piece.users if piece is not None else ():
+        shape = getattr(user.meta.get("val"), "shape", ())
+        if user.target in _SIZED_VIEWS and len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) \
+                and shape[-2] * shape[-1] == size:
+            return shape[-2]
+    return size
 
 
 def _dense_convolution_weight(node: fx.Node, param_fqns) -> str | None:
@@ -1226,7 +1343,8 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
         values = {v for v, _ in pairs}
         whole = split.args[0] if split is not None else top
         at_parameter = split is None and top.op == "get_attr"
-        if not at_parameter and (len(values) < 2 or _numel(whole) > sum(_numel(v) for v in values)):
+        sizes = [_numel(v) for v in (whole, *values)]
+        if not at_parameter and (len(values) < 2 or (None not in sizes and sizes[0] > sum(sizes[1:]))):
             continue
         for pair in pairs:
             del edges[pair]
@@ -1241,13 +1359,14 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
 _HOIST_REACH, _HOIST_DEPTH = 256, 8
 
 
-def _numel(node: fx.Node) -> int:
-    """Elements of ``node``'s value; 0 when symbolic (a hoist is then judged by count alone)."""
+def _numel(node: fx.Node) -> int | None:
+    """Elements of ``node``'s value; None when not a known number (tokens per expert), and a hoist
+    is then judged by count alone."""
     val = node.meta.get("val")
     try:
-        return int(val.numel()) if isinstance(val, torch.Tensor) else 0
+        return int(val.numel()) if isinstance(val, torch.Tensor) else None
     except (TypeError, ValueError, RuntimeError):
-        return 0
+        return None
 
 
 def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:

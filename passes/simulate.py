@@ -34,10 +34,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.node import map_aggregate
 
-from autoshard import collectives, context_ops
+from autoshard import collectives, context_ops, section_ops
 from autoshard.errors import describe
 from autoshard.mesh import CP, TP
 from autoshard.predict import Tally
+from autoshard.section_ops import section_order
 from autoshard.sharding import Wire, sum_on_wire, widens
 
 aten = torch.ops.aten
@@ -392,6 +393,11 @@ class RankSimulator(fx.Interpreter):
             return _cp_positions(args[0], *on_rank(args[1:], 0), tp=self.tp)
         if target is context_ops.CP_CAUSAL_ATTENTION:
             return self._cp_causal_attention(args, kwargs)
+        if target is section_ops.TAKE_SECTIONS:
+            x, (dim, runs, sizes, whole, _) = args[0], on_rank(args[1:], 0)
+            values = x.values if isinstance(x, PerRank) else [x] * self.ranks
+            return PerRank([v.index_select(dim, section_order(runs, sizes, whole, self.tp, i % self.tp).to(v.device))
+                            for i, v in enumerate(values)])
         if target is collectives.VOCAB_SHARD_IDS:
             return _vocab_shard_ids(args[0], *on_rank(args[1:], 0), tp=self.tp)
         if target is collectives.as_sharded_dtensor:

@@ -1380,6 +1380,107 @@ class NormedMamba(Decoder):
         super().__init__(cfg, lambda c: MambaBlock(c, NormedMambaMixer))
 
 
+# --- Mamba-2 (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Zamba2) -------------------
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """transformers' ``MambaRMSNormGated``: times ``silu(gate)``, then an RMSNorm over each of
+    ``n_groups`` groups of the width (the whole width for one group)."""
+
+    def __init__(self, dim: int, group_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+
+    def forward(self, hidden_states, gate):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float() * F.silu(gate.float())
+        *prefix, width = hidden_states.shape
+        grouped = hidden_states.view(*prefix, width // self.group_size, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * grouped.view(*prefix, width).to(dtype)
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``segment_sum``: ``out[..., i, j] = sum(x[..., j + 1 : i + 1])`` below the
+    diagonal, ``-inf`` above it."""
+    length = x.size(-1)
+    x = x[..., None].expand(*x.size(), length)
+    x = x.masked_fill(~torch.tril(torch.ones(length, length, dtype=torch.bool), diagonal=-1), 0)
+    sums = torch.cumsum(x, dim=-2)
+    return sums.masked_fill(~torch.tril(torch.ones(length, length, dtype=torch.bool), diagonal=0), -torch.inf)
+
+
+class Mamba2Mixer(nn.Module):
+    """transformers' ``Mamba2Mixer`` in its torch path: ``in_proj`` to gate | x,B,C | dt, a depthwise
+    causal ``conv1d`` over x|B|C (``groups=conv_dim``), a split into x (heads), B and C (``n_groups``
+    groups, each shared by its heads, repeated to them), the chunked scan (one chunk: the sequence)
+    with ``A``, ``D`` and ``dt_bias`` per head, a gated norm and ``out_proj``."""
+
+    def __init__(self, cfg: Config, n_groups: int = 1, d_state: int = 16, d_conv: int = 4):
+        super().__init__()
+        self.heads, self.head_dim, self.n_groups, self.d_state = cfg.heads, 2 * cfg.dim // cfg.heads, n_groups, d_state
+        self.intermediate = self.heads * self.head_dim
+        self.conv_dim = self.intermediate + 2 * n_groups * d_state
+        self.in_proj = nn.Linear(cfg.dim, self.intermediate + self.conv_dim + self.heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1)
+        self.dt_bias = nn.Parameter(torch.rand(self.heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GatedGroupRMSNorm(self.intermediate, self.intermediate // n_groups)
+        self.out_proj = nn.Linear(self.intermediate, cfg.dim, bias=False)
+
+    def forward(self, hidden_states):
+        batch, seq_len, _ = hidden_states.shape
+        projected = self.scale_sections(self.in_proj(hidden_states))
+        A = -torch.exp(self.A_log.float())
+        gate, hidden_states_b_c, dt = projected.split([self.intermediate, self.conv_dim, self.heads], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)  # transformers' causal_conv1d_fn: in the weight's dtype and back
+        convolved = F.conv1d(hidden_states_b_c.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1),
+                             self.conv1d.bias, padding=self.conv1d.padding[0], groups=self.conv_dim)
+        hidden_states_b_c = F.silu(convolved[:, :, :seq_len]).to(hidden_states_b_c.dtype).transpose(1, 2)
+        x, B, C = torch.split(hidden_states_b_c, [self.intermediate, self.n_groups * self.d_state,
+                                                  self.n_groups * self.d_state], dim=-1)
+        x = x.view(batch, seq_len, self.heads, self.head_dim).float()
+        B = B.view(batch, seq_len, self.n_groups, self.d_state).float()
+        C = C.view(batch, seq_len, self.n_groups, self.d_state).float()
+        B = B.repeat_interleave(self.heads // self.n_groups, dim=2, output_size=self.heads)
+        C = C.repeat_interleave(self.heads // self.n_groups, dim=2, output_size=self.heads)
+        dt = F.softplus(dt + self.dt_bias)  # [b, s, heads]
+        D_residual = self.D[..., None] * x
+        x = x * dt[..., None]
+        A = (A * dt).permute(0, 2, 1)  # [b, heads, s]
+        L = torch.exp(segment_sum(A))  # [b, heads, l, s]
+        G = torch.einsum("blhn,bshn->blsh", C, B)
+        M = G * L.permute(0, 2, 3, 1)
+        y = torch.einsum("blsh,bshp->blhp", M, x) + D_residual
+        y = self.norm(y.reshape(batch, seq_len, -1), gate)
+        return self.out_proj(y.to(hidden_states.dtype))
+
+    def scale_sections(self, projected):
+        return projected
+
+
+class MupMamba2Mixer(Mamba2Mixer):
+    """Falcon-H1's mixer: ``in_proj``'s output times a buffer holding one muP multiplier per section
+    (gate, x, B, C, dt), before the split."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        groups = self.n_groups * self.d_state
+        sizes = (self.intermediate, self.intermediate, groups, groups, self.heads)
+        vector = torch.cat([torch.full((n,), m) for n, m in zip(sizes, (1.0, 0.5, 2.0, 0.25, 1.5), strict=True)])
+        self.register_buffer("mup_vector", vector.view(1, 1, -1), persistent=False)
+
+    def scale_sections(self, projected):
+        return projected * self.mup_vector
+
+
+class Mamba2(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8), n_groups: int = 1, mixer=Mamba2Mixer):
+        super().__init__(cfg, lambda c: MambaBlock(c, lambda c2: mixer(c2, n_groups) if n_groups != 1 else mixer(c2)))
+
+
 # --- zero-centred and learned per-head parameters (Gemma, Apertus) ------------------------------
 
 
@@ -1591,6 +1692,9 @@ PATTERNS = {
     "flux_single_stream": FluxSingleStream,
     "mamba_mixer": Mamba,
     "normed_mamba_mixer": NormedMamba,
+    "mamba2_mixer": Mamba2,
+    "mamba2_mixer_groups": lambda: Mamba2(n_groups=8),
+    "mup_mamba2_mixer": lambda: Mamba2(mixer=MupMamba2Mixer),
     "zero_centred_qk_norm": ZeroCentredQKNorm,
 }
 
@@ -1670,6 +1774,13 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # 4, and one all-reduce for the block's replicated parameters read by cut values: the q/k
     # norm weights (read as 1 + w) and the activation's two scalars (read through softplus)
     "zero_centred_qk_norm": 5,
+    # Mamba-2 with one group of B and C (shared by every head, held whole): in_proj's input gradient,
+    # out_proj's output, the gated norm's statistic over the cut width (2), and B.C computed whole
+    # for every head and cut per rank's heads, its gradient all-gathered (1)
+    "mamba2_mixer": 5,
+    "mup_mamba2_mixer": 5,
+    # a group per head: B and C cut with the heads, the norm per group: a dense MLP's 2
+    "mamba2_mixer_groups": 2,
 }
 
 

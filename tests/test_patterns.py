@@ -36,8 +36,11 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # q|k|v concatenated through a depthwise conv and split back: the conv stores its channels in sections
     ("gated_deltanet", "2d"),
     # dense convolutions cut over channels: weights stored cut on dim 0 or 1, FSDP on the other
-    ("conv_resnet", "2d"))
-WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query"}
+    ("conv_resnet", "2d"),
+    # Mamba-2's x|B|C through a depthwise conv with B and C whole on every rank (in_proj's columns and
+    # the conv's channels stored in sections), a per-section constant cut in the stored order
+    ("mup_mamba2_mixer", "2d"))
+WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query", "mup_mamba2_mixer"}
 # stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
 RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}
 # the grouped experts multiply in bfloat16 (the kernel's dtype): one device sums each expert's
