@@ -372,7 +372,9 @@ class _Records:
     def edges(self) -> None:
         """Every redistribution propagation put on a use, once per value and step (a colwise
         linear's own input step is its group's, recorded by :meth:`colwise_groups`)."""
-        seen = set()
+        # an input a colwise group enters is entered once for every reader (one shared node): recorded there
+        seen = {(value, step) for (value, consumer), steps in self.lp.edges.items()
+                if consumer in self.colwise_nodes for step in steps[:1] if step.kind is Step.ENTER_TP}
         for (value, consumer), steps in self.lp.edges.items():
             for step in steps:
                 key = (value, step)

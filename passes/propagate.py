@@ -269,7 +269,9 @@ class LayoutPlan:
                 position = {n: i for i, n in enumerate(value.graph.nodes)}
             first = min(readers, key=position.__getitem__)
             groups.setdefault((units.pop(), value.meta["val"].dtype), []).append((value, first))
-        return tuple(EnterTpBucket(tuple(v for v, _ in pairs), min((c for _, c in pairs), key=position.__getitem__))
+        # in graph order: every rank must lay its gradients out alike in the one all-reduce
+        return tuple(EnterTpBucket(tuple(sorted((v for v, _ in pairs), key=position.__getitem__)),
+                                   min((c for _, c in pairs), key=position.__getitem__))
                      for pairs in groups.values() if len(pairs) > 1)
 
     def take_shard_buckets(self) -> tuple[TakeShardBucket, ...]:
@@ -851,12 +853,13 @@ class Propagation:
         if outer.target != _aten.split_with_sizes.default or outer not in self.new_args:
             return None
         source, outer_sizes, index = outer.args[0], tuple(outer.args[1]), piece.args[1]
-        site, params = _fused_origin(source, self.layouts, self.output_site, self.param_fqns,
-                                     readers=len(source.users))
+        origins = _fused_origins(source, self.layouts, self.output_site, self.param_fqns, readers=len(source.users))
         sizes = tuple(node.args[1])
-        if (site is None or params or self.fused.get(site.weight_fqn) != FusedSections(outer_sizes)
+        if (not origins or len(origins) != 1 or origins[0][1]
+                or self.fused.get(origins[0][0].weight_fqn) != FusedSections(outer_sizes)
                 or sum(sizes) != outer_sizes[index]):
             return None
+        site = origins[0][0]
         pieces = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         whole = tuple(j for j, size in enumerate(sizes) if size % self.tp or _heads_of(pieces.get(j), size) % self.tp)
         if len(whole) == len(sizes):
@@ -904,14 +907,14 @@ class Propagation:
         """Accept a split of a fused projection if the path back to its colwise weight
         only reshapes other dims and nothing else reads the (permuted) columns."""
         value = next(iter(decision.inputs))
-        site, params = _fused_origin(value, self.layouts, self.output_site, self.param_fqns,
-                                     readers=len(value.users))
-        if site is None or self.roles.get(site.weight_fqn) != COLWISE:
+        origins = _fused_origins(value, self.layouts, self.output_site, self.param_fqns, readers=len(value.users))
+        if not origins or any(self.roles.get(site.weight_fqn) != COLWISE for site, _ in origins):
             return None
         fused = FusedSections(decision.fused_sections, decision.whole_sections, decision.section_runs)
+        params = [fqn for _, found in origins for fqn in found]
         if params and fused.whole:
             return None  # a convolution's channels are cut, never held whole
-        owners = (site.weight_fqn, *params)
+        owners = (*(site.weight_fqn for site, _ in origins), *params)
         if any(self.fused.get(fqn, fused) != fused for fqn in owners) or not self._cut_in_sections(value, fused):
             return None
         self.fused.update(dict.fromkeys(owners, fused))
@@ -922,20 +925,23 @@ class Propagation:
         fused dim (a constant multiplying the output: Falcon-H1's per-section muP vector) as the
         projection stores its sections, not in contiguous chunks. False when one carries a gradient:
         such a cut is not built, and the split is not accepted."""
-        node, cuts = value, {}
-        while self.output_site.get(node) is None:
+        frontier, cuts = [value], {}
+        while frontier:
+            node = frontier.pop()
+            if self.output_site.get(node) is not None:
+                continue
             conv = layout_rules.Convolution.of(node)
-            sharded = [i for i in node.all_input_nodes if is_sharded(self.layouts.get(i))]
-            previous = conv.input if conv is not None else sharded[0]
+            previous = [conv.input] if conv is not None else [
+                i for i in node.all_input_nodes if is_sharded(self.layouts.get(i))]
             for other in node.all_input_nodes:
                 steps = self.edges.get((other, node), ())
-                if other is previous or not any(step.kind == TAKE_SHARD for step in steps):
+                if other in previous or not any(step.kind == TAKE_SHARD for step in steps):
                     continue
                 if other in self.carries_grad:
                     return False
                 cuts[(other, node)] = tuple(dataclasses.replace(step, sections=fused) if step.kind == TAKE_SHARD
                                             else step for step in steps)
-            node = previous
+            frontier += previous
         self.edges.update(cuts)
         return True
 
@@ -1186,35 +1192,41 @@ def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: 
     return True
 
 
-def _fused_origin(value: fx.Node, layouts, output_site, param_fqns,
-                  readers: int = 1) -> tuple[LinearSite | None, list[str]]:
-    """The colwise site whose output reaches ``value`` through single-use reshapes of
-    other dims (the sharded dim keeps the site's full output size all the way), and the
-    parameters of the depthwise convolutions on the way (gated DeltaNet's ``conv1d`` between
-    ``in_proj_qkv`` and its split), which hold their channels in the site's order.
-    ``value`` itself has ``readers`` users: the split, or the slices tiling it."""
-    node, allowed_users, params = value, readers, []
-    while True:
+def _fused_origins(value: fx.Node, layouts, output_site, param_fqns,
+                   readers: int = 1) -> list[tuple[LinearSite, list[str]]] | None:
+    """The colwise sites whose outputs reach ``value`` through single-use reshapes of other dims
+    (the sharded dim keeps the sites' full output size all the way) and sums of such outputs (a
+    LoRA adapter's ``lora_B`` added to its base projection), each with the parameters of the
+    depthwise convolutions on its way (gated DeltaNet's ``conv1d`` between ``in_proj_qkv`` and its
+    split), which hold their channels in the sites' order. ``value`` itself has ``readers`` users:
+    the split, or the slices tiling it."""
+
+    def walk(node: fx.Node, allowed_users: int, params: list[str]):
         site = output_site.get(node)
         lay = layouts.get(node)
         size = layout_rules.size_expr(node.meta["val"].shape[lay]) if isinstance(lay, int) else None
         if len(node.users) != allowed_users or size is None:
-            return None, []
-        allowed_users = 1
+            return None
         if site is not None:
-            return (site, params) if size == site.out_features else (None, [])
+            return [(site, params)] if size == site.out_features else None
         conv = layout_rules.Convolution.of(node)
         if conv is not None and lay == 1:
             found = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
             if None in found or not isinstance(conv.input, fx.Node):
-                return None, []
-            params += found
-            node = conv.input
-            continue
+                return None
+            return walk(conv.input, 1, params + found)
         sharded = [i for i in node.all_input_nodes if is_sharded(layouts.get(i))]
-        if len(sharded) != 1:
-            return None, []
-        node = sharded[0]
+        if len(sharded) == 1:
+            return walk(sharded[0], 1, params)
+        if node.target not in _SUMS or any(layouts.get(i) != lay or _ndim(i) != _ndim(node) for i in sharded):
+            return None
+        found = [walk(i, 1, params) for i in sharded]
+        return None if None in found else [origin for branch in found for origin in branch]
+
+    return walk(value, readers, [])
+
+
+_SUMS = (_aten.add.Tensor, _aten.sub.Tensor)
 
 
 def is_sharded(layout) -> bool:
@@ -1265,8 +1277,10 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
     backward is linear in the gradient it is given, and a replicated computation is the same on
     every rank, so summing over tp before it or after it gives one sum. So ``enter_tp`` may climb
     from a value to an ancestor ``top`` when everything between them is replicated, takes its
-    gradient only from ``top``, and is read only by ``enter_tp`` or by itself (views, casts, a
-    weightless norm of a split's piece). Two hoists pay:
+    gradient only from ``top`` or from parameters, and is read only by ``enter_tp`` or by itself
+    (views, casts, a weightless norm of a split's piece, a LoRA adapter's ``lora_A`` computed
+    whole). Those parameters' gradients turn partial too, so they enter tp as well, in their
+    block's bucket. Two hoists pay:
 
     - several entered values meet in one (a split's pieces, per-step selects, per-expert slices
       of dense routing weights) that is no larger than they are together: one all-reduce instead
@@ -1303,9 +1317,15 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
                         return None
                     members.add(user)
                     frontier.append(user)
-        if any(i is not top and i not in members for m in members for i in gradient_inputs(m)):
-            return None  # a gradient from elsewhere meets top's below it
-        return members, pairs
+        weights = []
+        for member in sorted(members, key=lambda n: n.name):  # every rank plans alike: no set order
+            for i in gradient_inputs(member):
+                if i is top or i in members:
+                    continue
+                if i.op != "get_attr" or (i, member) in edges:
+                    return None  # a gradient from elsewhere meets top's below it
+                weights.append((i, member))  # a weight of replicated work (LoRA's lora_A): entered too
+        return members, pairs, weights
 
     def ancestors(node: fx.Node):
         """Replicated values ``node``'s gradient flows to, nearest first."""
@@ -1339,7 +1359,7 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             continue
         if split is not None:
             found = below(split)
-        _, pairs = found
+        _, pairs, weights = found
         values = {v for v, _ in pairs}
         whole = split.args[0] if split is not None else top
         at_parameter = split is None and top.op == "get_attr"
@@ -1348,6 +1368,8 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             continue
         for pair in pairs:
             del edges[pair]
+        for pair in weights:
+            edges[pair] = ENTER_ONLY
         if split is not None:
             edges[(whole, split)] = edges.get((whole, split), ()) + ENTER_ONLY
         else:

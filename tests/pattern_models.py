@@ -1481,6 +1481,53 @@ class Mamba2(Decoder):
         super().__init__(cfg, lambda c: MambaBlock(c, lambda c2: mixer(c2, n_groups) if n_groups != 1 else mixer(c2)))
 
 
+# --- LoRA adapters (PEFT, Zamba2's shared blocks) -------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """PEFT's ``lora.Linear``: the base projection plus ``lora_B(lora_A(dropout(x))) * scaling``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base_layer = nn.Linear(in_features, out_features, bias=False)
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)  # PEFT starts it at zero; trained, it is not
+        self.dropout = nn.Dropout(0.0)
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+class LoRAAttention(QKVAttention):
+    """LoRA on q and v, PEFT's default targets for Llama-style attention."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.wq = LoRALinear(cfg.dim, cfg.heads * cfg.head_dim)
+        self.wv = LoRALinear(cfg.dim, cfg.kv_heads * cfg.head_dim)
+
+
+class LoRAFusedMLP(nn.Module):
+    """Phi-3's fused ``gate_up_proj`` (then ``chunk(2)``) with LoRA, as Zamba2's shared blocks add
+    their adapters to it, and ``down_proj``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_up_proj = LoRALinear(cfg.dim, 2 * cfg.ffn)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LoRADecoder(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, lambda c: Block(c, LoRAAttention, LoRAFusedMLP))
+
+
 # --- zero-centred and learned per-head parameters (Gemma, Apertus) ------------------------------
 
 
@@ -1695,6 +1742,7 @@ PATTERNS = {
     "mamba2_mixer": Mamba2,
     "mamba2_mixer_groups": lambda: Mamba2(n_groups=8),
     "mup_mamba2_mixer": lambda: Mamba2(mixer=MupMamba2Mixer),
+    "lora_adapters": LoRADecoder,
     "zero_centred_qk_norm": ZeroCentredQKNorm,
 }
 
@@ -1732,9 +1780,11 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "fused_qkv_hooks": 4,
     "expand_as_mask": 4,
     "vision_fused_qkv": 4,
-    # the latent path (wkv_a, narrowing) is computed whole: the gradients of the latent and of the
-    # rotary key shared by all heads are each all-reduced in backward (2 more than a dense block)
-    "latent_attention": 6,
+    # the latent path (wkv_a, narrowing) is computed whole, replicated work between the normed input
+    # and the cut heads: the input's gradient is summed once for wq and the latent path, and the
+    # latent path's weights (wkv_a, kv_norm), whose gradients are then partial, in the block's
+    # bucket (1 more than a dense block)
+    "latent_attention": 5,
     # transformers' DeepSeek-V3 code: both down-projections (q_a_proj, kv_a_proj_with_mqa) computed
     # whole, q_b_proj and kv_b_proj colwise over heads; as above, the kv latent's and the shared
     # rotary key's gradients are each all-reduced, and the q latent's too
@@ -1781,6 +1831,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "mup_mamba2_mixer": 5,
     # a group per head: B and C cut with the heads, the norm per group: a dense MLP's 2
     "mamba2_mixer_groups": 2,
+    # LoRA on q, v and the fused gate|up: each lora_A computed whole, each lora_B colwise (on gate|up
+    # in its base's sections); the adapters' input enters tp with the base projections' (one
+    # all-reduce), so the lora_A weights' gradients are partial: summed in the block's bucket (1)
+    "lora_adapters": 5,
 }
 
 

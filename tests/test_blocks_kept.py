@@ -45,7 +45,8 @@ def _blocks(plan, prefix):
                                                            "mamba_mixer", "low_rank_latent_attention", "gated_deltanet",
                                                            "gated_deltanet_fused", "conv_resnet",
                                                            "normed_mamba_mixer", "zero_centred_qk_norm",
-                                                           "mamba2_mixer", "mup_mamba2_mixer", "mamba2_mixer_groups"))
+                                                           "mamba2_mixer", "mup_mamba2_mixer", "mamba2_mixer_groups",
+                                                           "lora_adapters"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -58,7 +59,7 @@ def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
 BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "in_place_parallel", "diffusers_dit", "flux_single_stream", "mamba_mixer", "low_rank_latent_attention",
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
-    "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups")
+    "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
@@ -184,6 +185,23 @@ def test_the_pieces_of_a_split_enter_tp_together_at_the_split(name):
                if c.subject.startswith("grad of") and plan.unit_of_activation(i) == "layers.0"]
     assert len(entered) == 1 and "split" in entered[0].cause, entered
     assert not [c for c in plan.params["layers.0.mixer.dt_proj.weight"].collectives if c.runs]
+
+
+def test_lora_adapters_keep_tp_and_every_rank_buckets_their_weights_in_graph_order():
+    """PEFT-style LoRA on q, v and a fused gate|up: lora_A computed whole (narrow), lora_B colwise in
+    its base's sections. The adapters' input enters tp with the base projections', so the lora_A
+    weights' gradients are partial and summed in the block's bucket. Every rank plans on its own:
+    the bucket lays the gradients out in graph order, never in a set's order."""
+    orders = set()
+    for _ in range(3):
+        plan = _proven(PATTERNS["lora_adapters"](), {"dp": 2, "tp": 2}, TOKENS)
+        assert plan.params["layers.0.feed_forward.gate_up_proj.lora_B.weight"].sections == (128, 128)
+        bucket = [c for entry in plan.params.values() for c in entry.collectives
+                  if c.counted and c.subject == "grad" and c.shared_by and c.shared_by[0].startswith("layers.0.")]
+        assert len(bucket) == 1
+        orders.add(bucket[0].shared_by)
+    assert orders == {tuple(f"layers.0.{m}.lora_A.weight" for m in (
+        "attention.wq", "attention.wv", "feed_forward.gate_up_proj"))}
 
 
 class _FilledBuffer(torch.nn.Module):

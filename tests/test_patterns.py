@@ -39,7 +39,10 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     ("conv_resnet", "2d"),
     # Mamba-2's x|B|C through a depthwise conv with B and C whole on every rank (in_proj's columns and
     # the conv's channels stored in sections), a per-section constant cut in the stored order
-    ("mup_mamba2_mixer", "2d"))
+    ("mup_mamba2_mixer", "2d"),
+    # LoRA adapters: lora_A whole, lora_B colwise (in its base's fused sections), their weights' partial
+    # gradients summed with the block's bucket
+    ("lora_adapters", "2d"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query", "mup_mamba2_mixer"}
 # stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
 RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}
