@@ -458,7 +458,10 @@ class Collective:
             return f"{self.direction} {self.subject} {_PAST[self.kind]} with {first}"
         shared = ""
         if len(self.shared_by) > 1:
-            shared = f" (shared by {len(self.shared_by)}: {', '.join(_short(n) for n in self.shared_by)})"
+            shorts = [_short(n) for n in self.shared_by]
+            names = [".".join(n.split(".")[-2:]) if shorts.count(short) > 1 else short
+                     for n, short in zip(self.shared_by, shorts, strict=True)]  # norm.weight, norm.bias
+            shared = f" (shared by {len(self.shared_by)}: {', '.join(names)})"
         if self.kind == GATHER_SCATTER:
             return f"{FWD} {ALL_GATHER} {self.subject}{over}, {BWD} {REDUCE_SCATTER} its grad{cause}{shared}"
         return f"{self.direction} {self.kind} {self.subject}{over}{cause}{shared}"

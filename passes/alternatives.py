@@ -32,7 +32,8 @@ Computing a linear whole adds work on every rank, so only linears that together 
 the root or in a unit of its own such as a final layer's modulation: of the model's) are
 tried: a per-sample modulation or a narrow input embedding, not an attention projection run
 on every token. The decision
-and both totals go into each weight's note.
+and both totals go into each weight's note. A place kept whole by a trial of several is cut
+again afterwards when that alone costs less.
 """
 
 from __future__ import annotations
@@ -105,7 +106,32 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
             if kept:
                 break
         if not kept:
+            return _pruned(captured, sites, axes, options, layout_plan, whole, cost)
+
+
+def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
+            layout_plan: LayoutPlan, whole: dict[str, str], cost) -> LayoutPlan:
+    """``layout_plan`` with each place kept whole by a trial of several (all of a kind at once) cut
+    again while that costs less: a trial pays as a whole even when one of its linears does not (a
+    LoRA ``lora_A`` on a rowwise layer, whose partial output its ``lora_B`` carries through)."""
+    while whole:
+        places: dict[str, list[str]] = {}
+        for fqn in whole:
+            block = owner_block(fqn, captured.block_fqns)
+            places.setdefault(fqn[len(block) + 1:] if block else fqn, []).append(fqn)
+        if len(places) < 2:
             return layout_plan
+        for fqns in places.values():
+            kept = {fqn: why for fqn, why in whole.items() if fqn not in fqns}
+            revised = _trial_cost(captured, axes, options, kept)
+            if revised < cost:
+                whole, cost = kept, revised
+                layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
+                                        written=captured.written, block_fqns=captured.block_fqns)
+                break
+        else:
+            return layout_plan
+    return layout_plan
 
 
 def _trial_cost(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, whole: dict[str, str]):

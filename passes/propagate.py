@@ -645,6 +645,8 @@ class Propagation:
 
     def _linear(self, site: LinearSite) -> None:
         node = site.node
+        if self._partial_through(site):
+            return
         input_layout = self.seen(site.input)
         if input_layout is not None and not self.from_colwise(site.input):
             input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
@@ -674,6 +676,40 @@ class Propagation:
         else:
             self.require(site.input, node, None)
             self.layouts[node] = self.layouts[site.output] = None
+
+    def _partial_through(self, site: LinearSite) -> bool:
+        """A linear without bias on a partial sum, whose output is added (scaled, viewed) to another
+        partial sum: computed whole on each rank's share, it gives each rank's share of its output
+        (a linear map of a sum is the sum of the maps), so both are reduced in one all-reduce. A
+        LoRA adapter on a rowwise layer (PEFT's ``o_proj``/``down_proj``): ``lora_A`` rowwise, then
+        ``lora_B`` through. The weight's gradient is a sum over the ranks' shares: it enters tp."""
+        node = site.node
+        if (self.fixed_roles is not None or site.bias_node is not None or site.weight_cast is not None
+                or self.seen(site.input) != PARTIAL or node.target != _aten.linear.default
+                or node.args[1] is not site.weight_node or site.weight_fqn in self.sites.shared
+                or site.weight_fqn in self.sites.tied or site.weight_fqn in self.revised.replicated):
+            return False
+        value = site.output
+        while True:
+            (user,) = value.users if len(value.users) == 1 else (None,)
+            if user is None or user.op != "call_function":
+                return False
+            if user.target in (_aten.add.Tensor, _aten.sub.Tensor) and len(user.all_input_nodes) == 2:
+                other = next(i for i in user.all_input_nodes if i is not value)
+                if self.layouts.get(other) != PARTIAL:
+                    return False
+                break
+            scalar = user.target in (_aten.mul.Tensor, _aten.div.Tensor) and user.all_input_nodes == [value]
+            if not (scalar or user.target in _SIZED_VIEWS):
+                return False
+            value = user
+        self.roles[site.weight_fqn] = REPLICATE
+        self.notes[site.weight_fqn] = ("computed whole on each rank's share of its partial-sum input: its output is "
+                                       "each rank's share too, reduced with the partial sum it is added to")
+        self.require(site.input, node, PARTIAL)
+        self.require(site.weight_node, node, None, then=self.partial_grad(site.weight_node))
+        self.layouts[node] = self.layouts[site.output] = PARTIAL
+        return True
 
     def _embedding(self, site: EmbeddingSite) -> None:
         node = site.node

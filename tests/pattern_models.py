@@ -1511,12 +1511,12 @@ class LoRAAttention(QKVAttention):
 
 class LoRAFusedMLP(nn.Module):
     """Phi-3's fused ``gate_up_proj`` (then ``chunk(2)``) with LoRA, as Zamba2's shared blocks add
-    their adapters to it, and ``down_proj``."""
+    their adapters to it, and ``down_proj`` with LoRA (PEFT's ``all-linear``)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
         self.gate_up_proj = LoRALinear(cfg.dim, 2 * cfg.ffn)
-        self.down_proj = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+        self.down_proj = LoRALinear(cfg.ffn, cfg.dim)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -1831,9 +1831,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "mup_mamba2_mixer": 5,
     # a group per head: B and C cut with the heads, the norm per group: a dense MLP's 2
     "mamba2_mixer_groups": 2,
-    # LoRA on q, v and the fused gate|up: each lora_A computed whole, each lora_B colwise (on gate|up
-    # in its base's sections); the adapters' input enters tp with the base projections' (one
-    # all-reduce), so the lora_A weights' gradients are partial: summed in the block's bucket (1)
+    # LoRA on q, v, the fused gate|up and down: on the colwise bases each lora_A computed whole, each
+    # lora_B colwise (on gate|up in its base's sections), the adapters' input entering tp with the
+    # bases'; on down lora_A rowwise and lora_B computed whole on its partial output, reduced with
+    # the base's. The weights whose gradients are then partial are summed in the block's bucket (1)
     "lora_adapters": 5,
 }
 

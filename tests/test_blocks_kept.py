@@ -188,20 +188,26 @@ def test_the_pieces_of_a_split_enter_tp_together_at_the_split(name):
 
 
 def test_lora_adapters_keep_tp_and_every_rank_buckets_their_weights_in_graph_order():
-    """PEFT-style LoRA on q, v and a fused gate|up: lora_A computed whole (narrow), lora_B colwise in
-    its base's sections. The adapters' input enters tp with the base projections', so the lora_A
-    weights' gradients are partial and summed in the block's bucket. Every rank plans on its own:
-    the bucket lays the gradients out in graph order, never in a set's order."""
+    """PEFT-style LoRA on q, v, a fused gate|up (colwise bases) and down (a rowwise base). On a
+    colwise base lora_A is computed whole (narrow) and lora_B is colwise, in its base's sections;
+    the adapters' input enters tp with the bases', so the lora_A weights' gradients are partial.
+    On the rowwise base lora_A is rowwise and lora_B computed whole on its partial output, reduced
+    with the base's: its weight's gradient is partial. All are summed in the block's bucket. Every
+    rank plans on its own: the bucket lays the gradients out in graph order, never a set's."""
     orders = set()
     for _ in range(3):
         plan = _proven(PATTERNS["lora_adapters"](), {"dp": 2, "tp": 2}, TOKENS)
         assert plan.params["layers.0.feed_forward.gate_up_proj.lora_B.weight"].sections == (128, 128)
+        down = "layers.0.feed_forward.down_proj"
+        assert (plan.params[f"{down}.lora_A.weight"].role, plan.params[f"{down}.lora_B.weight"].role) == (
+            Role.ROWWISE, Role.REPLICATE)
+        assert "reduced with the partial sum it is added to" in plan.params[f"{down}.lora_B.weight"].note
         bucket = [c for entry in plan.params.values() for c in entry.collectives
                   if c.counted and c.subject == "grad" and c.shared_by and c.shared_by[0].startswith("layers.0.")]
         assert len(bucket) == 1
         orders.add(bucket[0].shared_by)
-    assert orders == {tuple(f"layers.0.{m}.lora_A.weight" for m in (
-        "attention.wq", "attention.wv", "feed_forward.gate_up_proj"))}
+    assert orders == {(*(f"layers.0.{m}.lora_A.weight" for m in (
+        "attention.wq", "attention.wv", "feed_forward.gate_up_proj")), f"{down}.lora_B.weight")}
 
 
 class _FilledBuffer(torch.nn.Module):

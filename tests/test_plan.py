@@ -59,15 +59,16 @@ def test_plan_dict_round_trips_through_json():
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["version"] == 2
     assert data["mesh"] == {"dp": 2, "tp": 2}
-    assert data["params"]["blocks.0.fc1.weight"] == {
+    # block 1's: block 0 reads the model's input, which needs no gradient (its norm's weights enter tp)
+    assert data["params"]["blocks.1.fc1.weight"] == {
         "role": "colwise",
         "shape": [64, 32],
         "transposed": True,
         "placements": {"dp": "S(0)", "tp": "S(1)"},
-        "unit": "blocks.0",
+        "unit": "blocks.1",
         "collectives": [{
             "kind": "all-reduce", "direction": "bwd", "subject": "input grad", "cause": "", "shared_by": [
-                "blocks.0.fc1.weight"], "counted": True, "over_sequence": False, "dim": None, "axis": "tp",
+                "blocks.1.fc1.weight"], "counted": True, "over_sequence": False, "dim": None, "axis": "tp",
             "numel": 2 * 5 * 32, "dtype": "float32",  # the input [2, 5, 32] whose gradient is all-reduced
         }],
         "note": "",
