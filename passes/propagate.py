@@ -645,7 +645,7 @@ class Propagation:
 
     def _linear(self, site: LinearSite) -> None:
         node = site.node
-        if self._partial_through(site):
+        if self._partial_through(site) or self._along_rows(site):
             return
         input_layout = self.seen(site.input)
         if input_layout is not None and not self.from_colwise(site.input):
@@ -676,6 +676,26 @@ class Propagation:
         else:
             self.require(site.input, node, None)
             self.layouts[node] = self.layouts[site.output] = None
+
+    def _along_rows(self, site: LinearSite) -> bool:
+        """A bias-free linear on an input cut on a dim it does not contract (the heads of
+        ``[b, s, heads, d] @ proj``: Inkling's per-head relative logits): each rank applies the
+        whole weight to its own rows, and the output keeps the cut. The weight's gradient is a sum
+        over the ranks' rows: it enters tp (the block's bucket)."""
+        node, layout = site.node, self.seen(site.input)
+        if (self.fixed_roles is not None or not isinstance(layout, int) or layout == _ndim(site.input) - 1
+                or site.bias_node is not None or site.weight_cast is not None or len(node.args) < 2
+                or node.args[1] is not site.weight_node or _ndim(node) != _ndim(site.input)
+                or site.weight_fqn in self.sites.shared or site.weight_fqn in self.sites.tied
+                or site.weight_fqn in self.revised.replicated):
+            return False
+        self.roles[site.weight_fqn] = REPLICATE
+        self.notes[site.weight_fqn] = ("applied whole to each rank's rows of an input cut on a dim it does not "
+                                       "contract: its output keeps the cut")
+        self.require(site.input, node, layout)
+        self.require(site.weight_node, node, None, then=self.partial_grad(site.weight_node))
+        self.layouts[node] = self.layouts[site.output] = layout
+        return True
 
     def _partial_through(self, site: LinearSite) -> bool:
         """A linear without bias on a partial sum, whose output is added (scaled, viewed) to another

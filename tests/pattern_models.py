@@ -1528,6 +1528,40 @@ class LoRADecoder(Decoder):
         super().__init__(cfg, lambda c: Block(c, LoRAAttention, LoRAFusedMLP))
 
 
+# --- relative logits per head from a shared table (Inkling) -----------------------------------
+
+
+class RelativeLogitsAttention(QKVAttention):
+    """Inkling's attention bias: each head's ``relative_states`` ([b, s, heads, d_rel], from its own
+    projection) times one trained table of bias-vs-distance profiles ``proj [d_rel, extent]``
+    shared by every head, gathered at each query-key distance and added to the scores."""
+
+    def __init__(self, cfg: Config, d_rel: int = 8, extent: int = 16):
+        super().__init__(cfg)
+        self.d_rel, self.extent = d_rel, extent
+        self.wr = nn.Linear(cfg.dim, cfg.heads * d_rel, bias=False)
+        self.proj = nn.Parameter(torch.randn(d_rel, extent) / d_rel**0.5)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        relative_states = self.wr(x).view(b, s, self.n_heads, self.d_rel)
+        rel_logits = (relative_states @ self.proj).transpose(1, 2)  # [b, heads, s, extent]
+        positions = torch.arange(s)
+        distance = (positions[:, None] - positions[None, :])[None, None, :, :]
+        index = distance.clamp(0, self.extent - 1).expand(*rel_logits.shape[:2], -1, -1)
+        bias = rel_logits.gather(-1, index).masked_fill((distance < 0) | (distance >= self.extent), 0.0)
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + bias
+        scores = scores.masked_fill(distance < 0, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2)
+        return self.wo(out.reshape(b, s, -1))
+
+
+class RelativeLogits(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, lambda c: Block(c, RelativeLogitsAttention))
+
+
 # --- zero-centred and learned per-head parameters (Gemma, Apertus) ------------------------------
 
 
@@ -1743,6 +1777,7 @@ PATTERNS = {
     "mamba2_mixer_groups": lambda: Mamba2(n_groups=8),
     "mup_mamba2_mixer": lambda: Mamba2(mixer=MupMamba2Mixer),
     "lora_adapters": LoRADecoder,
+    "relative_logits": RelativeLogits,
     "zero_centred_qk_norm": ZeroCentredQKNorm,
 }
 
@@ -1836,6 +1871,9 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # bases'; on down lora_A rowwise and lora_B computed whole on its partial output, reduced with
     # the base's. The weights whose gradients are then partial are summed in the block's bucket (1)
     "lora_adapters": 5,
+    # a dense block's 4, and the shared relative-logits table applied whole to each rank's heads:
+    # its gradient, a sum over the ranks' heads, all-reduced (1)
+    "relative_logits": 5,
 }
 
 
