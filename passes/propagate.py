@@ -684,6 +684,7 @@ class Propagation:
         over the ranks' rows: it enters tp (the block's bucket)."""
         node, layout = site.node, self.seen(site.input)
         if (self.fixed_roles is not None or not isinstance(layout, int) or layout == _ndim(site.input) - 1
+                or (self.options.sequence_parallel and layout == SEQ_DIM)  # the stream: gathered for colwise
                 or site.bias_node is not None or site.weight_cast is not None or len(node.args) < 2
                 or node.args[1] is not site.weight_node or _ndim(node) != _ndim(site.input)
                 or site.weight_fqn in self.sites.shared or site.weight_fqn in self.sites.tied
