@@ -448,6 +448,10 @@ class FusedSections:
     def text(self) -> str:
         return "|".join(f"{size}*" if i in self.whole else str(size) for i, size in enumerate(self.sizes))
 
+    def local_sizes(self, tp: int) -> list[int]:
+        """Each section's columns on one rank: its ``1/tp`` share, or all of a whole one."""
+        return [size if i in self.whole else size // tp for i, size in enumerate(self.sizes)]
+
     def duplicated(self, tp: int) -> int:
         """Stored columns beyond the original ones: the whole sections' extra copies."""
         return (tp - 1) * sum(self.sizes[i] for i in self.whole)

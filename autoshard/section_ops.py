@@ -126,9 +126,11 @@ def section_order(runs: list[int], sizes: list[int], whole: list[int], tp: int, 
 def _(x, dim, runs, sizes, whole, group_name):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
+    from autoshard.plan import FusedSections
+
     tp = torch.distributed.get_world_size(_resolve_process_group(group_name))
     shape = list(x.shape)
-    shape[dim] = sum(size if i in whole else size // tp for i, size in enumerate(sizes))
+    shape[dim] = sum(FusedSections(tuple(sizes), tuple(whole)).local_sizes(tp))
     return x.new_empty(shape)
 
 

@@ -82,10 +82,7 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         kept = False
         for kind in _KINDS:
             found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in whole]
-            places: dict[str, list[str]] = {}
-            for fqn in found:
-                block = owner_block(fqn, captured.block_fqns)
-                places.setdefault(fqn[len(block) + 1:] if block else fqn, []).append(fqn)
+            places = _places(found, captured.block_fqns)
             trials = [found] + (list(places.values()) if len(places) > 1 else [])
             for trial_fqns in trials:
                 candidates = budget.affordable(trial_fqns, kind.budget)
@@ -115,10 +112,7 @@ def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: Plan
     again while that costs less: a trial pays as a whole even when one of its linears does not (a
     LoRA ``lora_A`` on a rowwise layer, whose partial output its ``lora_B`` carries through)."""
     while whole:
-        places: dict[str, list[str]] = {}
-        for fqn in whole:
-            block = owner_block(fqn, captured.block_fqns)
-            places.setdefault(fqn[len(block) + 1:] if block else fqn, []).append(fqn)
+        places = _places(whole, captured.block_fqns)
         if len(places) < 2:
             return layout_plan
         for fqns in places.values():
@@ -132,6 +126,15 @@ def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: Plan
         else:
             return layout_plan
     return layout_plan
+
+
+def _places(fqns, block_fqns: tuple[str, ...]) -> dict[str, list[str]]:
+    """``fqns`` by place: a weight's name within its block, so a stack's layers go together."""
+    places: dict[str, list[str]] = {}
+    for fqn in fqns:
+        block = owner_block(fqn, block_fqns)
+        places.setdefault(fqn[len(block) + 1:] if block else fqn, []).append(fqn)
+    return places
 
 
 def _trial_cost(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, whole: dict[str, str]):

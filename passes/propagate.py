@@ -683,19 +683,12 @@ class Propagation:
         whole weight to its own rows, and the output keeps the cut. The weight's gradient is a sum
         over the ranks' rows: it enters tp (the block's bucket)."""
         node, layout = site.node, self.seen(site.input)
-        if (self.fixed_roles is not None or not isinstance(layout, int) or layout == _ndim(site.input) - 1
+        if (not self._whole_weight_may_read(site) or not isinstance(layout, int) or layout == _ndim(site.input) - 1
                 or (self.options.sequence_parallel and layout == SEQ_DIM)  # the stream: gathered for colwise
-                or site.bias_node is not None or site.weight_cast is not None or len(node.args) < 2
-                or node.args[1] is not site.weight_node or _ndim(node) != _ndim(site.input)
-                or site.weight_fqn in self.sites.shared or site.weight_fqn in self.sites.tied
-                or site.weight_fqn in self.revised.replicated):
+                or _ndim(node) != _ndim(site.input)):
             return False
-        self.roles[site.weight_fqn] = REPLICATE
-        self.notes[site.weight_fqn] = ("applied whole to each rank's rows of an input cut on a dim it does not "
-                                       "contract: its output keeps the cut")
-        self.require(site.input, node, layout)
-        self.require(site.weight_node, node, None, then=self.partial_grad(site.weight_node))
-        self.layouts[node] = self.layouts[site.output] = layout
+        self._whole_weight_reads(site, layout, "applied whole to each rank's rows of an input cut on a dim it does "
+                                              "not contract: its output keeps the cut")
         return True
 
     def _partial_through(self, site: LinearSite) -> bool:
@@ -704,18 +697,15 @@ class Propagation:
         (a linear map of a sum is the sum of the maps), so both are reduced in one all-reduce. A
         LoRA adapter on a rowwise layer (PEFT's ``o_proj``/``down_proj``): ``lora_A`` rowwise, then
         ``lora_B`` through. The weight's gradient is a sum over the ranks' shares: it enters tp."""
-        node = site.node
-        if (self.fixed_roles is not None or site.bias_node is not None or site.weight_cast is not None
-                or self.seen(site.input) != PARTIAL or node.target != _aten.linear.default
-                or node.args[1] is not site.weight_node or site.weight_fqn in self.sites.shared
-                or site.weight_fqn in self.sites.tied or site.weight_fqn in self.revised.replicated):
+        if (not self._whole_weight_may_read(site) or self.seen(site.input) != PARTIAL
+                or site.node.target != _aten.linear.default):
             return False
         value = site.output
         while True:
             (user,) = value.users if len(value.users) == 1 else (None,)
             if user is None or user.op != "call_function":
                 return False
-            if user.target in (_aten.add.Tensor, _aten.sub.Tensor) and len(user.all_input_nodes) == 2:
+            if user.target in _SUMS and len(user.all_input_nodes) == 2:
                 other = next(i for i in user.all_input_nodes if i is not value)
                 if self.layouts.get(other) != PARTIAL:
                     return False
@@ -724,13 +714,28 @@ class Propagation:
             if not (scalar or user.target in _SIZED_VIEWS):
                 return False
             value = user
-        self.roles[site.weight_fqn] = REPLICATE
-        self.notes[site.weight_fqn] = ("computed whole on each rank's share of its partial-sum input: its output is "
-                                       "each rank's share too, reduced with the partial sum it is added to")
-        self.require(site.input, node, PARTIAL)
-        self.require(site.weight_node, node, None, then=self.partial_grad(site.weight_node))
-        self.layouts[node] = self.layouts[site.output] = PARTIAL
+        self._whole_weight_reads(site, PARTIAL, "computed whole on each rank's share of its partial-sum input: its "
+                                               "output is each rank's share too, reduced with the partial sum it is "
+                                               "added to")
         return True
+
+    def _whole_weight_may_read(self, site: LinearSite) -> bool:
+        """Whether ``site``'s whole weight may be applied to its input as each rank holds it: a
+        bias-free ``x @ W`` on the parameter itself, not shared, tied, revised or fixed by a plan."""
+        node = site.node
+        return (self.fixed_roles is None and site.bias_node is None and site.weight_cast is None
+                and len(node.args) >= 2 and node.args[1] is site.weight_node
+                and site.weight_fqn not in self.sites.shared and site.weight_fqn not in self.sites.tied
+                and site.weight_fqn not in self.revised.replicated)
+
+    def _whole_weight_reads(self, site: LinearSite, layout, note: str) -> None:
+        """``site`` computed with its whole weight on its input as each rank holds it (``layout``, kept
+        by the output). The weight's gradient is then a sum over the ranks: it enters tp."""
+        self.roles[site.weight_fqn] = REPLICATE
+        self.notes[site.weight_fqn] = note
+        self.require(site.input, site.node, layout)
+        self.require(site.weight_node, site.node, None, then=self.partial_grad(site.weight_node))
+        self.layouts[site.node] = self.layouts[site.output] = layout
 
     def _embedding(self, site: EmbeddingSite) -> None:
         node = site.node
@@ -921,7 +926,7 @@ class Propagation:
         whole = tuple(j for j, size in enumerate(sizes) if size % self.tp or _heads_of(pieces.get(j), size) % self.tp)
         if len(whole) == len(sizes):
             return None
-        local = [size if j in whole else size // self.tp for j, size in enumerate(sizes)]
+        local = FusedSections(sizes, whole).local_sizes(self.tp)
         refined = FusedSections(outer_sizes[:index] + sizes + outer_sizes[index + 1:], tuple(index + j for j in whole))
         if (any(layout_rules.Convolution.of(c).groups_position >= len(c.args) for c in convolutions)
                 or not self._cut_in_sections(source, refined)):
@@ -930,7 +935,7 @@ class Propagation:
             args = list(self.new_args.get(conv, conv.args))
             args[layout_rules.Convolution.of(conv).groups_position] = sum(local)
             self.new_args[conv] = tuple(args)
-            for fqn in _convolution_params(conv, self.param_fqns):
+            for fqn in convolutions[conv]:
                 self.fused[fqn] = FusedSections(sizes, whole)
         self.fused[site.weight_fqn] = refined
         outer_args = list(self.new_args[outer])
@@ -939,12 +944,12 @@ class Propagation:
         return layout_rules.Decision(tuple(None if j in whole else dim for j in range(len(sizes))), {value: dim},
                                      (value, local, *node.args[2:]))
 
-    def _channel_chain(self, value: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    def _channel_chain(self, value: fx.Node) -> tuple[fx.Node, dict[fx.Node, list[str]]] | None:
         """The piece of a split (a ``getitem``) that ``value`` is made from by channel-wise work on
         it alone (what :func:`_section_dim_after` accepts: transposes, slices of other dims,
         elementwise ops, depthwise convolutions), each step read only by the next, and the
-        convolutions on the way."""
-        node, convolutions = value, []
+        convolutions on the way with their parameters."""
+        node, convolutions = value, {}
         while node.target is not operator.getitem:
             conv = layout_rules.Convolution.of(node)
             sharded = [i for i in node.all_input_nodes if is_sharded(self.layouts.get(i))]
@@ -956,7 +961,7 @@ class Propagation:
             if moved is None or moved[0] != self.layouts.get(node):
                 return None
             if conv is not None:
-                convolutions.append(node)
+                convolutions[node] = moved[1]
             node = source
         return (node, convolutions) if isinstance(self.layouts.get(node), int) else None
 
@@ -1112,12 +1117,6 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
     if single and (layout_rules.is_pointwise(target) or target in layout_rules.ELEMENTWISE_LIKE):
         return dim, []
     return None
-
-
-def _convolution_params(node: fx.Node, param_fqns) -> list[str]:
-    conv = layout_rules.Convolution.of(node)
-    return [fqn for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)
-            and (fqn := _source_param(t, param_fqns)) is not None]
 
 
 def _heads_of(piece: fx.Node | None, size: int) -> int:

@@ -112,7 +112,7 @@ def _whole_sections_product(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: 
     and the runs are put back side by side. ``x`` enters tp (its gradient is summed over the ranks),
     which is right for the cut sections' partial input-gradient; a whole section's is whole on every
     rank, so it enters that sum as ``1 / tp`` of itself (``matmul_input_grad_scaled``)."""
-    local = [size if i in fused.whole else size // tp for i, size in enumerate(fused.sizes)]
+    local = fused.local_sizes(tp)
     runs, start = [], 0
     for i, size in enumerate(local):
         whole = i in fused.whole
