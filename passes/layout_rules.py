@@ -768,6 +768,19 @@ class Convolution:
         )
 
 
+def cuts_groups(node: fx.Node, tp: int) -> bool:
+    """Whether a grouped convolution's groups can be dealt out over tp, whole groups per rank.
+
+    Not when a rank would hold one group of one channel: ATen's CPU convolution then takes its
+    dense path, whose backward crashes for long kernels (Nystromformer's 65 x 1 over 4 heads)."""
+    conv = Convolution.of(node)
+    groups = conv.groups if conv is not None else None
+    if not isinstance(groups, int) or groups < 2 or groups % tp or conv.transposed:
+        return False
+    per_group = conv.weight.meta["val"].shape[1] if isinstance(conv.weight, fx.Node) else 1
+    return groups // tp >= 2 or per_group > 1
+
+
 def _channelwise_conv(node, layouts, tp):
     """A depthwise (or grouped) convolution on channel-cut input ``[b, C, ...]``: each group reads
     only its own channels, so a cut of whole groups over tp is a cut of the output channels too,
@@ -781,9 +794,7 @@ def _channelwise_conv(node, layouts, tp):
     if groups == 1 and layouts.get(x) == 1 and bias is None and layouts.get(weight) is None:
         # dense over channels, reading them cut: rowwise, each rank's share of the sum (see propagate)
         return Decision(PARTIAL, {x: 1, weight: 1})
-    # at least 2 groups per rank: one group of one channel makes ATen's CPU convolution take its
-    # dense path, whose backward crashes for long kernels (nystromformer's 65 x 1 over 4 heads)
-    if layouts.get(x) != 1 or not isinstance(groups, int) or groups % tp or groups // tp < 2:
+    if layouts.get(x) != 1 or not cuts_groups(node, tp):
         return None
     if any(layouts.get(t) not in (None, 0) for t in (weight, bias) if isinstance(t, fx.Node)):
         return None

@@ -30,6 +30,7 @@ from autoshard.passes.propagate import (
     VOCAB_PARALLEL,
     LayoutPlan,
     RowwiseExit,
+    closed_by_grouped_convolution,
     is_sharded,
 )
 from autoshard.plan import ParamSharding, Plan
@@ -181,7 +182,8 @@ def _expert_note(site, role: Role, tp_dim: int) -> str:
 
 def _breaks(lp: LayoutPlan, block_fqns, whole: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
     """Where a block's tp sharding ends before a rowwise linear: sharded values gathered
-    inside a block, colwise outputs gathered at once (at the op that would have ended
+    inside a block (not the channels a grouped convolution closing its region makes: that
+    gather is its exit, as a rowwise layer's all-reduce is), colwise outputs gathered at once (at the op that would have ended
     their region), and ``whole``: a block's weights a matmul reads whole over tp."""
     found: dict[tuple[str, str], None] = dict.fromkeys(whole)
     for source, where in lp.gathered_early.items():
@@ -189,7 +191,8 @@ def _breaks(lp: LayoutPlan, block_fqns, whole: tuple[tuple[str, str], ...] = ())
         if unit:
             found[(unit, where)] = None
     for (value, consumer), steps in lp.edges.items():
-        if any(step.kind is Step.GATHER for step in steps) and value not in lp.gathered_early:
+        if (any(step.kind is Step.GATHER for step in steps) and value not in lp.gathered_early
+                and not closed_by_grouped_convolution(lp, value)):
             unit = unit_of_node(consumer, block_fqns) if consumer.op != "output" else ""
             if unit:
                 found[(unit, describe(consumer))] = None

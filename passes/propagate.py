@@ -846,7 +846,9 @@ class Propagation:
         is all-reduced (``enter_tp``). Not when a revision computes it whole (its cut channels
         reach nothing that reads them cut), under a user plan, or when the channels do not divide."""
         weight = _dense_convolution_weight(node, self.param_fqns)
-        if weight is None or self.fixed_roles is not None or node.meta["val"].shape[1] % self.tp:
+        if weight is None:
+            return self._grouped_convolution(node)
+        if self.fixed_roles is not None or node.meta["val"].shape[1] % self.tp:
             return False
         if weight in self.revised.replicated:
             self.notes[weight] = self.revised.replicated[weight]
@@ -855,6 +857,36 @@ class Propagation:
             return False  # a weight read elsewhere too, or computed: kept whole
         self.require(node.args[1], node, 0)
         self.require(node.args[0], node, None, then=self.partial_grad(node.args[0]))
+        self.layouts[node] = 1
+        self.convolutions[node] = (weight, COLWISE)
+        return True
+
+    def _grouped_convolution(self, node: fx.Node) -> bool:
+        """A grouped convolution of a replicated input by parameters, its groups dealt out whole
+        over tp (SqueezeBERT's q/k/v and intermediate ``Conv1d(groups=4)``): each group reads only
+        its own input channels, so each rank takes its chunk of the input (``take_shard``, free
+        forward; readers of one value share it, and its gradient is all-gathered once), convolves
+        it with its groups' filters (weight and bias cut on dim 0) and holds its chunk of the
+        output channels. Registered as colwise, so that a revision computes it whole when its cut
+        channels reach nothing that reads them cut."""
+        conv = layout_rules.Convolution.of(node)
+        if conv is None or self.fixed_roles is not None or not layout_rules.cuts_groups(node, self.tp):
+            return False
+        params = [t for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
+        weight = _source_param(conv.weight, self.param_fqns) if isinstance(conv.weight, fx.Node) else None
+        if weight is None or len(node.args) <= conv.groups_position:
+            return False  # filters computed from activations, or groups given as a keyword
+        if weight in self.revised.replicated:
+            self.notes[weight] = self.revised.replicated[weight]
+            return False
+        if any(self._param_chain(t, 0) is None for t in params):
+            return False  # a parameter read elsewhere too: kept whole
+        for t in params:
+            self.require(t, node, 0)
+        self.require(conv.input, node, 1)
+        args = list(node.args)
+        args[conv.groups_position] = conv.groups // self.tp
+        self.new_args[node] = tuple(args)
         self.layouts[node] = 1
         self.convolutions[node] = (weight, COLWISE)
         return True
@@ -1109,7 +1141,7 @@ def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: 
     if conv is not None:
         groups, channels = conv.groups, value.meta["val"].shape[1]
         if (conv.input is not value or dim != 1 or groups != channels or _ndim(user) != _ndim(value)
-                or groups % tp or groups // tp < 2):  # as layout_rules._channelwise_conv cuts it
+                or not layout_rules.cuts_groups(user, tp)):
             return None
         params = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
         return None if None in params else (1, params)
@@ -1488,10 +1520,14 @@ def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
 
 
 def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
-    """Sharded values on a path to a rowwise linear's input."""
+    """Sharded values on a path to a rowwise linear's input, or to a grouped convolution's
+    that reads its cut filters (SqueezeBERT's output ``Conv1d(groups=4)``): such a convolution
+    ends the region as a rowwise one does, its cut output channels gathered instead of its partial
+    sums reduced."""
     useful: set[fx.Node] = set()
     frontier = [s.input for s in (*sites.linears, *sites.experts) if plan.roles[s.weight_fqn] == ROWWISE]
     frontier += [node.args[0] for node, (_, role) in plan.convolutions.items() if role == ROWWISE]
+    frontier += [node.args[0] for node in _grouped_on_cut_input(plan)]
     while frontier:
         value = frontier.pop()
         if value in useful or not is_sharded(plan.layouts.get(value)):
@@ -1501,6 +1537,41 @@ def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
             if not _gathers(plan, source, value):
                 frontier.append(source)
     return useful
+
+
+def _grouped_on_cut_input(plan: LayoutPlan) -> list[fx.Node]:
+    """Grouped convolutions that read a channel-cut input with filters stored cut over tp."""
+    found = []
+    for node, layout in plan.layouts.items():
+        conv = layout_rules.Convolution.of(node) if layout == 1 else None
+        if (conv is not None and conv.groups != 1 and plan.layouts.get(conv.input) == 1
+                and isinstance(conv.weight, fx.Node) and conv.weight.target in plan.sharded_params):
+            found.append(node)
+    return found
+
+
+def closed_by_grouped_convolution(plan: LayoutPlan, value: fx.Node) -> bool:
+    """Whether gathering the cut ``value`` ends its region as a rowwise reduction would: every
+    cut value it is computed from (not across a gather) starts at a grouped convolution of cut
+    filters on a cut input (SqueezeBERT's output ``Conv1d(groups=4)`` then its residual add), none
+    at a colwise output that a rowwise layer should have read."""
+    closing = set(_grouped_on_cut_input(plan))
+    seen, frontier, reached = set(), [value], False
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in closing:
+            reached = True
+            continue
+        cut_inputs = [i for i in node.all_input_nodes
+                      if is_sharded(plan.layouts.get(i)) and plan.layouts.get(i) not in PARTIALS
+                      and not _gathers(plan, i, node)]
+        if not cut_inputs:
+            return False  # a cut value made another way: its gather is a break
+        frontier += cut_inputs
+    return reached
 
 
 def _ndim(node: fx.Node) -> int:

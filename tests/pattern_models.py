@@ -1735,6 +1735,72 @@ class ConvResnet(Decoder):
         super().__init__(cfg, ResnetBlock2D)
 
 
+# --- grouped 1x1 convolutions in place of linears (SqueezeBERT) --------------------------------
+
+
+class ChannelsLayerNorm(nn.LayerNorm):
+    """A LayerNorm over the channels of ``[b, C, s]``, as SqueezeBERT's: permuted there and back."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+
+class GroupedConvAttention(nn.Module):
+    """SqueezeBERT's self-attention on ``[b, C, s]``: q, k and v are ``Conv1d(kernel_size=1,
+    groups=g)``, block-diagonal linears over the channels, each group read from its own input
+    channels; heads are views of the channels."""
+
+    def __init__(self, cfg: Config, groups: int):
+        super().__init__()
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.query = nn.Conv1d(cfg.dim, cfg.dim, kernel_size=1, groups=groups)
+        self.key = nn.Conv1d(cfg.dim, cfg.dim, kernel_size=1, groups=groups)
+        self.value = nn.Conv1d(cfg.dim, cfg.dim, kernel_size=1, groups=groups)
+
+    def forward(self, x):
+        b, _, s = x.shape
+        q = self.query(x).view(b, self.heads, self.head_dim, s).permute(0, 1, 3, 2)  # [b, h, s, d]
+        k = self.key(x).view(b, self.heads, self.head_dim, s)  # [b, h, d, s]
+        v = self.value(x).view(b, self.heads, self.head_dim, s).permute(0, 1, 3, 2)
+        probs = torch.softmax(torch.matmul(q, k) / math.sqrt(self.head_dim), dim=-1)
+        context = torch.matmul(probs, v).permute(0, 1, 3, 2).contiguous()  # [b, h, d, s]
+        return context.view(b, -1, s)
+
+
+class GroupedConvBlock(nn.Module):
+    """SqueezeBERT's module: grouped q/k/v, a dense ``post_attention`` conv, then a grouped
+    ``intermediate`` and ``output`` conv pair, each sublayer post-normed over the channels."""
+
+    def __init__(self, cfg: Config, groups: int = 8):
+        super().__init__()
+        self.attention = GroupedConvAttention(cfg, groups)
+        self.post_attention = nn.Conv1d(cfg.dim, cfg.dim, kernel_size=1)
+        self.attention_norm = ChannelsLayerNorm(cfg.dim)
+        self.intermediate = nn.Conv1d(cfg.dim, cfg.ffn, kernel_size=1, groups=groups)
+        self.output = nn.Conv1d(cfg.ffn, cfg.dim, kernel_size=1, groups=groups)
+        self.output_norm = ChannelsLayerNorm(cfg.dim)
+
+    def forward(self, h):
+        x = h.permute(0, 2, 1)  # [b, C, s]
+        x = self.attention_norm(self.post_attention(self.attention(x)) + x)
+        x = self.output_norm(self.output(F.gelu(self.intermediate(x))) + x)
+        return x.permute(0, 2, 1)
+
+
+class GroupedConvEncoder(Decoder):
+    """Blocks of grouped convolutions after a BERT embedding (normed before the first block)."""
+
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, GroupedConvBlock)
+        self.embedding_norm = nn.LayerNorm(cfg.dim)
+
+    def forward(self, tokens):
+        h = self.embedding_norm(self.tok_embeddings(tokens))
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1779,6 +1845,7 @@ PATTERNS = {
     "lora_adapters": LoRADecoder,
     "relative_logits": RelativeLogits,
     "zero_centred_qk_norm": ZeroCentredQKNorm,
+    "grouped_conv_block": GroupedConvEncoder,
 }
 
 
@@ -1874,6 +1941,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # a dense block's 4, and the shared relative-logits table applied whole to each rank's heads:
     # its gradient, a sum over the ranks' heads, all-reduced (1)
     "relative_logits": 5,
+    # grouped q/k/v and intermediate convs read their own groups' channels: each takes its chunk of
+    # the replicated input, its gradient all-gathered (1 each); the dense post_attention conv is
+    # rowwise (1 all-reduce); the grouped output conv closes the MLP, its cut channels all-gathered (1)
+    "grouped_conv_block": 4,
 }
 
 
