@@ -1091,6 +1091,13 @@ class Propagation:
         while node.op != "get_attr":
             if node.op != "call_function" or len(node.users) != 1 or not node.args:
                 return None
+            if node.target == _aten.einsum.default:
+                found = self._einsum_operand(node, dim)
+                if found is None:
+                    return None
+                chain.append((node, dim))
+                node, dim = found
+                continue
             source = node.args[0]
             if not isinstance(source, fx.Node) or len(node.all_input_nodes) != 1:
                 return None
@@ -1105,6 +1112,27 @@ class Propagation:
         if shape[dim] % self.tp:
             return None
         return chain + [(node, dim)]
+
+    def _einsum_operand(self, node: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
+        """The one operand of an einsum that carries its output dim ``dim``, and that dim in it,
+        when the other operands are replicated and carry no gradient: a weight projecting a
+        constant table (Funnel's ``einsum("td,dnh->tnh", sinusoid, r_kernel)``) is cut where the
+        output is, and the table is read whole by every rank."""
+        equation, operands = node.args[0], node.args[1]
+        if not isinstance(equation, str) or "." in equation or "->" not in equation:
+            return None
+        inputs, output = equation.replace(" ", "").split("->")
+        terms = inputs.split(",")
+        if len(terms) != len(operands) or not all(isinstance(t, fx.Node) for t in operands) or dim >= len(output):
+            return None
+        letter = output[dim]
+        holders = [i for i, term in enumerate(terms) if letter in term]
+        if len(holders) != 1 or terms[holders[0]].count(letter) != 1:
+            return None
+        others = [t for i, t in enumerate(operands) if i != holders[0]]
+        if any(t in self.carries_grad or self.layout(t) is not None for t in others):
+            return None
+        return operands[holders[0]], terms[holders[0]].index(letter)
 
     @staticmethod
     def _steps(value: fx.Node, consumer: fx.Node, have, wanted) -> tuple[Redistribute, ...]:
@@ -1328,7 +1356,7 @@ def is_sharded(layout) -> bool:
 def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
     """Values a gradient flows back through: computed from a trainable parameter or from an
     input that requires grad (an activation handed over from the graph before a graph break),
-    floating point, and not cut off by ``detach``."""
+    floating point, and not cut off by ``detach`` or lent only a dtype or shape (``type_as``)."""
     carries = set()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -1340,7 +1368,9 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
                 isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                 for v in (val if isinstance(val, (tuple, list)) else (val,))
             )
-            if floating and any(i in carries for i in node.all_input_nodes):
+            # ``mask.type_as(embeds)``: the second tensor lends its dtype or shape, no gradient
+            sources = node.args[:1] if node.target in _SHAPED_LIKE else node.all_input_nodes
+            if floating and any(i in carries for i in sources):
                 carries.add(node)
     return frozenset(carries)
 

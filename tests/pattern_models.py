@@ -1801,6 +1801,45 @@ class GroupedConvEncoder(Decoder):
         return self.output(self.norm(h))
 
 
+# --- a weight projecting a constant table per head (Funnel, Transformer-XL) ---------------------
+
+
+class ProjectedPositionAttention(QKVAttention):
+    """Funnel's relative positional attention: a sinusoid table projected per head by a 3-D weight
+    (``einsum("td,dnh->tnh", r, r_kernel)``), scored against the queries with their own bias, and
+    a padding mask made ``type_as`` the embeddings."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.r_kernel = nn.Parameter(torch.randn(cfg.dim, cfg.heads, cfg.head_dim) * 0.02)
+        self.r_r_bias = nn.Parameter(torch.randn(cfg.heads, cfg.head_dim) * 0.02)
+
+    def attend(self, q, k, v, position_embeds, attention_mask):
+        scale = 1.0 / math.sqrt(self.head_dim)
+        q = q * scale
+        content = torch.einsum("bind,bjnd->bnij", q, k)
+        r_head = torch.einsum("td,dnh->tnh", position_embeds, self.r_kernel)
+        positional = torch.einsum("binh,tnh->bnit", q + self.r_r_bias * scale, r_head)
+        score = content + positional - 1e6 * (1 - attention_mask[:, None, None])
+        return torch.einsum("bnij,bjnd->bind", torch.softmax(score, dim=-1), v)
+
+
+class ProjectedPositions(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__(cfg, lambda c: Block(c, ProjectedPositionAttention))
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        seq = torch.arange(tokens.shape[1], dtype=torch.float32, device=tokens.device)
+        freq = 1.0 / 10000 ** (torch.arange(0, self.cfg.dim, 2, device=tokens.device) / self.cfg.dim)
+        angles = seq[:, None] * freq[None]
+        position_embeds = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        attention_mask = (tokens != 0).type_as(h)
+        for layer in self.layers:
+            h = layer(h, position_embeds, attention_mask)
+        return self.output(self.norm(h))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -1846,6 +1885,7 @@ PATTERNS = {
     "relative_logits": RelativeLogits,
     "zero_centred_qk_norm": ZeroCentredQKNorm,
     "grouped_conv_block": GroupedConvEncoder,
+    "projected_positions": ProjectedPositions,
 }
 
 
@@ -1945,6 +1985,9 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # the replicated input, its gradient all-gathered (1 each); the dense post_attention conv is
     # rowwise (1 all-reduce); the grouped output conv closes the MLP, its cut channels all-gathered (1)
     "grouped_conv_block": 4,
+    # a dense block's 4: the weight projecting the table is cut with the heads it makes, and so is
+    # the queries' per-head bias; the mask made like the embeddings carries no gradient
+    "projected_positions": 4,
 }
 
 

@@ -46,7 +46,8 @@ def _blocks(plan, prefix):
                                                            "gated_deltanet_fused", "conv_resnet",
                                                            "normed_mamba_mixer", "zero_centred_qk_norm",
                                                            "mamba2_mixer", "mup_mamba2_mixer", "mamba2_mixer_groups",
-                                                           "lora_adapters", "relative_logits", "grouped_conv_block"))
+                                                           "lora_adapters", "relative_logits", "grouped_conv_block",
+                                                           "projected_positions"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -60,7 +61,7 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "in_place_parallel", "diffusers_dit", "flux_single_stream", "mamba_mixer", "low_rank_latent_attention",
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
-    "relative_logits", "grouped_conv_block")
+    "relative_logits", "grouped_conv_block", "projected_positions")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
