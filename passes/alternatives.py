@@ -4,7 +4,7 @@ A walk decides each linear from its input's layout and revises regions by local 
 (:class:`~autoshard.passes.propagate.Revisions`). Some choices change the roles of every linear
 downstream, so only the whole block's bill can judge them.
 
-Two such choices, each a kind of candidate tried on its own:
+Three such choices, each a kind of candidate tried on its own:
 
 * **Pulling linears**: a colwise linear whose sharded output meets a replicated activation
   that carries a gradient, so that activation is cut to match (``take_shard``), and from there
@@ -22,8 +22,14 @@ Two such choices, each a kind of candidate tried on its own:
   Computed whole (as DeepSeek's own and Megatron's plans keep the down-projections), the
   second half is colwise over heads and attention stays cut.
 
-Each kind's linears are tried computed whole, bottlenecks first, all at once and then, when
-that does not pay, place by place (a linear's name within its block: one walk per place, not
+* **Shared linears read on a cut input first**: one weight run at several depths (ALBERT's
+  shared layer) takes its role from its first read. When that read's input is cut (the
+  embedding mapped up by a colwise linear), q/k/v turn rowwise for every depth: each later read
+  of the replicated stream is cut for them, their outputs all-reduced and attention computed
+  whole. Made colwise instead, only the first read's input is gathered.
+
+Each kind's linears are tried computed whole (the shared ones: made colwise), bottlenecks
+first, all at once and then, when that does not pay, place by place (a linear's name within its block: one walk per place, not
 per block), and the result is kept if the plan's tp collectives are fewer (tp wire bytes, then the blocks
 whose tp breaks, settle a tie). A trial may break more blocks on the way: a later round often
 mends them (a modulation computed whole first, its neighbours next).
@@ -66,62 +72,84 @@ COMPUTE_BUDGET = 1 / 8
 BOTTLENECK_BUDGET = 1 / 2
 
 
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What the cost comparisons decided, as the walk takes it: linears computed whole and shared
+    linears made colwise (weight FQN -> why, the reason their notes give)."""
+
+    whole: dict[str, str] = dataclasses.field(default_factory=dict)
+    colwise: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def taken(self, kind: _Kind) -> dict[str, str]:
+        return self.colwise if kind.colwise else self.whole
+
+    def adding(self, kind: _Kind, fqns, why: str = "") -> Choices:
+        added = self.taken(kind) | dict.fromkeys(fqns, why)
+        return dataclasses.replace(self, **{"colwise" if kind.colwise else "whole": added})
+
+    def walk(self, captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions) -> LayoutPlan:
+        return propagate(captured.gm, sites, axes.tp, None, options, whole=self.whole, written=captured.written,
+                         block_fqns=captured.block_fqns, colwise=self.colwise)
+
+
 def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
            layout_plan: LayoutPlan) -> LayoutPlan:
-    """``layout_plan``, or the plan with candidate linears computed whole while that costs less.
+    """``layout_plan``, or the plan with candidate linears computed whole (or shared ones made
+    colwise) while that costs less.
 
     Each round tries each kind of candidate on the current plan: all its linears at once, then,
     if that does not pay and they hold different places in their blocks, each place alone (a
     place: the linear's name within its block, so a stack's layers go together). The first trial
     that lowers the cost is kept and starts the next round; a round whose trials all fail ends the
     search (rounds end: the cost falls each time)."""
-    whole: dict[str, str] = {}
+    choices = Choices()
     cost = None
     budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
     while True:
         kept = False
         for kind in _KINDS:
-            found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in whole]
+            found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in choices.taken(kind)]
             places = _places(found, captured.block_fqns)
             trials = [found] + (list(places.values()) if len(places) > 1 else [])
             for trial_fqns in trials:
-                candidates = budget.affordable(trial_fqns, kind.budget)
+                candidates = budget.affordable(trial_fqns, kind.budget) if not kind.colwise else trial_fqns
                 if not candidates:
                     continue
                 if cost is None:
                     cost = _cost(build_plan(captured, sites, layout_plan, axes))
-                revised = _trial_cost(captured, axes, options, whole | dict.fromkeys(candidates, ""))
+                revised = _trial_cost(captured, axes, options, choices.adding(kind, candidates))
                 if revised >= cost:
                     continue
-                why = f"{kind.why}; computed whole, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
-                whole |= dict.fromkeys(candidates, why)
-                budget.spend(candidates)
-                layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
-                                        written=captured.written, block_fqns=captured.block_fqns)
+                done = "made colwise" if kind.colwise else "computed whole"
+                why = f"{kind.why}; {done}, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
+                choices = choices.adding(kind, candidates, why)
+                if not kind.colwise:
+                    budget.spend(candidates)
+                layout_plan = choices.walk(captured, sites, axes, options)
                 cost, kept = revised, True
                 break
             if kept:
                 break
         if not kept:
-            return _pruned(captured, sites, axes, options, layout_plan, whole, cost)
+            return _pruned(captured, sites, axes, options, layout_plan, choices, cost)
 
 
 def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
-            layout_plan: LayoutPlan, whole: dict[str, str], cost) -> LayoutPlan:
+            layout_plan: LayoutPlan, choices: Choices, cost) -> LayoutPlan:
     """``layout_plan`` with each place kept whole by a trial of several (all of a kind at once) cut
     again while that costs less: a trial pays as a whole even when one of its linears does not (a
     LoRA ``lora_A`` on a rowwise layer, whose partial output its ``lora_B`` carries through)."""
-    while whole:
-        places = _places(whole, captured.block_fqns)
+    while choices.whole:
+        places = _places(choices.whole, captured.block_fqns)
         if len(places) < 2:
             return layout_plan
         for fqns in places.values():
-            kept = {fqn: why for fqn, why in whole.items() if fqn not in fqns}
+            kept = dataclasses.replace(
+                choices, whole={fqn: why for fqn, why in choices.whole.items() if fqn not in fqns})
             revised = _trial_cost(captured, axes, options, kept)
             if revised < cost:
-                whole, cost = kept, revised
-                layout_plan = propagate(captured.gm, sites, axes.tp, None, options, whole=whole,
-                                        written=captured.written, block_fqns=captured.block_fqns)
+                choices, cost = kept, revised
+                layout_plan = choices.walk(captured, sites, axes, options)
                 break
         else:
             return layout_plan
@@ -137,14 +165,12 @@ def _places(fqns, block_fqns: tuple[str, ...]) -> dict[str, list[str]]:
     return places
 
 
-def _trial_cost(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, whole: dict[str, str]):
-    """The cost of the plan with ``whole`` computed whole, walked on a copy (a walk may write out a
-    norm, and the plan kept must match its graph)."""
+def _trial_cost(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, choices: Choices):
+    """The cost of the plan walked with ``choices``, on a copy (a walk may write out a norm, and
+    the plan kept must match its graph)."""
     twin = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     twin_sites = find_sites(twin.gm, twin.param_shapes)
-    trial = propagate(twin.gm, twin_sites, axes.tp, None, options, whole=whole, written=twin.written,
-                      block_fqns=twin.block_fqns)
-    return _cost(build_plan(twin, twin_sites, trial, axes))
+    return _cost(build_plan(twin, twin_sites, choices.walk(twin, twin_sites, axes, options), axes))
 
 
 def _stacked_blocks(captured: CapturedGraph) -> tuple[str, ...]:
@@ -253,6 +279,21 @@ def _bottlenecks(plan: LayoutPlan, sites: Sites) -> list[str]:
     return list(found)
 
 
+def _shared_rowwise(plan: LayoutPlan, sites: Sites) -> list[str]:
+    """Shared linears (one weight, several reads) made rowwise by their first read's cut input
+    while another read cuts a replicated input for them: ALBERT's one layer, run first on the
+    embedding mapping's cut output and then on the normed stream."""
+    found = {}
+    for site in sites.linears:
+        fqn = site.weight_fqn
+        if fqn not in sites.shared or fqn in sites.tied or plan.roles[fqn] != ROWWISE:
+            continue
+        steps = plan.edges.get((site.input, site.node), ())
+        if plan.layouts.get(site.input) is None and any(step.kind == Step.TAKE_SHARD for step in steps):
+            found[fqn] = None
+    return list(found)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Kind:
     """One kind of candidate: how to find them on a plan, and why computing them whole helps."""
@@ -260,6 +301,7 @@ class _Kind:
     find: Callable[[LayoutPlan, Sites], list[str]]
     why: str
     budget: float  # the share of their block's matmul work per rank they may add
+    colwise: bool = False  # made colwise (no work added), not computed whole
 
 
 _KINDS = (  # upstream first: a bottleneck cut turns everything after it, pulling linears included
@@ -268,6 +310,9 @@ _KINDS = (  # upstream first: a bottleneck cut turns everything after it, pullin
           BOTTLENECK_BUDGET),
     _Kind(_pulling_linears, "its sharded output would cut the replicated stream it meets and turn the linears "
                             "after it", COMPUTE_BUDGET),
+    _Kind(_shared_rowwise, "one weight read on a cut input first and on replicated inputs after: rowwise, each "
+                           "replicated read is cut for it and its partial output reduced; colwise, the cut read is "
+                           "gathered", 0.0, colwise=True),
 )
 
 

@@ -183,8 +183,9 @@ def _expert_note(site, role: Role, tp_dim: int) -> str:
 def _breaks(lp: LayoutPlan, block_fqns, whole: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
     """Where a block's tp sharding ends before a rowwise linear: sharded values gathered
     inside a block (not the channels a grouped convolution closing its region makes: that
-    gather is its exit, as a rowwise layer's all-reduce is), colwise outputs gathered at once (at the op that would have ended
-    their region), and ``whole``: a block's weights a matmul reads whole over tp."""
+    gather is its exit, as a rowwise layer's all-reduce is), colwise outputs gathered at once
+    (at the op that would have ended their region), and ``whole``: a block's weights a matmul
+    reads whole over tp."""
     found: dict[tuple[str, str], None] = dict.fromkeys(whole)
     for source, where in lp.gathered_early.items():
         unit = unit_of_node(source, block_fqns)
@@ -243,6 +244,8 @@ def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_
     replicated = layout_plan.notes.get(explained_by) if axes.has_tp else None
     source = getattr(site, "output", getattr(site, "node", None))
     early = layout_plan.gathered_early.get(source, "") if site is not None and fqn == site.weight_fqn else ""
+    if site is not None and fqn == site.weight_fqn and axes.has_tp:
+        about = layout_plan.role_notes.get(fqn, about)
     why = Why(
         about=about,
         tied_with=tuple(alias for alias, canonical in captured.aliases.items() if canonical == fqn),

@@ -148,7 +148,7 @@ class TakeShardBucket:
 STATE_KEYS = {
     "roles": Key.FQN, "layouts": Key.NODE, "edges": Key.EDGE, "new_args": Key.NODE, "notes": Key.FQN,
     "fused": Key.FQN, "sharded_params": Key.FQN, "stream_entries": Key.NODE, "whole_sequences": Key.FQN,
-    "input_sections": Key.FQN, "section_splits": Key.NODE, "convolutions": Key.NODE,
+    "input_sections": Key.FQN, "section_splits": Key.NODE, "convolutions": Key.NODE, "role_notes": Key.FQN,
 }
 
 
@@ -236,6 +236,8 @@ class LayoutPlan:
     block_fqns: tuple[str, ...] = ()  # the FSDP blocks, by which parameters' gradients are bucketed
     # dense convolutions over channels cut like linears: node -> (weight FQN, COLWISE or ROWWISE)
     convolutions: dict[fx.Node, tuple[str, Role]] = dataclasses.field(default_factory=dict)
+    # weight FQN -> why its role is not the one its first read's input layout gives (a cost comparison)
+    role_notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def rowwise_exit(self, site: LinearSite) -> RowwiseExit | None:
         """How ``site``'s output leaves it, if its weight is rowwise: propagation left its output
@@ -309,10 +311,12 @@ def propagate(
     whole: dict[str, str] | None = None,
     written: tuple[str, ...] = (),
     block_fqns: tuple[str, ...] = (),
+    colwise: dict[str, str] | None = None,
 ) -> LayoutPlan:
     """Assign roles (greedy, or from ``roles``) and layouts, on a graph :func:`~autoshard.passes.
     normalize.normalize` has rewritten. ``whole``: linears to compute whole over tp (weight FQN
-    -> why), as :mod:`autoshard.passes.alternatives` decides by comparing plans.
+    -> why), as :mod:`autoshard.passes.alternatives` decides by comparing plans; ``colwise``:
+    shared linears it decides colwise, whatever the layout of their first read's input.
 
     Propagation reads the graph and rewrites one thing only: a norm over a width it shards
     (a q/k norm over all heads) is written out in ops that reduce over the sharded dim
@@ -337,7 +341,7 @@ def propagate(
     _check_roles_cover_sites(roles, sites)
     carries_grad = _carries_grad(gm)
     copies = block_copies(gm.graph, sites, carries_grad, written)
-    revised = Revisions(sites, may_replicate=roles is None, whole=whole)
+    revised = Revisions(sites, may_replicate=roles is None, whole=whole, colwise=colwise)
     while True:
         plan = Propagation(gm, sites, tp, roles, options, carries_grad, revised, copies).run()
         norms = _norms_over_sharded_width(plan, sites)
@@ -388,7 +392,8 @@ class Revisions:
     What is learned only grows, so the walks end.
     """
 
-    def __init__(self, sites: Sites, may_replicate: bool = True, whole: dict[str, str] | None = None):
+    def __init__(self, sites: Sites, may_replicate: bool = True, whole: dict[str, str] | None = None,
+                 colwise: dict[str, str] | None = None):
         self.sites = sites
         self.may_replicate = may_replicate  # False under a user plan: its roles are kept
         self.narrowing = {
@@ -396,6 +401,7 @@ class Revisions:
         }
         self.gathered_early: dict[fx.Node, str] = {}
         self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
+        self.colwise: dict[str, str] = dict(colwise or {})  # seeded: shared linears it decides colwise
         self.reduced_early: set[fx.Node] = set()
 
     def learn(self, plan: LayoutPlan) -> bool:
@@ -510,6 +516,7 @@ class Propagation:
         self.section_splits: dict[fx.Node, tuple[int, ...]] = {}  # splits back into a cat's sections
         self.convolutions: dict[fx.Node, tuple[str, Role]] = {}  # dense convolutions cut over channels
         self.whole_sequences: dict[str, Indivisible] = {}
+        self.role_notes: dict[str, str] = {}
         index = _SiteIndex.of(sites)
         self.site_of, self.expert_of, self.owned, self.output_site = (
             index.site_of, index.expert_of, index.owned, index.output_site)
@@ -523,12 +530,13 @@ class Propagation:
             if stamper is None or not stamper.handles(node):
                 self.visit(node)
         self.stamped = tuple(stamper.stamped) if stamper is not None else ()
+        _share_gathers(self.edges)
         _hoist_enter_tp(self.edges, self.layouts, self.carries_grad)
         return LayoutPlan(
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
             sequence_parallel=self.options.sequence_parallel, carries_grad=self.carries_grad,
             sharded_params=self.sharded_params, whole_sequences=self.whole_sequences,
-            convolutions=self.convolutions,
+            convolutions=self.convolutions, role_notes=self.role_notes,
         )
 
     def visit(self, node: fx.Node) -> None:
@@ -651,6 +659,9 @@ class Propagation:
         if input_layout is not None and not self.from_colwise(site.input):
             input_layout = None  # gathered: a rowwise linear pairs with colwise linears only
         role = self.roles.get(site.weight_fqn) if site.weight_fqn in self.sites.shared else None
+        if role is None and site.weight_fqn in self.revised.colwise and self.fixed_roles is None:
+            role = self.divisible_role(site, COLWISE)
+            self.role_notes[site.weight_fqn] = self.revised.colwise[site.weight_fqn]
         if role is None:  # a shared weight's first read decides for all (its input is redistributed)
             role = _linear_role(site, input_layout, self.roles, self.fixed_roles, site.weight_fqn in self.sites.tied)
             role = self.divisible_role(site, role)
@@ -1351,6 +1362,17 @@ def is_sharded(layout) -> bool:
     if isinstance(layout, tuple):
         return any(lay is not None for lay in layout)
     return layout is not None
+
+
+def _share_gathers(edges: dict) -> None:
+    """A value gathered whole for some readers and gathered for colwise linears by others is
+    gathered once: the colwise readers read that gather and enter tp after it (one all-gather
+    forward and one all-reduce backward, not a second all-gather and its reduce-scatter). A
+    shared layer's first read of a colwise output that the residual add reads too."""
+    plain = {(v, steps[0].dim) for (v, _), steps in edges.items() if steps and steps[0].kind == GATHER}
+    for (value, consumer), steps in list(edges.items()):
+        if steps and steps[0].kind == GATHER_FOR_COLWISE and (value, steps[0].dim) in plain:
+            edges[(value, consumer)] = (Redistribute(GATHER, steps[0].dim), Redistribute(ENTER_TP)) + steps[1:]
 
 
 def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:

@@ -967,6 +967,39 @@ class SharedLayerDecoder(Decoder):
         return self.output(self.norm(h))
 
 
+class PostNormBlock(nn.Module):
+    """ALBERT's layer: attention and MLP, each added to its input and then layer-normed."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.attention = QKVAttention(cfg)
+        self.attention_norm = nn.LayerNorm(cfg.dim)
+        self.ffn = nn.Linear(cfg.dim, cfg.ffn)
+        self.ffn_output = nn.Linear(cfg.ffn, cfg.dim)
+        self.output_norm = nn.LayerNorm(cfg.dim)
+
+    def forward(self, x):
+        x = self.attention_norm(x + self.attention(x))
+        return self.output_norm(x + self.ffn_output(F.gelu(self.ffn(x))))
+
+
+class FactorizedSharedLayer(Decoder):
+    """ALBERT: a narrow embedding normed and mapped up to the hidden size by a linear whose output
+    the one shared layer reads first; the layer then reads its own normed output at every depth."""
+
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8), embedding: int = 32):
+        super().__init__(dataclasses.replace(cfg, layers=1), PostNormBlock)
+        self.depth = cfg.layers
+        self.tok_embeddings = nn.Embedding(cfg.vocab, embedding)
+        self.embedding_norm = nn.LayerNorm(embedding)
+        self.embedding_hidden_mapping_in = nn.Linear(embedding, cfg.dim)
+
+    def forward(self, tokens):
+        h = self.embedding_hidden_mapping_in(self.embedding_norm(self.tok_embeddings(tokens)))
+        for _ in range(self.depth):
+            h = self.layers[0](h)
+        return self.output(self.norm(h))
+
 
 # --- fused projections whose k/v heads are fewer than tp ranks --------------------------------
 
@@ -1886,6 +1919,7 @@ PATTERNS = {
     "zero_centred_qk_norm": ZeroCentredQKNorm,
     "grouped_conv_block": GroupedConvEncoder,
     "projected_positions": ProjectedPositions,
+    "factorized_shared_layer": FactorizedSharedLayer,
 }
 
 
@@ -1988,6 +2022,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # a dense block's 4: the weight projecting the table is cut with the heads it makes, and so is
     # the queries' per-head bias; the mask made like the embeddings carries no gradient
     "projected_positions": 4,
+    # one post-norm layer run twice, 4 per run; it reads the mapped-up embedding cut first: its q/k/v
+    # stay colwise (their weights are shared with the later run on the normed stream), so that cut
+    # input is gathered for them, its gradient reduce-scattered: the input gradient's one collective
+    "factorized_shared_layer": {"layers.0": 8},
 }
 
 
