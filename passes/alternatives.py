@@ -28,18 +28,17 @@ Three such choices, each a kind of candidate tried on its own:
   of the replicated stream is cut for them, their outputs all-reduced and attention computed
   whole. Made colwise instead, only the first read's input is gathered.
 
-Each kind's linears are tried computed whole (the shared ones: made colwise), bottlenecks
-first, all at once and then, when that does not pay, place by place (a linear's name within its block: one walk per place, not
-per block), and the result is kept if the plan's tp collectives are fewer (tp wire bytes, then the blocks
-whose tp breaks, settle a tie). A trial may break more blocks on the way: a later round often
-mends them (a modulation computed whole first, its neighbours next).
-Computing a linear whole adds work on every rank, so only linears that together add at most
-:data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run once per step, in
-the root or in a unit of its own such as a final layer's modulation: of the model's) are
-tried: a per-sample modulation or a narrow input embedding, not an attention projection run
-on every token. The decision
-and both totals go into each weight's note. A place kept whole by a trial of several is cut
-again afterwards when that alone costs less.
+Each kind's linears are tried computed whole (the shared ones: made colwise), bottlenecks first,
+all at once and then, when that does not pay, place by place (a linear's name within its block:
+one walk per place, not per block), and the result is kept if the plan's tp collectives are
+fewer (tp wire bytes, then the blocks whose tp breaks, settle a tie). A trial may break more
+blocks on the way: a later round often mends them (a modulation computed whole first, its
+neighbours next). Computing a linear whole adds work on every rank, so only linears that
+together add at most :data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run
+once per step, in the root or in a unit of its own such as a final layer's modulation: of the
+model's) are tried: a per-sample modulation or a narrow input embedding, not an attention
+projection run on every token. The decision and both totals go into each weight's note. A place
+kept whole by a trial of several is cut again afterwards when that alone costs less.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from autoshard.passes.propagate import (
     LayoutPlan,
     RowwiseExit,
     closed_by_grouped_convolution,
+    grouped_on_cut_input,
     is_sharded,
 )
 from autoshard.plan import ParamSharding, Plan
@@ -191,9 +192,10 @@ def _breaks(lp: LayoutPlan, block_fqns, whole: tuple[tuple[str, str], ...] = ())
         unit = unit_of_node(source, block_fqns)
         if unit:
             found[(unit, where)] = None
+    closing = set(grouped_on_cut_input(lp))
     for (value, consumer), steps in lp.edges.items():
         if (any(step.kind is Step.GATHER for step in steps) and value not in lp.gathered_early
-                and not closed_by_grouped_convolution(lp, value)):
+                and not closed_by_grouped_convolution(lp, value, closing)):
             unit = unit_of_node(consumer, block_fqns) if consumer.op != "output" else ""
             if unit:
                 found[(unit, describe(consumer))] = None

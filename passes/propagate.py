@@ -873,8 +873,9 @@ class Propagation:
         return True
 
     def _grouped_convolution(self, node: fx.Node) -> bool:
-        """A grouped convolution of a replicated input by parameters, its groups dealt out whole
-        over tp (SqueezeBERT's q/k/v and intermediate ``Conv1d(groups=4)``): each group reads only
+        """A grouped convolution of a replicated input by parameters, its groups (of several
+        channels each) dealt out whole over tp (SqueezeBERT's q/k/v and intermediate
+        ``Conv1d(groups=4)``, block-diagonal linears over the channels): each group reads only
         its own input channels, so each rank takes its chunk of the input (``take_shard``, free
         forward; readers of one value share it, and its gradient is all-gathered once), convolves
         it with its groups' filters (weight and bias cut on dim 0) and holds its chunk of the
@@ -887,6 +888,8 @@ class Propagation:
         weight = _source_param(conv.weight, self.param_fqns) if isinstance(conv.weight, fx.Node) else None
         if weight is None or len(node.args) <= conv.groups_position:
             return False  # filters computed from activations, or groups given as a keyword
+        if conv.weight.meta["val"].shape[1] == 1:
+            return False  # depthwise: per-channel work, cheaper whole than cut for a dense conv after it
         if weight in self.revised.replicated:
             self.notes[weight] = self.revised.replicated[weight]
             return False
@@ -1579,7 +1582,7 @@ def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
     useful: set[fx.Node] = set()
     frontier = [s.input for s in (*sites.linears, *sites.experts) if plan.roles[s.weight_fqn] == ROWWISE]
     frontier += [node.args[0] for node, (_, role) in plan.convolutions.items() if role == ROWWISE]
-    frontier += [node.args[0] for node in _grouped_on_cut_input(plan)]
+    frontier += [node.args[0] for node in grouped_on_cut_input(plan)]
     while frontier:
         value = frontier.pop()
         if value in useful or not is_sharded(plan.layouts.get(value)):
@@ -1591,23 +1594,24 @@ def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
     return useful
 
 
-def _grouped_on_cut_input(plan: LayoutPlan) -> list[fx.Node]:
-    """Grouped convolutions that read a channel-cut input with filters stored cut over tp."""
+def grouped_on_cut_input(plan: LayoutPlan) -> list[fx.Node]:
+    """Grouped convolutions of several channels per group (block-diagonal linears, not depthwise
+    per-channel work) that read a channel-cut input with filters stored cut over tp."""
     found = []
     for node, layout in plan.layouts.items():
         conv = layout_rules.Convolution.of(node) if layout == 1 else None
         if (conv is not None and conv.groups != 1 and plan.layouts.get(conv.input) == 1
-                and isinstance(conv.weight, fx.Node) and conv.weight.target in plan.sharded_params):
+                and isinstance(conv.weight, fx.Node) and conv.weight.target in plan.sharded_params
+                and conv.weight.meta["val"].shape[1] > 1):
             found.append(node)
     return found
 
 
-def closed_by_grouped_convolution(plan: LayoutPlan, value: fx.Node) -> bool:
+def closed_by_grouped_convolution(plan: LayoutPlan, value: fx.Node, closing: set[fx.Node]) -> bool:
     """Whether gathering the cut ``value`` ends its region as a rowwise reduction would: every
-    cut value it is computed from (not across a gather) starts at a grouped convolution of cut
-    filters on a cut input (SqueezeBERT's output ``Conv1d(groups=4)`` then its residual add), none
-    at a colwise output that a rowwise layer should have read."""
-    closing = set(_grouped_on_cut_input(plan))
+    cut value it is computed from (not across a gather) starts at one of the ``closing``
+    convolutions (:func:`grouped_on_cut_input`: SqueezeBERT's output ``Conv1d(groups=4)`` then its
+    residual add), none at a colwise output that a rowwise layer should have read."""
     seen, frontier, reached = set(), [value], False
     while frontier:
         node = frontier.pop()
