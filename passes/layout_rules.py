@@ -490,6 +490,8 @@ def _fused_split(node, value, dim, tp):
         return None
     size = int(size)
     rest = node.args[2:]
+    if node.target == aten.slice.Tensor and (node.args[4] if len(node.args) > 4 else 1) != 1:
+        return _strided_slice(node, value, dim, size, tp)
     if node.target == aten.slice.Tensor:
         return _fused_slice(node, value, dim, size, tp)
     if node.target == aten.split_with_sizes.default:
@@ -506,6 +508,23 @@ def _fused_split(node, value, dim, tp):
     if len(sections) < 2 or any(s % tp for s in sections):
         return None
     return Decision(tuple(dim for _ in sections), {value: dim}, args, sections)
+
+
+def _strided_slice(node, value, dim, size, tp):
+    """``x[..., s::k]`` along the cut dim of values interleaved in groups of ``k`` (gpt-oss's
+    gate|up pairs: ``gate_up[..., ::2]`` and ``gate_up[..., 1::2]``): when each rank's contiguous
+    chunk holds whole groups, its slice from ``s`` by ``k`` is its chunk of those values, in order,
+    so the output keeps the cut and the slice reads as it did."""
+    start, end = (list(node.args[2:4]) + [None, None])[:2]
+    step = node.args[4]
+    start = 0 if start is None else start
+    if not isinstance(step, int) or not isinstance(start, int) or not 0 <= start < step:
+        return None
+    if end is not None and (not isinstance(end, int) or end < size):
+        return None  # stops before the end: not every group is read
+    if size % tp or (size // tp) % step:
+        return None
+    return Decision(dim, {value: dim})
 
 
 def _slice_bounds(node, size: int) -> tuple[int, int] | None:

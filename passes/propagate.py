@@ -1098,15 +1098,17 @@ class Propagation:
 
     def _param_chain(self, value: fx.Node, wanted: int) -> list[tuple[fx.Node, int]] | None:
         """``value`` and the ops back to the parameter it is computed from alone (casts, views,
-        elementwise ops of it: ``-exp(A_log.float())``, ``w.squeeze(1).unsqueeze(1)``), each used only
+        elementwise ops of it: ``-exp(A_log.float())``, ``w.squeeze(1).unsqueeze(1)``), or with
+        replicated constants (an einsum with a fixed table, an index by expert ids), each used only
         by the next, with the dim that is ``wanted`` in each; None unless the parameter's own dim
         divides by tp."""
         chain, node, dim = [], value, wanted
         while node.op != "get_attr":
             if node.op != "call_function" or len(node.users) != 1 or not node.args:
                 return None
-            if node.target == _aten.einsum.default:
-                found = self._einsum_operand(node, dim)
+            if node.target in (_aten.einsum.default, _aten.index.Tensor):  # other operands replicated constants
+                pick = self._einsum_operand if node.target == _aten.einsum.default else self._indexed_rows
+                found = pick(node, dim)
                 if found is None:
                     return None
                 chain.append((node, dim))
@@ -1147,6 +1149,20 @@ class Propagation:
         if any(t in self.carries_grad or self.layout(t) is not None for t in others):
             return None
         return operands[holders[0]], terms[holders[0]].index(letter)
+
+    def _indexed_rows(self, node: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
+        """The tensor ``node`` indexes on its leading dims by replicated indices that carry no
+        gradient, and its dim that is output dim ``dim`` (one not indexed): gpt-oss's per-token
+        expert bias ``gate_up_proj_bias[expert_ids]`` is cut on its features as the experts'
+        outputs are."""
+        source, indices = node.args[0], node.args[1]
+        if not isinstance(source, fx.Node) or not indices or not all(isinstance(i, fx.Node) for i in indices):
+            return None
+        if any(i in self.carries_grad or self.layout(i) is not None for i in indices):
+            return None
+        leading = max(_ndim(i) for i in indices)
+        before = dim - leading + len(indices)
+        return (source, before) if dim >= leading and len(indices) <= before < _ndim(source) else None
 
     @staticmethod
     def _steps(value: fx.Node, consumer: fx.Node, have, wanted) -> tuple[Redistribute, ...]:

@@ -419,6 +419,37 @@ class BatchedExperts(nn.Module):
         return next_states.sum(dim=0)
 
 
+class InterleavedExperts(nn.Module):
+    """gpt-oss's experts: weights stored ``[E, in, out]`` with a bias per expert, the gate and the
+    linear unit interleaved in ``gate_up_proj``'s outputs (``gate_up[..., ::2]``,
+    ``gate_up[..., 1::2]``), a clamped SwiGLU; each (token, choice) row picks its expert's weights
+    and biases and runs one ``bmm``."""
+
+    def __init__(self, cfg: Config, num_experts: int, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, cfg.dim, 2 * cfg.ffn) / cfg.dim**0.5)
+        self.gate_up_proj_bias = nn.Parameter(torch.randn(num_experts, 2 * cfg.ffn) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, cfg.ffn, cfg.dim) / cfg.ffn**0.5)
+        self.down_proj_bias = nn.Parameter(torch.randn(num_experts, cfg.dim) * 0.02)
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x, top_idx, top_w):
+        tokens, k = top_idx.shape
+        rows = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [tokens*k, 1, dim]
+        ids = top_idx.reshape(-1)
+        gate_up = torch.bmm(rows, self.gate_up_proj[ids]).squeeze(1) + self.gate_up_proj_bias[ids]
+        h = self._apply_gate(gate_up).unsqueeze(1)
+        out = torch.bmm(h, self.down_proj[ids]).squeeze(1) + self.down_proj_bias[ids]
+        out = out * top_w.reshape(-1, 1)
+        return out.view(tokens, k, -1).sum(dim=1)
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: Config, experts: type[nn.Module], num_experts: int = 4, top_k: int = 2):
         super().__init__()
@@ -1888,6 +1919,7 @@ PATTERNS = {
     "moe_loop": lambda: ExpertsMoE(loop=True),
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
     "moe_batched_bmm": lambda: ExpertsMoE(experts=BatchedExperts),
+    "moe_interleaved": lambda: ExpertsMoE(Config(heads=8, kv_heads=8), experts=InterleavedExperts),
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
     "low_rank_latent_attention": LowRankLatentAttentionModel,
@@ -1951,6 +1983,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "moe_grouped_mm": 4,
     # Llama-4's experts read whole by one bmm each: colwise gate|up, rowwise down, as a dense MLP
     "moe_batched_bmm": 4,
+    # gpt-oss's experts: gate and up interleaved in gate_up's columns, so each rank's contiguous
+    # share holds whole pairs and slices them as one device does; the per-row gate_up bias picked by
+    # expert id is cut with those columns, down's bias added once its output is reduced
+    "moe_interleaved": 4,
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,

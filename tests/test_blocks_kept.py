@@ -47,7 +47,8 @@ def _blocks(plan, prefix):
                                                            "normed_mamba_mixer", "zero_centred_qk_norm",
                                                            "mamba2_mixer", "mup_mamba2_mixer", "mamba2_mixer_groups",
                                                            "lora_adapters", "relative_logits", "grouped_conv_block",
-                                                           "projected_positions", "factorized_shared_layer"))
+                                                           "projected_positions", "factorized_shared_layer",
+                                                           "moe_interleaved"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -61,7 +62,7 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "in_place_parallel", "diffusers_dit", "flux_single_stream", "mamba_mixer", "low_rank_latent_attention",
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
-    "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer")
+    "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
