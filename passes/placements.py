@@ -20,6 +20,7 @@ from autoshard.errors import describe, source_line
 from autoshard.mesh import TP, MeshAxes, dp_choice
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
+from autoshard.passes.layout_rules import Convolution
 from autoshard.passes.partition import owner_block, unit_of_node
 from autoshard.passes.propagate import (
     COLWISE,
@@ -71,7 +72,7 @@ def build_plan(
     }
     breaks = ()
     if axes.has_tp:
-        entries, whole = _whole_weights(entries, captured, axes)
+        entries, whole = _whole_weights(entries, captured, axes, layout_plan)
         breaks = _breaks(layout_plan, captured.block_fqns, whole)
     return Plan(
         mesh=axes.to_dict(),
@@ -109,7 +110,8 @@ _PASS_THROUGH = frozenset(
 ) | {torch.ops.aten.transpose.int, torch.ops.aten.to.dtype}
 
 
-def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, axes: MeshAxes):
+def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, axes: MeshAxes,
+                   layout_plan: LayoutPlan):
     """Every block parameter of 2 or more dims left whole over tp is accounted for.
 
     Replicated by choice (a narrowing linear computed whole, a table or scale no matmul
@@ -129,6 +131,14 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
                 f"its {entry.shape[0]} output features, fewer than its {entry.shape[1]} inputs, do not divide by "
                 f"tp={axes.tp}; it reads the whole stream, so computed whole it needs no collective"))
             out[fqn] = dataclasses.replace(entry, why=why)
+            continue
+        depthwise = matmuls and all(_depthwise_on_whole_input(r, layout_plan) for r in matmuls)
+        if entry.why.indivisible is None and depthwise:
+            why = dataclasses.replace(entry.why, computed_whole=(
+                "a depthwise convolution (one input channel per filter) of a replicated input: per-channel work, "
+                "computed whole it needs no collective; cut, its input would be split and its output gathered"))
+            padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
+            out[fqn] = dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
             continue
         if entry.why.indivisible is not None or matmuls:
             why = entry.why.indivisible.reason() if entry.why.indivisible is not None else (
@@ -151,6 +161,16 @@ def _narrow_on_whole_input(entry: ParamSharding) -> bool:
     indivisible = entry.why.indivisible
     return (indivisible is not None and indivisible.what == "output features" and len(entry.shape) == 2
             and entry.shape[0] == indivisible.size and entry.shape[0] < entry.shape[1])
+
+
+def _depthwise_on_whole_input(reader: fx.Node, layout_plan: LayoutPlan) -> bool:
+    """A depthwise convolution (``groups`` = input channels) reading a replicated input: work per
+    channel, small next to a matmul over the channels, so computing it whole is a choice, no
+    break (ConvNeXt's 7x7 ``dwconv``, ConvBERT's separable conv on the stream)."""
+    conv = Convolution.of(reader)
+    return (conv is not None and not conv.transposed and isinstance(conv.weight, fx.Node)
+            and conv.weight.meta["val"].shape[1] == 1 and isinstance(conv.input, fx.Node)
+            and layout_plan.layouts.get(conv.input) is None and layout_plan.layouts.get(reader) is None)
 
 
 def _readers(graph: fx.Graph) -> dict[str, list[fx.Node]]:

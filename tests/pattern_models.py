@@ -1794,6 +1794,33 @@ class ResnetBlock2D(nn.Module):
         return x + hidden.reshape(b, c, s).transpose(1, 2)
 
 
+class ConvNeXtLayer(nn.Module):
+    """transformers' ``ConvNextLayer`` on the token stream folded into a ``[b, C, 4, s/4]`` image: a
+    7x7 depthwise conv on the whole stream, a channels-last LayerNorm, then a pointwise MLP
+    (linears over the channels), scaled per channel, plus the input."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.dwconv = nn.Conv2d(cfg.dim, cfg.dim, kernel_size=7, padding=3, groups=cfg.dim)
+        self.layernorm = nn.LayerNorm(cfg.dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(cfg.dim, cfg.ffn)
+        self.pwconv2 = nn.Linear(cfg.ffn, cfg.dim)
+        self.layer_scale_parameter = nn.Parameter(1e-1 * torch.ones(cfg.dim))
+
+    def forward(self, x):
+        b, s, c = x.shape
+        image = x.transpose(1, 2).reshape(b, c, 4, s // 4)
+        features = self.dwconv(image).permute(0, 2, 3, 1)  # [b, 4, s/4, C]
+        features = self.pwconv2(F.gelu(self.pwconv1(self.layernorm(features))))
+        features = (self.layer_scale_parameter * features).permute(0, 3, 1, 2)
+        return x + features.reshape(b, c, s).transpose(1, 2)
+
+
+class ConvNeXt(Decoder):
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):  # no attention: heads do not matter
+        super().__init__(cfg, ConvNeXtLayer)
+
+
 class ConvResnet(Decoder):
     def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):  # no attention: heads do not matter
         super().__init__(cfg, ResnetBlock2D)
@@ -1925,6 +1952,7 @@ PATTERNS = {
     "low_rank_latent_attention": LowRankLatentAttentionModel,
     "gated_deltanet": GatedDeltaNetModel,
     "conv_resnet": ConvResnet,
+    "convnext_layer": ConvNeXt,
     "gated_deltanet_fused": lambda: GatedDeltaNetModel(fused=True),
     "adaln_modulation": AdaLNDecoder,
     "reused_embedder": ReusedEmbedderDiT,
@@ -2007,6 +2035,9 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # conv1 and conv2 cut over channels like a pair of linears, the GroupNorm between them cut with
     # its groups: one forward all-reduce, one backward (as a parallel block's 2)
     "conv_resnet": 2,
+    # the depthwise conv computed whole on the replicated stream (per-channel work: a choice, no
+    # break), the pointwise MLP colwise then rowwise, the layer scale applied after the reduction
+    "convnext_layer": 2,
     "gated_deltanet_fused": 5,
     "adaln_modulation": 4,  # the per-sample modulation computed whole (passes/alternatives.py)
     # block 0 also holds the timestep embedder, run twice (for the blocks and for the head), each

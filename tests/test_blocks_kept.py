@@ -48,7 +48,7 @@ def _blocks(plan, prefix):
                                                            "mamba2_mixer", "mup_mamba2_mixer", "mamba2_mixer_groups",
                                                            "lora_adapters", "relative_logits", "grouped_conv_block",
                                                            "projected_positions", "factorized_shared_layer",
-                                                           "moe_interleaved"))
+                                                           "moe_interleaved", "convnext_layer"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -62,7 +62,8 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "in_place_parallel", "diffusers_dit", "flux_single_stream", "mamba_mixer", "low_rank_latent_attention",
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
-    "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved")
+    "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved",
+    "convnext_layer")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
@@ -250,3 +251,12 @@ def test_a_buffer_filled_slice_by_slice_is_planned_as_a_concatenation(tiles, rew
     if rewritten:
         torch.testing.assert_close(captured.gm(x)[0] if isinstance(captured.gm(x), tuple) else captured.gm(x),
                                    model(x))
+
+
+def test_a_depthwise_conv_on_the_replicated_stream_is_computed_whole_by_choice():
+    """ConvNeXt's 7x7 depthwise conv reads the whole stream: per-channel work, kept whole with a note
+    saying why, not a break; the pointwise MLP after it is cut."""
+    plan = _proven(PATTERNS["convnext_layer"](), {"tp": 4}, TOKENS)
+    dwconv, pwconv1 = plan.params["layers.0.dwconv.weight"], plan.params["layers.0.pwconv1.weight"]
+    assert dwconv.sharded_dim("tp") is None and "depthwise convolution" in dwconv.note
+    assert pwconv1.sharded_dim("tp") is not None
