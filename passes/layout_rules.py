@@ -89,6 +89,7 @@ def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | 
             return found
     if any(lay in PARTIALS or isinstance(lay, Strided) for lay in layouts.values()):
         return (_split_reduced(node, layouts) or _partial_plus_zero(node, layouts, tp)
+                or _partials_cat(node, layouts) or _partial_into_zeros(node, layouts)
                 or _statistic_reduced(node, layouts, tp))  # the rest: DTensor's
     for ops, rule in _RULES:
         if node.target in ops:
@@ -231,6 +232,29 @@ def _statistic_reduced(node, layouts, tp):
             and layouts.get(mean) in PARTIALS and isinstance(layouts.get(x), int)):
         return None
     return _pointwise(node, {x: layouts[x], mean: None}, tp)
+
+
+def _partials_cat(node, layouts):
+    """A cat of partial sums is the partial sum of the cat (JetMoE's experts: each expert's
+    rowwise output on its rows, concatenated): one reduction after it, not one per piece."""
+    if node.target != aten.cat.default:
+        return None
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    if len(tensors) != len(node.args[0]) or {layouts.get(t) for t in tensors} != {PARTIAL}:
+        return None
+    return Decision(PARTIAL, {t: PARTIAL for t in tensors})
+
+
+def _partial_into_zeros(node, layouts):
+    """``zeros.index_add(dim, index, partial)`` is partial: rows of partial sums added into zeros
+    (experts' outputs summed back per token) are each rank's share of the total."""
+    if node.target != aten.index_add.default or len(node.args) < 4 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    zero, _, index, source = node.args[:4]
+    if (isinstance(zero, fx.Node) and zero.target in _ZEROS and layouts.get(zero) is None
+            and layouts.get(index) is None and layouts.get(source) == PARTIAL):
+        return Decision(PARTIAL, {zero: None, index: None, source: PARTIAL})
+    return None
 
 
 def _partial_plus_zero(node, layouts, tp):

@@ -1341,8 +1341,9 @@ def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: 
 def _fused_origins(value: fx.Node, layouts, output_site, param_fqns,
                    readers: int = 1) -> list[tuple[LinearSite, list[str]]] | None:
     """The colwise sites whose outputs reach ``value`` through single-use reshapes of other dims
-    (the sharded dim keeps the sites' full output size all the way) and sums of such outputs (a
-    LoRA adapter's ``lora_B`` added to its base projection), each with the parameters of the
+    (the sharded dim keeps the sites' full output size all the way), sums of such outputs (a
+    LoRA adapter's ``lora_B`` added to its base projection) and their concatenation along another
+    dim (JetMoE's experts, one ``F.linear`` per expert on its rows, then ``cat``), each with the parameters of the
     depthwise convolutions on its way (gated DeltaNet's ``conv1d`` between ``in_proj_qkv`` and its
     split), which hold their channels in the sites' order. ``value`` itself has ``readers`` users:
     the split, or the slices tiling it."""
@@ -1364,7 +1365,10 @@ def _fused_origins(value: fx.Node, layouts, output_site, param_fqns,
         sharded = [i for i in node.all_input_nodes if is_sharded(layouts.get(i))]
         if len(sharded) == 1:
             return walk(sharded[0], 1, params)
-        if node.target not in _SUMS or any(layouts.get(i) != lay or _ndim(i) != _ndim(node) for i in sharded):
+        along = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) if node.args else None
+        stacked = node.target == _aten.cat.default and _norm_dim(along, _ndim(node)) != lay
+        if (node.target not in _SUMS and not stacked) or any(
+                layouts.get(i) != lay or _ndim(i) != _ndim(node) for i in sharded):
             return None
         found = [walk(i, 1, params) for i in sharded]
         return None if None in found else [origin for branch in found for origin in branch]
@@ -1628,6 +1632,8 @@ def closed_by_grouped_convolution(plan: LayoutPlan, value: fx.Node, closing: set
     cut value it is computed from (not across a gather) starts at one of the ``closing``
     convolutions (:func:`grouped_on_cut_input`: SqueezeBERT's output ``Conv1d(groups=4)`` then its
     residual add), none at a colwise output that a rowwise layer should have read."""
+    if not closing:
+        return False
     seen, frontier, reached = set(), [value], False
     while frontier:
         node = frontier.pop()

@@ -450,6 +450,50 @@ class InterleavedExperts(nn.Module):
         return out.view(tokens, k, -1).sum(dim=1)
 
 
+class ParallelExperts(nn.Module):
+    """JetMoE's (and ScatterMoE's) ``ParallelExperts``: weights ``[E, out, in]``, the rows grouped
+    by expert split by their counts, one ``F.linear`` per expert, the outputs concatenated."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.randn(num_experts, output_size, input_size) / input_size**0.5)
+
+    def forward(self, inputs, expert_size):
+        pieces = inputs.split(expert_size, dim=0)
+        return torch.cat([F.linear(pieces[i], self.weight[i]) for i in range(self.num_experts)], dim=0)
+
+
+class ConcatenatedExpertsMoE(nn.Module):
+    """JetMoE's MoE: tokens sorted by expert, ``input_linear`` giving gate|up per expert (then
+    ``chunk(2, dim=-1)`` of the concatenated outputs), ``output_linear``, the gates applied, and the
+    rows added back per token into zeros by ``index_add``, plus a bias."""
+
+    def __init__(self, cfg: Config, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(cfg.dim, num_experts, bias=False)
+        self.input_linear = ParallelExperts(num_experts, cfg.dim, 2 * cfg.ffn)
+        self.output_linear = ParallelExperts(num_experts, cfg.ffn, cfg.dim)
+        self.bias = nn.Parameter(torch.zeros(cfg.dim))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        logits = self.router(flat).float()
+        top_logits, top_idx = logits.topk(self.top_k, dim=1)
+        top_gates = torch.softmax(top_logits, dim=1).type_as(flat)
+        expert_size = torch.zeros_like(logits).scatter(1, top_idx, 1).long().sum(0).tolist()
+        _, index_sorted = top_idx.flatten().sort(0)
+        batch_index = index_sorted.div(self.top_k, rounding_mode="trunc")
+        batch_gates = top_gates.flatten()[index_sorted]
+        hidden = self.input_linear(flat[batch_index], expert_size)
+        gate, up = hidden.chunk(2, dim=-1)
+        out = self.output_linear(F.silu(gate) * up, expert_size) * batch_gates[:, None]
+        merged = torch.zeros((b * s, d), dtype=out.dtype, device=out.device).index_add(0, batch_index, out)
+        return merged.view(b, s, d) + self.bias
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: Config, experts: type[nn.Module], num_experts: int = 4, top_k: int = 2):
         super().__init__()
@@ -1947,6 +1991,8 @@ PATTERNS = {
     "moe_grouped_mm": lambda: ExpertsMoE(experts=GroupedExperts),
     "moe_batched_bmm": lambda: ExpertsMoE(experts=BatchedExperts),
     "moe_interleaved": lambda: ExpertsMoE(Config(heads=8, kv_heads=8), experts=InterleavedExperts),
+    "moe_concatenated_experts": lambda: Decoder(Config(heads=8, kv_heads=8),
+                                                lambda c: Block(c, QKVAttention, ConcatenatedExpertsMoE)),
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
     "low_rank_latent_attention": LowRankLatentAttentionModel,
@@ -1983,6 +2029,11 @@ PATTERNS = {
 }
 
 
+# patterns whose rows per expert come from the data (``.tolist()``): their plans hold symbolic
+# sizes, so they predict how many collectives run but not their bytes
+DATA_DEPENDENT_ROWS = frozenset({"moe_concatenated_experts"})
+
+
 # tp collectives per block (each ``layers.*`` unit) per training step, forward + backward: the
 # analytic minimum. A sequential block 2 + 2 (attention output and MLP output all-reduced forward,
 # one input gradient per colwise group backward); a parallel block 1 + 1 (one normed input, one
@@ -2015,6 +2066,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # share holds whole pairs and slices them as one device does; the per-row gate_up bias picked by
     # expert id is cut with those columns, down's bias added once its output is reduced
     "moe_interleaved": 4,
+    # JetMoE's experts: one linear per expert, outputs concatenated over rows, then split into gate
+    # and up: input_linear stores its columns in sections as a fused gate|up does; output_linear's
+    # partial rows added back into zeros stay partial, reduced once
+    "moe_concatenated_experts": 4,
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,

@@ -19,7 +19,7 @@ import transformers as hf
 import autoshard
 from autoshard.sharding import Role
 from tests.hf_cases import _DECODER, VOCAB
-from tests.pattern_models import PATTERNS, block_minimum
+from tests.pattern_models import DATA_DEPENDENT_ROWS, PATTERNS, block_minimum
 from tests.pattern_models import VOCAB as PATTERN_VOCAB
 from tests.plan_invariants import assert_breaks_complete
 
@@ -28,12 +28,17 @@ IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0
 WHOLE_SECTION_PATTERNS = ("grouped_fused_qkv", "sliced_fused_qkv", "inserted_dim_multi_query", "indexed_multi_query")
 
 
-def _proven(model, mesh, example):
+def _proven(model, mesh, example, sized: bool = True):
+    """The proven plan, with no break; ``sized``: its predicted bytes are what ran (else, rows per
+    expert from the data: how many collectives ran)."""
     proof = autoshard.check(model, mesh, example_inputs=(example,))
     assert proof.ok, str(proof)
     assert not proof.plan.breaks, proof.plan.breaks_line()
     assert_breaks_complete(proof.plan)
-    assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
+    if sized:
+        assert proof.tp_collectives == proof.plan.predicted_comm()["tp"]
+    else:
+        assert sum(n for n, _ in proof.tp_collectives.values()) == proof.plan.num_tp_collectives()
     return proof.plan
 
 
@@ -48,11 +53,12 @@ def _blocks(plan, prefix):
                                                            "mamba2_mixer", "mup_mamba2_mixer", "mamba2_mixer_groups",
                                                            "lora_adapters", "relative_logits", "grouped_conv_block",
                                                            "projected_positions", "factorized_shared_layer",
-                                                           "moe_interleaved", "convnext_layer"))
+                                                           "moe_interleaved", "convnext_layer",
+                                                           "moe_concatenated_experts"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
-    plan = _proven(model, {"tp": 8}, TOKENS)
+    plan = _proven(model, {"tp": 8}, TOKENS, sized=name not in DATA_DEPENDENT_ROWS)
     for block in _blocks(plan, "layers."):
         minimum = block_minimum(name, block) + (model.cfg.kv_heads % 8 != 0)
         assert plan.num_tp_collectives(block) == minimum, (block, str(plan))
@@ -63,7 +69,7 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
     "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved",
-    "convnext_layer")
+    "convnext_layer", "moe_concatenated_experts")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)

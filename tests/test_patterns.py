@@ -19,7 +19,7 @@ from autoshard.comm_stats import CollectiveCounter
 from autoshard.sharding import Role
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, lm_loss, train_both
-from tests.pattern_models import MINIMUM, PATTERNS, VOCAB, block_minimum
+from tests.pattern_models import DATA_DEPENDENT_ROWS, MINIMUM, PATTERNS, VOCAB, block_minimum
 from tests.plan_invariants import assert_breaks_complete
 
 # trained end to end on real gloo ranks, on 2x2 (dp x tp) and on tp=4: a dense block, the
@@ -79,7 +79,8 @@ def test_pattern_is_proven_at_its_minimum(name, mesh):
         assert got == minimum, f"{name}: {block} plans {got} tp collectives, minimum {minimum}"
     ran = sum(n for n, _ in proof.tp_collectives.values())
     assert ran == plan.num_tp_collectives(), (name, proof.tp_collectives, str(plan))
-    assert proof.tp_collectives == plan.predicted_comm()["tp"]
+    if name not in DATA_DEPENDENT_ROWS:
+        assert proof.tp_collectives == plan.predicted_comm()["tp"]
 
 
 class SharedTwice(torch.nn.Module):
