@@ -234,6 +234,11 @@ def _statistic_reduced(node, layouts, tp):
     return _pointwise(node, {x: layouts[x], mean: None}, tp)
 
 
+def _replicated_zeros(node, layouts) -> bool:
+    """A replicated tensor of zeros made for an accumulation (``zeros``, ``zeros_like``, ``new_zeros``)."""
+    return isinstance(node, fx.Node) and node.target in _ZEROS and layouts.get(node) is None
+
+
 def _partials_cat(node, layouts):
     """A cat of partial sums is the partial sum of the cat (JetMoE's experts: each expert's
     rowwise output on its rows, concatenated): one reduction after it, not one per piece."""
@@ -251,8 +256,7 @@ def _partial_into_zeros(node, layouts):
     if node.target != aten.index_add.default or len(node.args) < 4 or node.kwargs.get("alpha", 1) != 1:
         return None
     zero, _, index, source = node.args[:4]
-    if (isinstance(zero, fx.Node) and zero.target in _ZEROS and layouts.get(zero) is None
-            and layouts.get(index) is None and layouts.get(source) == PARTIAL):
+    if _replicated_zeros(zero, layouts) and layouts.get(index) is None and layouts.get(source) == PARTIAL:
         return Decision(PARTIAL, {zero: None, index: None, source: PARTIAL})
     return None
 
@@ -264,10 +268,7 @@ def _partial_plus_zero(node, layouts, tp):
         return None
     a, b = node.args
     for zero, partial in ((a, b), (b, a)):
-        if (
-            isinstance(zero, fx.Node) and zero.target in _ZEROS and layouts.get(zero) is None
-            and layouts.get(partial) == PARTIAL and _shape(zero) == _shape(node)
-        ):
+        if _replicated_zeros(zero, layouts) and layouts.get(partial) == PARTIAL and _shape(zero) == _shape(node):
             return Decision(PARTIAL, {zero: None, partial: PARTIAL})
     return None
 
@@ -727,11 +728,9 @@ def _batched_matmul(node, layouts, tp):
     return None
 
 
-def _einsum(node, layouts, tp):
-    """``einsum`` with one letter cut: every operand that has the letter is cut on it (a replicated
-    one is cut to match), the others are read whole, and the letter stays in the output (heads
-    or batch, as Mamba-2's chunked scan and ProphetNet's attention use them). A cut letter summed
-    away is left to DTensor."""
+def einsum_terms(node: fx.Node) -> tuple[list[str], str, list[fx.Node]] | None:
+    """An ``einsum`` node's input terms, output term and operands, when its equation names every
+    dim of every operand (no ``...``) and has an output."""
     equation, operands = node.args[0], node.args[1]
     if not isinstance(equation, str) or not all(isinstance(t, fx.Node) for t in operands):
         return None
@@ -741,6 +740,18 @@ def _einsum(node, layouts, tp):
         return None
     if any(len(term) != _ndim(t) for term, t in zip(terms, operands, strict=True)):
         return None
+    return terms, output, list(operands)
+
+
+def _einsum(node, layouts, tp):
+    """``einsum`` with one letter cut: every operand that has the letter is cut on it (a replicated
+    one is cut to match), the others are read whole, and the letter stays in the output (heads
+    or batch, as Mamba-2's chunked scan and ProphetNet's attention use them). A cut letter summed
+    away is left to DTensor."""
+    parsed = einsum_terms(node)
+    if parsed is None:
+        return None
+    terms, output, operands = parsed
     letters = {terms[i][lay] for i, t in enumerate(operands) if isinstance(lay := layouts.get(t), int)}
     if len(letters) != 1 or any(isinstance(layouts.get(t), tuple) for t in operands):
         return None

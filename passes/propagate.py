@@ -665,9 +665,8 @@ class Propagation:
         if role is None:  # a shared weight's first read decides for all (its input is redistributed)
             role = _linear_role(site, input_layout, self.roles, self.fixed_roles, site.weight_fqn in self.sites.tied)
             role = self.divisible_role(site, role)
-        if site.weight_fqn in self.revised.replicated and self.fixed_roles is None:
+        if self.fixed_roles is None and self._kept_whole(site.weight_fqn):
             role = REPLICATE
-            self.notes[site.weight_fqn] = self.revised.replicated[site.weight_fqn]
         self.roles[site.weight_fqn] = role
         # a cat of sections was accepted for this linear only as its rowwise input
         assert role == ROWWISE or site.weight_fqn not in self.input_sections, site.weight_fqn
@@ -859,10 +858,7 @@ class Propagation:
         weight = _dense_convolution_weight(node, self.param_fqns)
         if weight is None:
             return self._grouped_convolution(node)
-        if self.fixed_roles is not None or node.meta["val"].shape[1] % self.tp:
-            return False
-        if weight in self.revised.replicated:
-            self.notes[weight] = self.revised.replicated[weight]
+        if self.fixed_roles is not None or node.meta["val"].shape[1] % self.tp or self._kept_whole(weight):
             return False
         if self._param_chain(node.args[1], 0) is None:
             return False  # a weight read elsewhere too, or computed: kept whole
@@ -870,6 +866,13 @@ class Propagation:
         self.require(node.args[0], node, None, then=self.partial_grad(node.args[0]))
         self.layouts[node] = 1
         self.convolutions[node] = (weight, COLWISE)
+        return True
+
+    def _kept_whole(self, weight: str) -> bool:
+        """Whether a revision computes the op of ``weight`` whole; its note then says why."""
+        if weight not in self.revised.replicated:
+            return False
+        self.notes[weight] = self.revised.replicated[weight]
         return True
 
     def _grouped_convolution(self, node: fx.Node) -> bool:
@@ -890,8 +893,7 @@ class Propagation:
             return False  # filters computed from activations, or groups given as a keyword
         if conv.weight.meta["val"].shape[1] == 1:
             return False  # depthwise: per-channel work, cheaper whole than cut for a dense conv after it
-        if weight in self.revised.replicated:
-            self.notes[weight] = self.revised.replicated[weight]
+        if self._kept_whole(weight):
             return False
         if any(self._param_chain(t, 0) is None for t in params):
             return False  # a parameter read elsewhere too: kept whole
@@ -1134,13 +1136,10 @@ class Propagation:
         when the other operands are replicated and carry no gradient: a weight projecting a
         constant table (Funnel's ``einsum("td,dnh->tnh", sinusoid, r_kernel)``) is cut where the
         output is, and the table is read whole by every rank."""
-        equation, operands = node.args[0], node.args[1]
-        if not isinstance(equation, str) or "." in equation or "->" not in equation:
+        parsed = layout_rules.einsum_terms(node)
+        if parsed is None:
             return None
-        inputs, output = equation.replace(" ", "").split("->")
-        terms = inputs.split(",")
-        if len(terms) != len(operands) or not all(isinstance(t, fx.Node) for t in operands) or dim >= len(output):
-            return None
+        terms, output, operands = parsed
         letter = output[dim]
         holders = [i for i, term in enumerate(terms) if letter in term]
         if len(holders) != 1 or terms[holders[0]].count(letter) != 1:
