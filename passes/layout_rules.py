@@ -821,6 +821,12 @@ class Convolution:
             transposed=bool(general and node.args[6]), groups_position=position,
         )
 
+    @property
+    def channels_per_group(self) -> int | None:
+        """Input channels each filter reads (the weight's dim 1): 1 for a depthwise convolution."""
+        val = self.weight.meta.get("val") if isinstance(self.weight, fx.Node) else None
+        return int(val.shape[1]) if val is not None and val.dim() > 1 else None
+
 
 def cuts_groups(node: fx.Node, tp: int) -> bool:
     """Whether a grouped convolution's groups can be dealt out over tp, whole groups per rank.
@@ -831,8 +837,7 @@ def cuts_groups(node: fx.Node, tp: int) -> bool:
     groups = conv.groups if conv is not None else None
     if not isinstance(groups, int) or groups < 2 or groups % tp or conv.transposed:
         return False
-    per_group = conv.weight.meta["val"].shape[1] if isinstance(conv.weight, fx.Node) else 1
-    return groups // tp >= 2 or per_group > 1
+    return groups // tp >= 2 or (conv.channels_per_group or 1) > 1
 
 
 def _channelwise_conv(node, layouts, tp):

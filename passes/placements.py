@@ -137,8 +137,7 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
             why = dataclasses.replace(entry.why, computed_whole=(
                 "a depthwise convolution (one input channel per filter) of a replicated input: per-channel work, "
                 "computed whole it needs no collective; cut, its input would be split and its output gathered"))
-            padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
-            out[fqn] = dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
+            out[fqn] = _explained(entry, why, axes)
             continue
         if entry.why.indivisible is not None or matmuls:
             why = entry.why.indivisible.reason() if entry.why.indivisible is not None else (
@@ -149,9 +148,14 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
         reader = describe(first) if first is not None else "nothing in the graph"
         why = dataclasses.replace(entry.why, read_whole=(
             f"read by {reader}, no matmul: {math.prod(entry.shape)} elements kept whole on every tp rank"))
-        padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
-        out[fqn] = dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
+        out[fqn] = _explained(entry, why, axes)
     return out, tuple(whole)
+
+
+def _explained(entry: ParamSharding, why: Why, axes: MeshAxes) -> ParamSharding:
+    """``entry`` with ``why`` and the note it gives (FSDP's padding included)."""
+    padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
+    return dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
 
 
 def _narrow_on_whole_input(entry: ParamSharding) -> bool:
@@ -168,8 +172,8 @@ def _depthwise_on_whole_input(reader: fx.Node, layout_plan: LayoutPlan) -> bool:
     channel, small next to a matmul over the channels, so computing it whole is a choice, no
     break (ConvNeXt's 7x7 ``dwconv``, ConvBERT's separable conv on the stream)."""
     conv = Convolution.of(reader)
-    return (conv is not None and not conv.transposed and isinstance(conv.weight, fx.Node)
-            and conv.weight.meta["val"].shape[1] == 1 and isinstance(conv.input, fx.Node)
+    return (conv is not None and not conv.transposed and conv.channels_per_group == 1
+            and isinstance(conv.input, fx.Node)
             and layout_plan.layouts.get(conv.input) is None and layout_plan.layouts.get(reader) is None)
 
 

@@ -891,7 +891,7 @@ class Propagation:
         weight = _source_param(conv.weight, self.param_fqns) if isinstance(conv.weight, fx.Node) else None
         if weight is None or len(node.args) <= conv.groups_position:
             return False  # filters computed from activations, or groups given as a keyword
-        if conv.weight.meta["val"].shape[1] == 1:
+        if conv.channels_per_group == 1:
             return False  # depthwise: per-channel work, cheaper whole than cut for a dense conv after it
         if self._kept_whole(weight):
             return False
@@ -1621,7 +1621,7 @@ def grouped_on_cut_input(plan: LayoutPlan) -> list[fx.Node]:
         conv = layout_rules.Convolution.of(node) if layout == 1 else None
         if (conv is not None and conv.groups != 1 and plan.layouts.get(conv.input) == 1
                 and isinstance(conv.weight, fx.Node) and conv.weight.target in plan.sharded_params
-                and conv.weight.meta["val"].shape[1] > 1):
+                and (conv.channels_per_group or 1) > 1):
             found.append(node)
     return found
 
