@@ -31,7 +31,8 @@ Three such choices, each a kind of candidate tried on its own:
 Each kind's linears are tried computed whole (the shared ones: made colwise), bottlenecks first,
 all at once and then, when that does not pay, place by place (a linear's name within its block:
 one walk per place, not per block), and the result is kept if the plan's tp collectives are
-fewer (tp wire bytes, then the blocks whose tp breaks, settle a tie). A trial may break more
+fewer (the blocks whose tp breaks, then tp wire bytes, settle a tie: a break reads a weight whole or
+holds a gathered activation, work and memory the wire bytes do not show). A trial may break more
 blocks on the way: a later round often mends them (a modulation computed whole first, its
 neighbours next). Computing a linear whole adds work on every rank, so only linears that
 together add at most :data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run
@@ -109,7 +110,7 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         for kind in _KINDS:
             found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in choices.taken(kind)]
             places = _places(found, captured.block_fqns)
-            trials = [found] + (list(places.values()) if len(places) > 1 else [])
+            trials = [found] + (_with_siblings(places, sites) if len(places) > 1 else [])
             for trial_fqns in trials:
                 candidates = budget.affordable(trial_fqns, kind.budget) if not kind.colwise else trial_fqns
                 if not candidates:
@@ -120,7 +121,7 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
                 if revised >= cost:
                     continue
                 done = "made colwise" if kind.colwise else "computed whole"
-                why = f"{kind.why}; {done}, the plan's tp collectives are {revised[0]} instead of {cost[0]}"
+                why = f"{kind.why}; {done}, {_compared(revised, cost)}"
                 choices = choices.adding(kind, candidates, why)
                 if not kind.colwise:
                     budget.spend(candidates)
@@ -142,7 +143,7 @@ def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: Plan
         places = _places(choices.whole, captured.block_fqns)
         if len(places) < 2:
             return layout_plan
-        for fqns in places.values():
+        for fqns in _with_siblings(places, sites):
             kept = dataclasses.replace(
                 choices, whole={fqn: why for fqn, why in choices.whole.items() if fqn not in fqns})
             revised = _trial_cost(captured, axes, options, kept)
@@ -153,6 +154,21 @@ def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: Plan
         else:
             return layout_plan
     return layout_plan
+
+
+def _with_siblings(places: dict[str, list[str]], sites: Sites) -> list[list[str]]:
+    """Each place's linears, then each group of places whose linears read one input (a gated MLP's
+    gate and up): cut alone, one sibling turns the other's shared input nothing; cut together,
+    their pair may pay (a narrow shared expert kept whole with the low-rank pairs it was tried
+    with)."""
+    reader = {site.weight_fqn: site.input for site in sites.linears}
+    by_input: dict[fx.Node, list[str]] = {}
+    for place, fqns in places.items():
+        for fqn in fqns:
+            if fqn in reader and place not in by_input.setdefault(reader[fqn], []):
+                by_input[reader[fqn]].append(place)
+    groups = {tuple(group) for group in by_input.values() if len(group) > 1}
+    return list(places.values()) + [[fqn for place in group for fqn in places[place]] for group in sorted(groups)]
 
 
 def _places(fqns, block_fqns: tuple[str, ...]) -> dict[str, list[str]]:
@@ -343,8 +359,17 @@ def _layout(plan: LayoutPlan, node: fx.Node):
     return plan.layouts.get(node)
 
 
+def _compared(revised: tuple[int, int, int], kept: tuple[int, int, int]) -> str:
+    """What a kept trial bought, in a note's words."""
+    if revised[0] < kept[0]:
+        return f"the plan's tp collectives are {revised[0]} instead of {kept[0]}"
+    if revised[1] < kept[1]:
+        return f"{revised[1]} blocks break tp instead of {kept[1]}, at the same {revised[0]} tp collectives"
+    return f"the plan's tp collectives move {revised[2]:,} wire bytes per rank instead of {kept[2]:,}"
+
+
 def _cost(plan: Plan) -> tuple[int, int, int]:
-    """(tp collectives per training step, tp wire bytes per rank, blocks whose tp breaks): compared
+    """(tp collectives per training step, blocks whose tp breaks, tp wire bytes per rank): compared
     in that order."""
     wire = plan.predicted_comm().get(TP, {})
-    return plan.num_tp_collectives(), sum(bytes_ for _, bytes_ in wire.values()), len({u for u, _ in plan.breaks})
+    return plan.num_tp_collectives(), len({u for u, _ in plan.breaks}), sum(bytes_ for _, bytes_ in wire.values())

@@ -17,6 +17,7 @@ Each is a 2-block transformer (dim 64, 4 heads, vocab 128) whose blocks differ f
 * :class:`CustomFunctionMLP`: an activation written as a ``torch.autograd.Function``.
 * :class:`ExpertsMoE`: mixture of experts with 3-D expert weights
   (``[num_experts, out, in]``) used by indexing and ``bmm``, and by a loop over experts.
+* :class:`SharedExpertMoE`: DeepSeek-V3's routed experts plus a shared expert on one input.
 """
 
 from __future__ import annotations
@@ -514,6 +515,58 @@ class ExpertsMoE(Decoder):
     def __init__(self, cfg: Config = Config(), loop: bool = False, experts: type[nn.Module] | None = None):
         experts = experts or (LoopExperts if loop else IndexedExperts)
         super().__init__(cfg, lambda c: Block(c, QKVAttention, lambda c2: MoEFeedForward(c2, experts)))
+
+
+# --- DeepSeek-V3's MoE: routed experts and a shared expert on one normed input ---------------
+
+
+class SigmoidTopkRouter(nn.Module):
+    """DeepSeek-V3's router: a bare weight applied in float32, sigmoid scores, the top k picked
+    and renormalized."""
+
+    def __init__(self, cfg: Config, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        scores = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32)).sigmoid()
+        topk_weights, topk_indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_indices, topk_weights
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, dim: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, intermediate, bias=False)
+        self.up_proj = nn.Linear(dim, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SharedExpertMoE(nn.Module):
+    """``experts(x) + shared_experts(x)``: the routed experts read the flattened input, the shared
+    expert (a gated MLP of ``moe_intermediate_size * n_shared_experts``, often narrower than the
+    model) the input as it came, and the router, computed whole, reads it too."""
+
+    def __init__(self, cfg: Config, shared_ffn: int, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.gate = SigmoidTopkRouter(cfg, num_experts, top_k)
+        self.experts = IndexedExperts(cfg, num_experts)
+        self.shared_experts = GatedMLP(cfg.dim, shared_ffn)
+
+    def forward(self, hidden_states):
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        topk_indices, topk_weights = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        hidden_states = self.experts(hidden_states, topk_indices, topk_weights.type(hidden_states.dtype))
+        hidden_states = hidden_states.view(*orig_shape)
+        return hidden_states + self.shared_experts(residuals)
 
 
 # --- Meta's reference Llama: complex rotary, repeat_kv by expand, contiguous().view ------------
@@ -1993,6 +2046,11 @@ PATTERNS = {
     "moe_interleaved": lambda: ExpertsMoE(Config(heads=8, kv_heads=8), experts=InterleavedExperts),
     "moe_concatenated_experts": lambda: Decoder(Config(heads=8, kv_heads=8),
                                                 lambda c: Block(c, QKVAttention, ConcatenatedExpertsMoE)),
+    "moe_shared_expert": lambda: Decoder(
+        Config(heads=8, kv_heads=8), lambda c: Block(c, QKVAttention, lambda c2: SharedExpertMoE(c2, c2.ffn))),
+    "moe_narrow_shared_expert": lambda: Decoder(
+        Config(heads=8, kv_heads=8),
+        lambda c: Block(c, LowRankLatentAttention, lambda c2: SharedExpertMoE(c2, c2.dim // 2))),
     "vision_fused_qkv": VisionFusedQKV,
     "latent_attention": LatentAttentionModel,
     "low_rank_latent_attention": LowRankLatentAttentionModel,
@@ -2070,6 +2128,17 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # and up: input_linear stores its columns in sections as a fused gate|up does; output_linear's
     # partial rows added back into zeros stay partial, reduced once
     "moe_concatenated_experts": 4,
+    # DeepSeek-V3's MoE: the routed experts read the flattened input, the shared expert the input as
+    # it came, the router (computed whole) the same value: both sharded readers enter tp at that one
+    # value, so its gradient is all-reduced once (1); the experts' partial rows, scaled by their
+    # routing weights, and the shared expert's partial output are summed, then reduced once (1); the
+    # routing weights' gradient is a sum over the cut width (1): attention's 2 and 3
+    "moe_shared_expert": 5,
+    # the same beside DeepSeek's low-rank latent attention (its down-projections computed whole, 4),
+    # with a shared expert narrower than the model: its gate and up are narrowing linears that a
+    # plan comparison computing the latent down-projections whole takes along; cut again together,
+    # they keep the shared expert cut and no block breaks, at no more collectives
+    "moe_narrow_shared_expert": 7,
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,

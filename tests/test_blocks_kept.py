@@ -54,7 +54,8 @@ def _blocks(plan, prefix):
                                                            "lora_adapters", "relative_logits", "grouped_conv_block",
                                                            "projected_positions", "factorized_shared_layer",
                                                            "moe_interleaved", "convnext_layer",
-                                                           "moe_concatenated_experts"))
+                                                           "moe_concatenated_experts", "moe_shared_expert",
+                                                           "moe_narrow_shared_expert"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -69,7 +70,7 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
     "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved",
-    "convnext_layer", "moe_concatenated_experts")
+    "convnext_layer", "moe_concatenated_experts", "moe_shared_expert", "moe_narrow_shared_expert")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
@@ -88,6 +89,31 @@ def test_the_patterns_are_proven_in_bf16_on_other_inputs_at_their_fp32_count(nam
     for block in _blocks(proof.plan, "layers."):
         minimum = block_minimum(name, block) + (model.cfg.kv_heads % 4 != 0)
         assert proof.plan.num_tp_collectives(block) == minimum, (block, str(proof.plan))
+
+
+def test_routed_and_shared_experts_enter_tp_once_beside_a_router_computed_whole():
+    """DeepSeek-V3's MoE: the router reads the normed input whole, the routed experts its flattened
+    view (repeated per choice) and the shared expert the input as it came. The two sharded readers
+    enter tp at the one value and the router keeps reading it as it is: the shared expert's
+    input-gradient all-reduce serves the routed experts too, none is left at the experts' bmm."""
+    plan = _proven(PATTERNS["moe_shared_expert"](), {"tp": 4}, TOKENS)
+    shared = plan.params["layers.0.feed_forward.shared_experts.gate_proj.weight"]
+    assert [c.subject for c in shared.collectives if c.runs and c.direction == "bwd"] == ["input grad"]
+    causes = [c.cause for i, c in enumerate(plan.activations) if c.runs and plan.unit_of_activation(i) == "layers.0"]
+    assert not [cause for cause in causes if "bmm" in cause], causes
+    assert plan.params["layers.0.feed_forward.gate.weight"].role == Role.REPLICATE
+
+
+def test_a_narrow_shared_expert_is_cut_again_with_its_gate_and_up_together():
+    """Beside DeepSeek's latent attention, the narrowing linears tried whole together are the latent
+    down-projections and the narrow shared expert's gate and up. Cut alone, gate or up costs more
+    (the other's output is then cut for it); cut together they keep the shared expert sharded, with
+    no break at the same collectives."""
+    plan = _proven(PATTERNS["moe_narrow_shared_expert"](), {"tp": 4}, TOKENS)
+    shared = "layers.0.feed_forward.shared_experts."
+    assert [plan.params[f"{shared}{n}.weight"].role for n in ("gate_proj", "up_proj", "down_proj")] == [
+        Role.COLWISE, Role.COLWISE, Role.ROWWISE]
+    assert plan.params["layers.0.attention.q_a_proj.weight"].role == Role.REPLICATE
 
 
 def test_a_concatenation_of_sections_is_read_by_a_rowwise_linear_with_its_input_rows_permuted():
