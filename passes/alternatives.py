@@ -110,7 +110,7 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
         for kind in _KINDS:
             found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in choices.taken(kind)]
             places = _places(found, captured.block_fqns)
-            trials = [found] + (_with_siblings(places, sites) if len(places) > 1 else [])
+            trials = [found] + (list(places.values()) if len(places) > 1 else [])
             for trial_fqns in trials:
                 candidates = budget.affordable(trial_fqns, kind.budget) if not kind.colwise else trial_fqns
                 if not candidates:
