@@ -31,19 +31,27 @@ Three such choices, each a kind of candidate tried on its own:
 Each kind's linears are tried computed whole (the shared ones: made colwise), bottlenecks first,
 all at once and then, when that does not pay, place by place (a linear's name within its block:
 one walk per place, not per block), and the result is kept if the plan's tp collectives are
-fewer (the blocks whose tp breaks, then tp wire bytes, settle a tie: a break reads a weight whole or
-holds a gathered activation, work and memory the wire bytes do not show). A trial may break more
+fewer (the blocks whose tp breaks, then tp wire bytes, settle a tie). A trial may break more
 blocks on the way: a later round often mends them (a modulation computed whole first, its
 neighbours next). Computing a linear whole adds work on every rank, so only linears that
 together add at most :data:`COMPUTE_BUDGET` of their block's matmul work per rank (a linear run
 once per step, in the root or in a unit of its own such as a final layer's modulation: of the
 model's) are tried: a per-sample modulation or a narrow input embedding, not an attention
 projection run on every token. The decision and both totals go into each weight's note. A place
-kept whole by a trial of several is cut again afterwards when that alone costs less.
+kept whole by a trial of several is cut again afterwards when that alone costs less, and so are
+sibling places that read one input (a gated MLP's gate and up, taken along with the low-rank pairs
+beside them, cut again together). Plans compare by tp collectives, then by the blocks that break
+(a break reads a weight whole or holds a gathered activation, work and memory the wire bytes do
+not show), then by tp wire bytes.
+
+The search is greedy: a trial that costs more on its own is kept only when one more trial on its
+plan, over the candidates it makes anew, brings the pair below the plan's cost (a first layer
+type's latent down-projections computed whole turn a second type's colwise, whose trial then pays).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from collections.abc import Callable
@@ -99,9 +107,11 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
 
     Each round tries each kind of candidate on the current plan: all its linears at once, then,
     if that does not pay and they hold different places in their blocks, each place alone (a
-    place: the linear's name within its block, so a stack's layers go together). The first trial
-    that lowers the cost is kept and starts the next round; a round whose trials all fail ends the
-    search (rounds end: the cost falls each time)."""
+    place: the linear's name within its block, so a stack's layers go together). An all-at-once
+    trial that costs more is looked one step ahead (:func:`_ahead`): the candidates its plan makes
+    anew may pay where it alone does not. The first trial (or pair) that lowers the cost is kept
+    and starts the next round; a round whose trials all fail ends the search (rounds end: the
+    cost falls each time)."""
     choices = Choices()
     cost = None
     budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
@@ -118,13 +128,18 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
                 if cost is None:
                     cost = _cost(build_plan(captured, sites, layout_plan, axes))
                 revised = _trial_cost(captured, axes, options, choices.adding(kind, candidates))
+                steps = [(kind, candidates)]
+                if revised >= cost and trial_fqns is found:
+                    steps, revised = _ahead(captured, sites, axes, options, layout_plan, choices, kind, candidates,
+                                            budget, cost)
                 if revised >= cost:
                     continue
-                done = "made colwise" if kind.colwise else "computed whole"
-                why = f"{kind.why}; {done}, {_compared(revised, cost)}"
-                choices = choices.adding(kind, candidates, why)
-                if not kind.colwise:
-                    budget.spend(candidates)
+                for taken_kind, taken in steps:
+                    done = "made colwise" if taken_kind.colwise else "computed whole"
+                    why = f"{taken_kind.why}; {done}, {_compared(revised, cost)}"
+                    choices = choices.adding(taken_kind, taken, why)
+                    if not taken_kind.colwise:
+                        budget.spend(taken)
                 layout_plan = choices.walk(captured, sites, axes, options)
                 cost, kept = revised, True
                 break
@@ -132,6 +147,29 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
                 break
         if not kept:
             return _pruned(captured, sites, axes, options, layout_plan, choices, cost)
+
+
+def _ahead(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions, layout_plan: LayoutPlan,
+           choices: Choices, kind: _Kind, candidates: list[str], budget: _Budget, cost):
+    """A trial that costs more, looked one step ahead: on its plan, the candidates it makes anew
+    (a later layer type's latent down-projections, turned colwise once the first type's are
+    computed whole), tried all at once per kind. The steps and their cost when the pair costs
+    less than ``cost``; else no step, at ``cost``."""
+    first = choices.adding(kind, candidates)
+    spent = budget.copy()
+    if not kind.colwise:
+        spent.spend(candidates)
+    ahead = first.walk(captured, sites, axes, options)
+    for kind2 in _KINDS:
+        before = set(kind2.find(layout_plan, sites))
+        new = [fqn for fqn in kind2.find(ahead, sites) if fqn not in first.taken(kind2) and fqn not in before]
+        then = spent.affordable(new, kind2.budget) if not kind2.colwise else new
+        if not then:
+            continue
+        revised = _trial_cost(captured, axes, options, first.adding(kind2, then))
+        if revised < cost:
+            return [(kind, candidates), (kind2, then)], revised
+    return [], cost
 
 
 def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
@@ -248,6 +286,11 @@ class _Budget:
                 left[unit] -= extra
                 chosen.append(fqn)
         return chosen
+
+    def copy(self) -> _Budget:
+        twin = copy.copy(self)
+        twin.spent = dict(self.spent)
+        return twin
 
     def spend(self, chosen: list[str]) -> None:
         for fqn in chosen:

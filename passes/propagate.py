@@ -1443,7 +1443,9 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
     gradient only from ``top`` or from parameters, and is read only by ``enter_tp`` or by itself
     (views, casts, a weightless norm of a split's piece, a LoRA adapter's ``lora_A`` computed
     whole). Those parameters' gradients turn partial too, so they enter tp as well, in their
-    block's bucket. Two hoists pay:
+    block's bucket. Readers of ``top`` whose branch does not qualify (a router computed whole
+    beside the experts and a shared expert that enter tp) keep reading ``top`` as it is; the
+    others read it entered. Two hoists pay:
 
     - several entered values meet in one (a split's pieces, per-step selects, per-expert slices
       of dense routing weights) that is no larger than they are together: one all-reduce instead
@@ -1458,16 +1460,26 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
         return [i for i in node.all_input_nodes if i in carries_grad]
 
-    def below(top: fx.Node) -> tuple[set[fx.Node], list[tuple[fx.Node, fx.Node]]] | None:
-        """The values between ``top`` and its ``enter_tp`` edges, and those edges, when ``top``
-        may be entered in their place."""
+    def below(top: fx.Node):
+        """The values between ``top`` and its ``enter_tp`` edges, those edges, the weights to
+        enter with them and the readers of ``top`` to enter it for, when ``top`` may be entered in
+        their place. A reader of ``top`` whose branch reaches replicated work (a router beside
+        a shared expert and the routed experts) keeps reading ``top`` itself."""
+        readers = tuple(top.users)
+        found = reach(top, readers)
+        if found is None:
+            readers = tuple(user for user in top.users if reach(top, (user,)) is not None)
+            found = reach(top, readers) if readers else None
+        return None if found is None else (*found, readers)
+
+    def reach(top: fx.Node, readers: tuple[fx.Node, ...]):
         members: set[fx.Node] = set()
         pairs, frontier = [], [top]
         while frontier:
             node = frontier.pop()
             if not node.users:
                 return None
-            for user in node.users:
+            for user in (readers if node is top else node.users):
                 steps = edges.get((node, user))
                 if steps == ENTER_ONLY:
                     pairs.append((node, user))
@@ -1483,7 +1495,7 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
         weights = []
         for member in sorted(members, key=lambda n: n.name):  # every rank plans alike: no set order
             for i in gradient_inputs(member):
-                if i is top or i in members:
+                if (i is top and member in readers) or i in members:
                     continue
                 if i.op != "get_attr" or (i, member) in edges:
                     return None  # a gradient from elsewhere meets top's below it
@@ -1499,12 +1511,18 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             seen.update(frontier)
             yield from dict.fromkeys(frontier)
 
+    def gains(top: fx.Node, found, current) -> bool:
+        """Whether entering ``top`` for only some of its readers serves more entered uses than
+        the climb holds so far (else the climb would only move tp's entry past a norm's weight)."""
+        return found[3] == tuple(top.users) or len(found[1]) > (len(current[1]) if current else 1)
+
     def climb(value: fx.Node):
         """The highest ``top`` above ``value`` that may be entered for it, what lies below it, and
         the split the climb last passed, if it stopped there (then entered on its input's edge)."""
         top, split, node, found = value, None, value, None
         while True:
-            step = next(((a, r) for a in ancestors(node) if (r := below(a)) is not None and node in r[0]), None)
+            step = next(((a, r) for a in ancestors(node)
+                         if (r := below(a)) is not None and node in r[0] and gains(a, r, found)), None)
             if step is None:
                 return top, split, found
             node, found = step
@@ -1522,7 +1540,7 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             continue
         if split is not None:
             found = below(split)
-        _, pairs, weights = found
+        _, pairs, weights, readers = found
         values = {v for v, _ in pairs}
         whole = split.args[0] if split is not None else top
         at_parameter = split is None and top.op == "get_attr"
@@ -1536,7 +1554,7 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
         if split is not None:
             edges[(whole, split)] = edges.get((whole, split), ()) + ENTER_ONLY
         else:
-            for user in top.users:
+            for user in readers:
                 edges[(top, user)] = ENTER_ONLY
 
 

@@ -2128,15 +2128,17 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # and up: input_linear stores its columns in sections as a fused gate|up does; output_linear's
     # partial rows added back into zeros stay partial, reduced once
     "moe_concatenated_experts": 4,
-    # DeepSeek-V3's MoE: the router computed whole, the routed experts as above (their input
-    # gradient, their rows reduced before the routing weights scale them), the shared expert a
-    # dense MLP beside them (its input gradient, its down's output): attention's 2 and 4
-    "moe_shared_expert": 6,
-    # the same beside DeepSeek's low-rank latent attention (6, as low_rank_latent_attention), with a
-    # shared expert narrower than the model: its gate and up are narrowing linears that the plan
-    # comparison computing the latent down-projections whole takes along; cut again together,
-    # they keep the shared expert cut and no block breaks: 6 - 2 + 4
-    "moe_narrow_shared_expert": 8,
+    # DeepSeek-V3's MoE: the routed experts read the flattened input, the shared expert the input as
+    # it came, the router (computed whole) the same value: both sharded readers enter tp at that one
+    # value, so its gradient is all-reduced once (1); the experts' partial rows, scaled by their
+    # routing weights, and the shared expert's partial output are summed, then reduced once (1); the
+    # routing weights' gradient is a sum over the cut width (1): attention's 2 and 3
+    "moe_shared_expert": 5,
+    # the same beside DeepSeek's low-rank latent attention (its down-projections computed whole, 4),
+    # with a shared expert narrower than the model: its gate and up are narrowing linears that a
+    # plan comparison computing the latent down-projections whole takes along; cut again together,
+    # they keep the shared expert cut and no block breaks, at no more collectives
+    "moe_narrow_shared_expert": 7,
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,

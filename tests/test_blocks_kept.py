@@ -91,6 +91,19 @@ def test_the_patterns_are_proven_in_bf16_on_other_inputs_at_their_fp32_count(nam
         assert proof.plan.num_tp_collectives(block) == minimum, (block, str(proof.plan))
 
 
+def test_routed_and_shared_experts_enter_tp_once_beside_a_router_computed_whole():
+    """DeepSeek-V3's MoE: the router reads the normed input whole, the routed experts its flattened
+    view (repeated per choice) and the shared expert the input as it came. The two sharded readers
+    enter tp at the one value and the router keeps reading it as it is: the shared expert's
+    input-gradient all-reduce serves the routed experts too, none is left at the experts' bmm."""
+    plan = _proven(PATTERNS["moe_shared_expert"](), {"tp": 4}, TOKENS)
+    shared = plan.params["layers.0.feed_forward.shared_experts.gate_proj.weight"]
+    assert [c.subject for c in shared.collectives if c.runs and c.direction == "bwd"] == ["input grad"]
+    causes = [c.cause for i, c in enumerate(plan.activations) if c.runs and plan.unit_of_activation(i) == "layers.0"]
+    assert not [cause for cause in causes if "bmm" in cause], causes
+    assert plan.params["layers.0.feed_forward.gate.weight"].role == Role.REPLICATE
+
+
 def test_a_narrow_shared_expert_is_cut_again_with_its_gate_and_up_together():
     """Beside DeepSeek's latent attention, the narrowing linears tried whole together are the latent
     down-projections and the narrow shared expert's gate and up. Cut alone, gate or up costs more

@@ -46,7 +46,7 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # grouped 1x1 convs (SqueezeBERT): each rank takes its chunk of the replicated input for its groups,
     # the output conv's cut channels gathered at the block's end
     ("grouped_conv_block", "2d"),
-    # routed experts beside a shared expert and a router computed whole, on one normed input
+    # routed and shared experts entering tp at the one input a router computed whole also reads
     ("moe_shared_expert", "2d"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query", "mup_mamba2_mixer"}
 # stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
