@@ -283,10 +283,19 @@ def _rewrite(graph: fx.Graph, found: FusedOutput, heads: list[int]) -> fx.Node:
         piece.meta["val"] = split.meta["val"][i]
         previous = piece
         # the section's node stays (other passes' records, such as a site's input, name it): it
-        # now views its piece to the shape the model gave it
-        section.node.target = aten.view.default
-        section.node.args = (piece, _sizes(graph, value, section.node.meta["val"].shape, split))
-        section.node.kwargs = {}
+        # now views its piece to the shape the model gave it, in the dtype the model gave it (a
+        # section reached through a cast: bf16 pieces of a float32 product)
+        sizes = _sizes(graph, value, section.node.meta["val"].shape, split)
+        dtype = section.node.meta["val"].dtype
+        if dtype == piece.meta["val"].dtype:
+            section.node.target, section.node.args, section.node.kwargs = aten.view.default, (piece, sizes), {}
+        else:
+            with graph.inserting_after(piece):
+                viewed = graph.call_function(aten.view.default, (piece, sizes))
+            made_like(viewed, section.node)
+            viewed.meta["val"] = piece.meta["val"].view(section.node.meta["val"].shape)
+            section.node.target, section.node.args = aten._to_copy.default, (viewed,)
+            section.node.kwargs = {"dtype": dtype}
     for node in reversed(found.moved):
         if node is not value and not node.users:
             graph.erase_node(node)

@@ -569,6 +569,35 @@ class SharedExpertMoE(nn.Module):
         return hidden_states + self.shared_experts(residuals)
 
 
+# --- gated attention (Qwen3-Next, AXK-2): q_proj gives each head its query and an output gate --
+
+
+class GatedQueryAttention(QKVAttention):
+    """Each head's query and output gate from one projection (``view(b, s, heads, q + v)``, then
+    ``split``), values narrower than queries (latent attention's ``v_head_dim``); the attention
+    output scaled by ``sigmoid(gate.float())`` and cast back, so in bf16 the gate section is read
+    through a cast to float32."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.v_dim = cfg.head_dim // 2
+        self.wq = nn.Linear(cfg.dim, cfg.heads * (cfg.head_dim + self.v_dim), bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.v_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.v_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        query_gate = self.wq(x).view(b, s, self.n_heads, self.head_dim + self.v_dim)
+        q, gate = torch.split(query_gate, [self.head_dim, self.v_dim], dim=-1)
+        gate = gate.reshape(b, s, -1)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv, self.v_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        out = (out * torch.sigmoid(gate.float())).to(out.dtype)
+        return self.wo(out)
+
+
 # --- Meta's reference Llama: complex rotary, repeat_kv by expand, contiguous().view ------------
 
 
@@ -2046,6 +2075,7 @@ PATTERNS = {
     "moe_interleaved": lambda: ExpertsMoE(Config(heads=8, kv_heads=8), experts=InterleavedExperts),
     "moe_concatenated_experts": lambda: Decoder(Config(heads=8, kv_heads=8),
                                                 lambda c: Block(c, QKVAttention, ConcatenatedExpertsMoE)),
+    "gated_query_attention": lambda: Decoder(Config(heads=8, kv_heads=8), lambda c: Block(c, GatedQueryAttention)),
     "moe_shared_expert": lambda: Decoder(
         Config(heads=8, kv_heads=8), lambda c: Block(c, QKVAttention, lambda c2: SharedExpertMoE(c2, c2.ffn))),
     "moe_narrow_shared_expert": lambda: Decoder(
@@ -2139,6 +2169,8 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # plan comparison computing the latent down-projections whole takes along; cut again together,
     # they keep the shared expert cut and no block breaks, at no more collectives
     "moe_narrow_shared_expert": 7,
+    # q|gate per head from one projection, the gate read through a cast: a dense block's 4
+    "gated_query_attention": 4,
     "reference_llama": 4,
     "arange_rope": 4,
     "fused_qkv_hooks": 4,

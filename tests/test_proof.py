@@ -465,3 +465,19 @@ def test_a_cancelling_sum_of_bf16_partials_is_rounding_only():
     beyond = [m for m in proof.gradients if m.factor > FACTOR]
     assert beyond and all(m.rounding_only and m.wide_sharded < 1e-12 for m in beyond), [str(m) for m in beyond]
     assert "self_attn.A" in beyond[0].what
+
+
+def test_a_fused_section_read_through_a_cast_keeps_its_dtype_in_bf16():
+    """AXK-2's ``q_gate_proj`` gives each head its query and an output gate; the gate's section
+    is read as ``gate_states.float()``. Split back out of the fused projection, the section's
+    node keeps that cast: in bf16 the gate is multiplied in float32, as the model's code does
+    (a view in its place left it in bf16, and the proof named that node's precision)."""
+    from tests.zoo import ZooCase
+
+    case = ZooCase("axk2", "moe", "AXK2ForCausalLM", variant=1)  # the fallback the zoo needs for it
+    torch.manual_seed(0)
+    model = case.build()
+    args, kwargs = case.inputs()
+    proof = autoshard.check(model, {"dp": 2, "tp": 4}, example_inputs=args, example_kwargs=kwargs, mp_policy=BF16)
+    assert proof.ok, str(proof)
+    assert proof.precision_change is None, proof.precision_change
