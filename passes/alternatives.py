@@ -196,9 +196,9 @@ def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: Plan
 
 def _with_siblings(places: dict[str, list[str]], sites: Sites) -> list[list[str]]:
     """Each place's linears, then each group of places whose linears read one input (a gated MLP's
-    gate and up): cut alone, one sibling turns the other's shared input nothing; cut together,
-    their pair may pay (a narrow shared expert kept whole with the low-rank pairs it was tried
-    with)."""
+    gate and up): cut alone, one sibling's cut output meets the other's whole one and is gathered;
+    cut together, their pair may pay (a narrow shared expert kept whole with the low-rank pairs it
+    was tried with)."""
     reader = {site.weight_fqn: site.input for site in sites.linears}
     by_input: dict[fx.Node, list[str]] = {}
     for place, fqns in places.items():

@@ -444,7 +444,7 @@ class Revisions:
             if not region_sources or not cost.no_dearer:  # a tie gathers early: sharding bought nothing
                 continue
             exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
-            exits += [user for value in region for user in value.users if plan.layouts.get(user) in PARTIALS]
+            exits += _contractions(plan, region)
             if exits and not position:
                 position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
             first = min(exits, key=position.__getitem__, default=None)
@@ -1616,8 +1616,12 @@ def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
         v for (v, c), steps in plan.edges.items()
         if c in region and v in plan.carries_grad and any(step.kind == TAKE_SHARD for step in steps)
     }
-    contracted = {user for value in region for user in value.users if plan.layouts.get(user) in PARTIALS}
-    return len(gathered) + len(entered) + len(taken) + len(contracted)
+    return len(gathered) + len(entered) + len(taken) + len(_contractions(plan, region))
+
+
+def _contractions(plan: LayoutPlan, region: set[fx.Node]) -> list[fx.Node]:
+    """The partial sums a region makes by contracting its cut dim, each once."""
+    return list(dict.fromkeys(user for value in region for user in value.users if plan.layouts.get(user) in PARTIALS))
 
 
 def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
