@@ -830,14 +830,11 @@ class Convolution:
 
 def cuts_groups(node: fx.Node, tp: int) -> bool:
     """Whether a grouped convolution's groups can be dealt out over tp, whole groups per rank.
-
-    Not when a rank would hold one group of one channel: ATen's CPU convolution then takes its
-    dense path, whose backward crashes for long kernels (Nystromformer's 65 x 1 over 4 heads)."""
+    (A rank's share of one group of one channel is emitted folded over the batch: see
+    :mod:`autoshard.passes.local_convolution`.)"""
     conv = Convolution.of(node)
     groups = conv.groups if conv is not None else None
-    if not isinstance(groups, int) or groups < 2 or groups % tp or conv.transposed:
-        return False
-    return groups // tp >= 2 or (conv.channels_per_group or 1) > 1
+    return isinstance(groups, int) and groups >= 2 and groups % tp == 0 and not conv.transposed
 
 
 def _channelwise_conv(node, layouts, tp):

@@ -2057,6 +2057,25 @@ class ProjectedPositions(Decoder):
         return self.output(self.norm(h))
 
 
+# --- a depthwise conv over the heads of the values (Nystromformer) ---------------------------------
+
+
+class ConvSkipAttention(QKVAttention):
+    """Nystromformer's value skip: a depthwise ``Conv2d`` over the heads of ``v`` (``[b, h, s, d]``)
+    along the sequence, added to the attention output. Its kernel (65 x 1 in Nystromformer's config,
+    33 x 1 here) is longer than short inputs; at tp = heads each rank convolves one head alone."""
+
+    def __init__(self, cfg: Config, kernel: int = 33):
+        super().__init__(cfg)
+        self.conv = nn.Conv2d(cfg.kv_heads, cfg.kv_heads, (kernel, 1), padding=(kernel // 2, 0), bias=False,
+                              groups=cfg.kv_heads)
+
+    def attend(self, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v) + self.conv(v)
+        return out.transpose(1, 2)
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -2114,6 +2133,7 @@ PATTERNS = {
     "grouped_conv_block": GroupedConvEncoder,
     "projected_positions": ProjectedPositions,
     "factorized_shared_layer": FactorizedSharedLayer,
+    "conv_value_skip": lambda: Decoder(Config(), lambda c: Block(c, ConvSkipAttention)),
 }
 
 
@@ -2249,6 +2269,8 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     # stay colwise (their weights are shared with the later run on the normed stream), so that cut
     # input is gathered for them, its gradient reduce-scattered: the input gradient's one collective
     "factorized_shared_layer": {"layers.0": 8},
+    # the depthwise conv over v's heads cut with them (one head per rank at tp=4): a dense block's 4
+    "conv_value_skip": 4,
 }
 
 
