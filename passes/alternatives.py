@@ -4,7 +4,7 @@ A walk decides each linear from its input's layout and revises regions by local 
 (:class:`~autoshard.passes.propagate.Revisions`). Some choices change the roles of every linear
 downstream, so only the whole block's bill can judge them.
 
-Three such choices, each a kind of candidate tried on its own:
+Four such choices, each a kind of candidate tried on its own:
 
 * **Pulling linears**: a colwise linear whose sharded output meets a replicated activation
   that carries a gradient, so that activation is cut to match (``take_shard``), and from there
@@ -21,6 +21,14 @@ Three such choices, each a kind of candidate tried on its own:
   ``[tokens, heads * head_dim]`` output is all-reduced, and the heads after it are whole.
   Computed whole (as DeepSeek's own and Megatron's plans keep the down-projections), the
   second half is colwise over heads and attention stays cut.
+
+* **Gathered outputs**: a colwise linear on a replicated input whose cut output, met by no other
+  cut value, is gathered whole (ConvBERT's output projection after its mixed attention, computed
+  whole because its span-conv kernels mix every head; an output projection after attention whose
+  heads are fewer than tp). Cut, it is a break that pays an all-gather forward and an all-reduce
+  backward to save a share of one matmul; whole, the block needs no collective there. Tried last,
+  on the settled plan (the other kinds and cutting places again may remove that gather at no
+  work), and never for the model's output (an LM head's logits).
 
 * **Shared linears read on a cut input first**: one weight run at several depths (ALBERT's
   shared layer) takes its role from its first read. When that read's input is cut (the
@@ -58,6 +66,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
+from autoshard.errors import describe
 from autoshard.mesh import TP, MeshAxes
 from autoshard.options import PlanOptions
 from autoshard.passes.capture import CapturedGraph, copy_graph_module
@@ -78,6 +87,13 @@ COMPUTE_BUDGET = 1 / 8
 # matmul work per rank at tp=8 (vLLM and Megatron keep them whole too); the cap keeps out pairs
 # whose narrow half is most of the block.
 BOTTLENECK_BUDGET = 1 / 2
+# A colwise linear whose cut output alone is gathered (attention computed whole before it) saves
+# (1 - 1/tp) of its 2 * in * out flops per row and moves its output (all-gather) and its input's
+# gradient (all-reduce, twice the bytes) per row: in * out / (out + 2 * in) flops per byte in bf16,
+# d / 3 for a square d x d weight, about 1400 at d = 4096, below an NVLink GPU's ~2700 (H100: ~990
+# TFLOP/s bf16 over ~370 GB/s bus bandwidth) and far below one across nodes. Computed whole it is
+# as fast or faster, so it may take a bottleneck's share of the block's work.
+GATHERED_BUDGET = 1 / 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,46 +127,76 @@ def settle(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
     trial that costs more is looked one step ahead (:func:`_ahead`): the candidates its plan makes
     anew may pay where it alone does not. The first trial (or pair) that lowers the cost is kept
     and starts the next round; a round whose trials all fail ends the search (rounds end: the
-    cost falls each time)."""
-    choices = Choices()
-    cost = None
-    budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
-    while True:
-        kept = False
-        for kind in _KINDS:
-            found = [fqn for fqn in kind.find(layout_plan, sites) if fqn not in choices.taken(kind)]
-            places = _places(found, captured.block_fqns)
-            trials = [found] + (list(places.values()) if len(places) > 1 else [])
-            for trial_fqns in trials:
-                candidates = budget.affordable(trial_fqns, kind.budget) if not kind.colwise else trial_fqns
-                if not candidates:
-                    continue
-                if cost is None:
-                    cost = _cost(build_plan(captured, sites, layout_plan, axes))
-                revised = _trial_cost(captured, axes, options, choices.adding(kind, candidates))
-                steps = [(kind, candidates)]
-                if revised >= cost and trial_fqns is found:
-                    steps, revised = _ahead(captured, sites, axes, options, layout_plan, choices, kind, candidates,
-                                            budget, cost)
-                if revised >= cost:
-                    continue
-                for taken_kind, taken in steps:
-                    done = "made colwise" if taken_kind.colwise else "computed whole"
-                    why = f"{taken_kind.why}; {done}, {_compared(revised, cost)}"
-                    choices = choices.adding(taken_kind, taken, why)
-                    if not taken_kind.colwise:
-                        budget.spend(taken)
-                layout_plan = choices.walk(captured, sites, axes, options)
-                cost, kept = revised, True
-                break
-            if kept:
-                break
-        if not kept:
-            return _pruned(captured, sites, axes, options, layout_plan, choices, cost)
+    cost falls each time). Places kept whole are then cut again where that pays (:func:`_pruned`).
+    Last, on the settled plan, the linears whose cut output alone is gathered are tried whole
+    (:data:`_GATHERED`), and the plan pruned again: tried earlier, they would mend a gather that
+    another round, or cutting a place again, removes at no work."""
+    search = _Search(captured, sites, axes, options, layout_plan)
+    search.run(_KINDS)
+    search.prune()
+    if search.run((_GATHERED,)):
+        search.prune()
+    return search.layout_plan
+
+
+class _Search:
+    """The plan being settled: its choices, cost and the compute budget they spend."""
+
+    def __init__(self, captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
+                 layout_plan: LayoutPlan):
+        self.captured, self.sites, self.axes, self.options = captured, sites, axes, options
+        self.layout_plan = layout_plan
+        self.choices = Choices()
+        self.cost = None  # measured when a trial needs it (a plan of data-dependent sizes may have none)
+        self.budget = _Budget(layout_plan, sites, axes.tp, _stacked_blocks(captured))
+
+    def run(self, kinds: tuple[_Kind, ...]) -> bool:
+        """Rounds of trials of ``kinds`` while one pays; whether any did."""
+        captured, sites, axes, options = self.captured, self.sites, self.axes, self.options
+        any_kept = False
+        while True:
+            kept = False
+            for kind in kinds:
+                found = [fqn for fqn in kind.find(self.layout_plan, sites) if fqn not in self.choices.taken(kind)]
+                places = _places(found, captured.block_fqns)
+                trials = [found] + (list(places.values()) if len(places) > 1 else [])
+                for trial_fqns in trials:
+                    candidates = (self.budget.affordable(trial_fqns, kind.budget) if not kind.colwise
+                                  else trial_fqns)
+                    if not candidates:
+                        continue
+                    if self.cost is None:
+                        self.cost = _cost(build_plan(captured, sites, self.layout_plan, axes))
+                    revised = _trial_cost(captured, axes, options, self.choices.adding(kind, candidates))
+                    steps = [(kind, candidates)]
+                    if revised >= self.cost and trial_fqns is found:
+                        steps, revised = _ahead(captured, sites, axes, options, self.layout_plan, self.choices,
+                                                kind, candidates, self.budget, self.cost, kinds)
+                    if revised >= self.cost:
+                        continue
+                    for taken_kind, taken in steps:
+                        done = "made colwise" if taken_kind.colwise else "computed whole"
+                        for fqn, why in taken_kind.why_for(self.layout_plan, sites, taken).items():
+                            self.choices = self.choices.adding(
+                                taken_kind, [fqn], f"{why}; {done}, {_compared(revised, self.cost)}")
+                        if not taken_kind.colwise:
+                            self.budget.spend(taken)
+                    self.layout_plan = self.choices.walk(captured, sites, axes, options)
+                    self.cost, kept = revised, True
+                    break
+                if kept:
+                    break
+            if not kept:
+                return any_kept
+            any_kept = True
+
+    def prune(self) -> None:
+        self.layout_plan, self.choices, self.cost = _pruned(self.captured, self.sites, self.axes, self.options,
+                                                            self.layout_plan, self.choices, self.cost)
 
 
 def _ahead(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions, layout_plan: LayoutPlan,
-           choices: Choices, kind: _Kind, candidates: list[str], budget: _Budget, cost):
+           choices: Choices, kind: _Kind, candidates: list[str], budget: _Budget, cost, kinds):
     """A trial that costs more, looked one step ahead: on its plan, the candidates it makes anew
     (a later layer type's latent down-projections, turned colwise once the first type's are
     computed whole), tried all at once per kind. The steps and their cost when the pair costs
@@ -160,7 +206,7 @@ def _ahead(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
     if not kind.colwise:
         spent.spend(candidates)
     ahead = first.walk(captured, sites, axes, options)
-    for kind2 in _KINDS:
+    for kind2 in kinds:
         before = set(kind2.find(layout_plan, sites))
         new = [fqn for fqn in kind2.find(ahead, sites) if fqn not in first.taken(kind2) and fqn not in before]
         then = spent.affordable(new, kind2.budget) if not kind2.colwise else new
@@ -173,14 +219,15 @@ def _ahead(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanO
 
 
 def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: PlanOptions,
-            layout_plan: LayoutPlan, choices: Choices, cost) -> LayoutPlan:
+            layout_plan: LayoutPlan, choices: Choices, cost) -> tuple[LayoutPlan, Choices, tuple]:
     """``layout_plan`` with each place kept whole by a trial of several (all of a kind at once) cut
     again while that costs less: a trial pays as a whole even when one of its linears does not (a
-    LoRA ``lora_A`` on a rowwise layer, whose partial output its ``lora_B`` carries through)."""
+    LoRA ``lora_A`` on a rowwise layer, whose partial output its ``lora_B`` carries through).
+    Returns the plan, its choices and its cost."""
     while choices.whole:
         places = _places(choices.whole, captured.block_fqns)
         if len(places) < 2:
-            return layout_plan
+            break
         for fqns in _with_siblings(places, sites):
             kept = dataclasses.replace(
                 choices, whole={fqn: why for fqn, why in choices.whole.items() if fqn not in fqns})
@@ -190,8 +237,8 @@ def _pruned(captured: CapturedGraph, sites: Sites, axes: MeshAxes, options: Plan
                 layout_plan = choices.walk(captured, sites, axes, options)
                 break
         else:
-            return layout_plan
-    return layout_plan
+            break
+    return layout_plan, choices, cost
 
 
 def _with_siblings(places: dict[str, list[str]], sites: Sites) -> list[list[str]]:
@@ -337,6 +384,28 @@ def _bottlenecks(plan: LayoutPlan, sites: Sites) -> list[str]:
     return list(found)
 
 
+def _gathered(plan: LayoutPlan, sites: Sites) -> dict[str, str]:
+    """Colwise linears reading a replicated input whose cut output, met by no other cut value
+    (rowwise linears may read it), is gathered whole inside the model (an output projection after
+    attention computed whole), each with the op its output is gathered for (where its region would
+    have ended, when it is gathered right after the matmul)."""
+    found = {}
+    for site in sites.linears:
+        if plan.roles[site.weight_fqn] != COLWISE or plan.layouts.get(site.input) is not None:
+            continue
+        region = _region(plan, site.output)
+        if any(other.node in region and plan.roles[other.weight_fqn] != ROWWISE
+               for other in sites.linears if other.node is not site.node):
+            continue
+        gathered_for = [consumer for (value, consumer), steps in plan.edges.items()
+                        if value in region and consumer.op != "output"
+                        and any(step.kind is Step.GATHER for step in steps)]
+        if gathered_for:
+            early = plan.gathered_early.get(site.node) or plan.gathered_early.get(site.output)
+            found[site.weight_fqn] = early or describe(gathered_for[0])
+    return found
+
+
 def _shared_rowwise(plan: LayoutPlan, sites: Sites) -> list[str]:
     """Shared linears (one weight, several reads) made rowwise by their first read's cut input
     while another read cuts a replicated input for them: ALBERT's one layer, run first on the
@@ -360,6 +429,12 @@ class _Kind:
     why: str
     budget: float  # the share of their block's matmul work per rank they may add
     colwise: bool = False  # made colwise (no work added), not computed whole
+    where: Callable[[LayoutPlan, Sites], dict[str, str]] | None = None  # the op each one's note names
+
+    def why_for(self, plan: LayoutPlan, sites: Sites, fqns: list[str]) -> dict[str, str]:
+        """Each candidate's reason, naming the op it concerns when the kind knows one."""
+        at = self.where(plan, sites) if self.where is not None else {}
+        return {fqn: self.why.format(at=f" for {at[fqn]}" if fqn in at else "") for fqn in fqns}
 
 
 _KINDS = (  # upstream first: a bottleneck cut turns everything after it, pulling linears included
@@ -372,6 +447,12 @@ _KINDS = (  # upstream first: a bottleneck cut turns everything after it, pullin
                            "replicated read is cut for it and its partial output reduced; colwise, the cut read is "
                            "gathered", 0.0, colwise=True),
 )
+
+
+# tried last, on the settled plan (see settle)
+_GATHERED = _Kind(_gathered, "its cut output alone is gathered whole{at}: cut, it saves a share of its matmul and "
+                             "pays an all-gather of its output forward and an all-reduce of its input's gradient "
+                             "backward", GATHERED_BUDGET, where=_gathered)
 
 
 def _region(plan: LayoutPlan, source: fx.Node) -> set[fx.Node]:

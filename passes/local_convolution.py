@@ -41,24 +41,23 @@ def fold_single_channel_convolutions(graph: fx.Graph, convolutions, tp: int) -> 
         if weight is None or int(weight.shape[0]) != tp:
             continue  # a rank's share is not one filter
         with graph.inserting_before(node):
-            made = []
-
-            def call(target, args, made=made):
-                new = graph.call_function(target, args)
-                made_like(new, node)
-                made.append(new)
+            def call(target, args, kwargs=None, origin=node):
+                new = graph.call_function(target, args, kwargs)
+                made_like(new, origin)
                 return new
 
             rows = call(aten.sym_size.int, (conv.input, 0))
             channels = call(aten.unsqueeze.default, (call(aten.flatten.using_ints, (conv.input, 0, 1)), 0))
             filters = call(aten.expand.default, (conv.weight, [rows] + [-1] * (weight.dim() - 1)))
             bias = call(aten.expand.default, (conv.bias, [rows])) if isinstance(conv.bias, fx.Node) else conv.bias
-            args = list(node.args)
+            args, kwargs = list(node.args), dict(node.kwargs)
             args[0], args[1] = channels, filters
             if len(args) > 2:
                 args[2] = bias
-            args[conv.groups_position] = rows
-            grouped = call(node.target, tuple(args))
+            elif "bias" in kwargs:
+                kwargs["bias"] = bias
+            args[conv.groups_position] = rows  # groups is positional: a rule set it to the local count
+            grouped = call(node.target, tuple(args), kwargs)
             grouped.meta.update({k: v for k, v in node.meta.items() if k not in grouped.meta and k != "val"})
             squeezed = call(aten.squeeze.dim, (grouped, 0))
         node.target, node.args, node.kwargs = aten.unsqueeze.default, (squeezed, 1), {}

@@ -2076,6 +2076,49 @@ class ConvSkipAttention(QKVAttention):
         return out.transpose(1, 2)
 
 
+# --- ConvBERT's mixed attention: a span conv whose kernels a linear makes from every head -----------
+
+
+class SpanConvAttention(nn.Module):
+    """ConvBERT's mixed attention (``head_ratio=2``: half the heads attend, each half as wide): the
+    attention heads beside a dynamic span conv whose kernels ``conv_kernel_layer`` computes from every
+    head's channels of ``key_conv(x) * query(x)``, applied per head to the unfolded ``conv_out_layer``
+    values; both concatenated per head, then one output projection."""
+
+    def __init__(self, cfg: Config, kernel: int = 9):
+        super().__init__()
+        self.heads = cfg.heads // 2
+        self.head_dim = cfg.dim // self.heads // 2
+        width = self.heads * self.head_dim
+        self.kernel = kernel
+        self.query = nn.Linear(cfg.dim, width)
+        self.key = nn.Linear(cfg.dim, width)
+        self.value = nn.Linear(cfg.dim, width)
+        self.depthwise = nn.Conv1d(cfg.dim, cfg.dim, kernel, padding=kernel // 2, groups=cfg.dim, bias=False)
+        self.pointwise = nn.Conv1d(cfg.dim, width, 1, bias=False)
+        self.key_conv_bias = nn.Parameter(torch.zeros(width, 1))
+        self.conv_kernel_layer = nn.Linear(width, self.heads * kernel)
+        self.conv_out_layer = nn.Linear(cfg.dim, width)
+        self.dense = nn.Linear(2 * width, cfg.dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        width = self.heads * self.head_dim
+        key_conv = (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.key_conv_bias).transpose(1, 2)
+        mixed_query = self.query(x)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for t in (mixed_query, self.key(x), self.value(x)))
+        conv_kernel = self.conv_kernel_layer(key_conv * mixed_query)
+        conv_kernel = torch.softmax(torch.reshape(conv_kernel, [-1, self.kernel, 1]), dim=1)
+        conv_out = self.conv_out_layer(x).transpose(1, 2).contiguous().unsqueeze(-1)
+        conv_out = F.unfold(conv_out, kernel_size=[self.kernel, 1], padding=[self.kernel // 2, 0])
+        conv_out = conv_out.transpose(1, 2).reshape(b, -1, width, self.kernel)
+        conv_out = torch.matmul(torch.reshape(conv_out, [-1, self.head_dim, self.kernel]), conv_kernel)
+        context = F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3)
+        conv_out = torch.reshape(conv_out, [b, -1, self.heads, self.head_dim])
+        return self.dense(torch.cat([context, conv_out], 2).reshape(b, s, 2 * width))
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,
@@ -2134,6 +2177,7 @@ PATTERNS = {
     "projected_positions": ProjectedPositions,
     "factorized_shared_layer": FactorizedSharedLayer,
     "conv_value_skip": lambda: Decoder(Config(), lambda c: Block(c, ConvSkipAttention)),
+    "span_conv_attention": lambda: Decoder(Config(), lambda c: Block(c, SpanConvAttention)),
 }
 
 
@@ -2271,6 +2315,10 @@ MINIMUM: dict[str, int | dict[str, int]] = {
     "factorized_shared_layer": {"layers.0": 8},
     # the depthwise conv over v's heads cut with them (one head per rank at tp=4): a dense block's 4
     "conv_value_skip": 4,
+    # ConvBERT's mixed attention computed whole (cut per head, the span-conv kernels made from every
+    # head's channels would be reduced and cut back per head: more than they save); its output
+    # projection, whose cut output alone would be gathered, computed whole too: the MLP's 2
+    "span_conv_attention": 2,
 }
 
 

@@ -70,7 +70,8 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "gated_deltanet", "gated_deltanet_fused", "einsum_attention", "conv_resnet", "moe_batched_bmm",
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
     "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved",
-    "convnext_layer", "moe_concatenated_experts", "moe_shared_expert", "moe_narrow_shared_expert")
+    "convnext_layer", "moe_concatenated_experts", "moe_shared_expert", "moe_narrow_shared_expert",
+    "conv_value_skip", "span_conv_attention")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)
@@ -114,6 +115,20 @@ def test_a_narrow_shared_expert_is_cut_again_with_its_gate_and_up_together():
     assert [plan.params[f"{shared}{n}.weight"].role for n in ("gate_proj", "up_proj", "down_proj")] == [
         Role.COLWISE, Role.COLWISE, Role.ROWWISE]
     assert plan.params["layers.0.attention.q_a_proj.weight"].role == Role.REPLICATE
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"tp": 4}], ids=["2x2", "tp4"])
+def test_an_output_projection_whose_cut_output_alone_is_gathered_is_computed_whole(mesh):
+    """ConvBERT's mixed attention is computed whole (its span-conv kernels mix every head). Its
+    output projection, colwise on that replicated context, had its cut output gathered before the
+    residual: a break paying an all-gather forward and an all-reduce backward to save a share of
+    one matmul. Tried after the plan settles, it is computed whole; the LM head, whose output is
+    the model's, stays colwise."""
+    plan = _proven(PATTERNS["span_conv_attention"](), mesh, TOKENS)
+    dense = plan.params["layers.0.attention.dense.weight"]
+    assert dense.role == Role.REPLICATE and "cut output alone is gathered whole" in dense.note, dense.note
+    assert plan.params["output.weight"].role == Role.COLWISE
+    assert [plan.num_tp_collectives(b) for b in _blocks(plan, "layers.")] == [2, 2]
 
 
 def test_a_concatenation_of_sections_is_read_by_a_rowwise_linear_with_its_input_rows_permuted():

@@ -47,7 +47,9 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # the output conv's cut channels gathered at the block's end
     ("grouped_conv_block", "2d"),
     # routed and shared experts entering tp at the one input a router computed whole also reads
-    ("moe_shared_expert", "2d"))
+    ("moe_shared_expert", "2d"),
+    # a depthwise conv over the values' heads, one head per rank: its local conv folded over the batch
+    ("conv_value_skip", "tp"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query", "mup_mamba2_mixer"}
 # stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
 RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}

@@ -159,17 +159,20 @@ def test_embedding_and_head_are_planned_and_explained():
     assert (gather.kind, gather.direction, gather.axis, gather.counted) == ("all-gather", "fwd", "tp", True)
 
 
-def test_heads_that_do_not_divide_are_gathered_and_explained():
+def test_heads_that_do_not_divide_are_computed_whole_and_explained():
+    """3 heads on tp=2: cut, wq's output would be gathered at the view to heads; computed whole it
+    needs no collective, and its note names that view."""
     model = Llama(LlamaConfig(dim=48, num_heads=3, num_kv_heads=3))
     plan = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
-    note = plan.params["layers.0.attention.wq.weight"].note
-    assert "output all-gathered at once" in note and "(view.default) at models.py" in note
-    assert "self.wq(x).view(bsz, seq, -1, self.head_dim)" in note
+    wq = plan.params["layers.0.attention.wq.weight"]
+    assert wq.role == "replicate" and "cut output alone is gathered whole for node 'view'" in wq.note, wq.note
+    assert "(view.default) at models.py" in wq.note and "self.wq(x).view(bsz, seq, -1, self.head_dim)" in wq.note
+    assert not plan.breaks
 
 
 def test_an_op_without_a_layout_rule_is_named_with_its_line():
     plan = autoshard.plan(CumulativeMLP(), {"dp": 2, "tp": 2}, example_inputs=(FEATURES,))
-    up = plan.params["up.weight"]
+    up = plan.params["up.weight"]  # cut, its output would be gathered for the cumsum: computed whole
     assert "(cumsum.default) at models.py" in up.note and "torch.cumsum" in up.note
     # its input is replicated after the gather, and it narrows: computed whole, with no collective
     down = plan.params["down.weight"]
@@ -367,8 +370,9 @@ def test_heads_that_divide_by_the_old_tp_only_are_named_when_applied(fake_world)
 def test_heads_that_divide_by_the_new_tp_only_are_named_when_applied(fake_world):
     """The other way round: on tp=4 the 2 heads were gathered and wo made colwise;
     on tp=2 the heads stay sharded into that colwise wo, so the plan's layout does not hold.
-    (k and v are as wide as their input, so they are gathered, not computed whole.)"""
-    model = Llama(LlamaConfig(num_heads=2, num_kv_heads=2))
+    (k and v are as wide as their input, so they are gathered, not computed whole; the MLP is
+    narrow, so computing the gathered projections whole is over the compute budget.)"""
+    model = Llama(LlamaConfig(num_heads=2, num_kv_heads=2, ffn_hidden=16))
     saved = autoshard.plan(model, {"tp": 4}, example_inputs=(TOKENS,))
     assert saved.params["layers.0.attention.wo.weight"].role == "colwise"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
