@@ -354,21 +354,21 @@ def _matmul_flops(site) -> int | None:
     return 2 * (numel // site.in_features) * site.in_features * site.out_features
 
 
-def _pulling_linears(plan: LayoutPlan, sites: Sites) -> list[str]:
+def _pulling_linears(plan: LayoutPlan, sites: Sites) -> dict[str, str | None]:
     """Colwise linears whose sharded region cuts a replicated, gradient-carrying activation."""
     cut_into = {consumer for (value, consumer), steps in plan.edges.items()
                 if value.op != "get_attr" and value in plan.carries_grad
                 and any(step.kind is Step.TAKE_SHARD for step in steps)}
     if not cut_into:
-        return []
+        return {}
     found = {}
     for site in sites.linears:
         if plan.roles[site.weight_fqn] == COLWISE and _region(plan, site.output) & cut_into:
             found[site.weight_fqn] = None
-    return list(found)
+    return found
 
 
-def _bottlenecks(plan: LayoutPlan, sites: Sites) -> list[str]:
+def _bottlenecks(plan: LayoutPlan, sites: Sites) -> dict[str, str | None]:
     """Colwise narrowing linears (fewer outputs than inputs) whose sharded region reaches a
     rowwise linear with more outputs than they have: the first half of a low-rank pair (MLA's
     ``q_a_proj`` then ``q_b_proj``, a LoRA down-projection)."""
@@ -381,32 +381,32 @@ def _bottlenecks(plan: LayoutPlan, sites: Sites) -> list[str]:
         region = _region(plan, site.output)
         if any(r.node in region and r.out_features > site.out_features for r in rowwise):
             found[site.weight_fqn] = None
-    return list(found)
+    return found
 
 
-def _gathered(plan: LayoutPlan, sites: Sites) -> dict[str, str]:
+def _gathered(plan: LayoutPlan, sites: Sites) -> dict[str, str | None]:
     """Colwise linears reading a replicated input whose cut output, met by no other cut value
     (rowwise linears may read it), is gathered whole inside the model (an output projection after
     attention computed whole), each with the op its output is gathered for (where its region would
     have ended, when it is gathered right after the matmul)."""
+    gathers = [(value, consumer) for (value, consumer), steps in plan.edges.items()
+               if consumer.op != "output" and any(step.kind is Step.GATHER for step in steps)]
     found = {}
-    for site in sites.linears:
+    for site in sites.linears if gathers else ():
         if plan.roles[site.weight_fqn] != COLWISE or plan.layouts.get(site.input) is not None:
             continue
         region = _region(plan, site.output)
         if any(other.node in region and plan.roles[other.weight_fqn] != ROWWISE
                for other in sites.linears if other.node is not site.node):
             continue
-        gathered_for = [consumer for (value, consumer), steps in plan.edges.items()
-                        if value in region and consumer.op != "output"
-                        and any(step.kind is Step.GATHER for step in steps)]
+        gathered_for = [consumer for value, consumer in gathers if value in region]
         if gathered_for:
             early = plan.gathered_early.get(site.node) or plan.gathered_early.get(site.output)
             found[site.weight_fqn] = early or describe(gathered_for[0])
     return found
 
 
-def _shared_rowwise(plan: LayoutPlan, sites: Sites) -> list[str]:
+def _shared_rowwise(plan: LayoutPlan, sites: Sites) -> dict[str, str | None]:
     """Shared linears (one weight, several reads) made rowwise by their first read's cut input
     while another read cuts a replicated input for them: ALBERT's one layer, run first on the
     embedding mapping's cut output and then on the normed stream."""
@@ -418,23 +418,22 @@ def _shared_rowwise(plan: LayoutPlan, sites: Sites) -> list[str]:
         steps = plan.edges.get((site.input, site.node), ())
         if plan.layouts.get(site.input) is None and any(step.kind == Step.TAKE_SHARD for step in steps):
             found[fqn] = None
-    return list(found)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
 class _Kind:
     """One kind of candidate: how to find them on a plan, and why computing them whole helps."""
 
-    find: Callable[[LayoutPlan, Sites], list[str]]
+    find: Callable[[LayoutPlan, Sites], dict[str, str | None]]  # candidates -> the op a note names, if any
     why: str
     budget: float  # the share of their block's matmul work per rank they may add
     colwise: bool = False  # made colwise (no work added), not computed whole
-    where: Callable[[LayoutPlan, Sites], dict[str, str]] | None = None  # the op each one's note names
 
     def why_for(self, plan: LayoutPlan, sites: Sites, fqns: list[str]) -> dict[str, str]:
         """Each candidate's reason, naming the op it concerns when the kind knows one."""
-        at = self.where(plan, sites) if self.where is not None else {}
-        return {fqn: self.why.format(at=f" for {at[fqn]}" if fqn in at else "") for fqn in fqns}
+        at = self.find(plan, sites)
+        return {fqn: self.why.format(at=f" for {at[fqn]}" if at.get(fqn) else "") for fqn in fqns}
 
 
 _KINDS = (  # upstream first: a bottleneck cut turns everything after it, pulling linears included
@@ -452,7 +451,7 @@ _KINDS = (  # upstream first: a bottleneck cut turns everything after it, pullin
 # tried last, on the settled plan (see settle)
 _GATHERED = _Kind(_gathered, "its cut output alone is gathered whole{at}: cut, it saves a share of its matmul and "
                              "pays an all-gather of its output forward and an all-reduce of its input's gradient "
-                             "backward", GATHERED_BUDGET, where=_gathered)
+                             "backward", GATHERED_BUDGET)
 
 
 def _region(plan: LayoutPlan, source: fx.Node) -> set[fx.Node]:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import collectives
-from autoshard.passes.layout_rules import CONVOLUTIONS, Strided
+from autoshard.passes.layout_rules import Strided
 from autoshard.passes.local_convolution import fold_single_channel_convolutions
 from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import ENTER_ONLY, GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
@@ -34,7 +34,7 @@ def insert_redistributes(
     graph = gm.graph
     for node, args in plan.new_args.items():
         node.args = args
-    fold_single_channel_convolutions(graph, [n for n in plan.new_args if n.target in CONVOLUTIONS], plan.tp)
+    fold_single_channel_convolutions(graph, plan.new_args, plan.tp)
     position = {node: i for i, node in enumerate(graph.nodes)}
     readers: dict[tuple, list[fx.Node]] = defaultdict(list)
     for (value, consumer), steps in plan.edges.items():

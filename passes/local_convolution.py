@@ -28,9 +28,9 @@ aten = torch.ops.aten
 
 
 def fold_single_channel_convolutions(graph: fx.Graph, convolutions, tp: int) -> list[fx.Node]:
-    """Rewrite each of ``convolutions`` (nodes whose local arguments are set, their weights cut
-    over ``tp`` on dim 0) that convolves one channel by one filter in one group into the grouped
-    form above; returns the rewritten ones.
+    """Rewrite each convolution among ``convolutions`` (nodes whose local arguments are set, their
+    weights cut over ``tp`` on dim 0; other nodes are passed over) that convolves one channel by
+    one filter in one group into the grouped form above; returns the rewritten ones.
     The node keeps its name and users: it becomes the last view of the folded result."""
     folded = []
     for node in convolutions:

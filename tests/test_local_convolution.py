@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import autoshard
 from autoshard.passes.layout_rules import CONVOLUTIONS
 from autoshard.passes.local_convolution import fold_single_channel_convolutions
 from autoshard.sharding import Role
@@ -78,8 +79,6 @@ def test_a_depthwise_conv_over_one_head_per_rank_is_cut_with_the_heads_on_tp8():
     """Nystromformer's value skip with 8 heads on tp=8: the conv's filters are cut with the heads
     (one per rank), the block at a dense block's 4 with no break; the proof's backward runs the
     folded convolution, where the one-channel dense path would crash (kernel 33 > 16 tokens)."""
-    import autoshard
-
     model = Decoder(Config(heads=8, kv_heads=8), lambda c: Block(c, ConvSkipAttention))
     tokens = torch.randint(0, PATTERN_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     proof = autoshard.check(model, {"tp": 8}, example_inputs=(tokens,))
