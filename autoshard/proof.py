@@ -412,7 +412,8 @@ def _token_ids(example: torch.Tensor, rows: int, padding: int | None, tp: int, g
 
 def random_weights(reference: fx.GraphModule, plan: Plan, model, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One random full set, in the dtype each parameter is read in: around the model's own mean
-    and spread, or (a model on meta, or a constant tensor) a spread of ``1/sqrt(fan_in)``."""
+    and spread, or (a model on meta, or a constant tensor) a spread of ``1/sqrt(fan_in)``. Each
+    requires grad as the model's parameter does: a frozen one's gradient is never compared."""
     read = {n.target: n.meta.get("val") for n in reference.graph.nodes if n.op == "get_attr"}
     weights = {}
     for fqn in plan.params:
@@ -428,7 +429,7 @@ def random_weights(reference: fx.GraphModule, plan: Plan, model, gen: torch.Gene
         if std == 0.0:
             std = (original.shape[-1] ** -0.5) if original.dim() >= 2 else 0.1
         full = torch.randn(tuple(original.shape), generator=gen, device="cpu") * std + mean
-        weights[fqn] = full.to(dtype)
+        weights[fqn] = full.to(dtype).requires_grad_(original.requires_grad)
     return weights
 
 
@@ -476,7 +477,14 @@ class _Run:
 
 
 def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values]
+    """Fresh leaves of one parameter's values; they make a gradient when the parameter does
+    (a frozen one, ``requires_grad=False``, makes none, on one device as on the ranks)."""
+    return [v.detach().clone().requires_grad_(v.is_floating_point() and v.requires_grad) for v in values]
+
+
+def _trained(params: dict[str, PerRank]) -> dict[str, PerRank]:
+    """The parameters the model trains: the ones whose gradients are compared."""
+    return {fqn: p for fqn, p in params.items() if p.values[0].requires_grad}
 
 
 def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dict, gen, retain: bool = False,
@@ -491,7 +499,7 @@ def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dic
     loss = sum(_dot(o, c) for o, c in zip(outputs, cotangents, strict=True) if c is not None and o.requires_grad)
     if isinstance(loss, torch.Tensor):
         loss.backward()
-    grads = {fqn: p.values[0].grad for fqn, p in params.items()}
+    grads = {fqn: p.values[0].grad for fqn, p in _trained(params).items()}
     return _Run([o.detach() if isinstance(o, torch.Tensor) else o for o in outputs], grads, cotangents, sim.values)
 
 
@@ -518,7 +526,7 @@ def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: 
     loss = sum(losses)
     if isinstance(loss, torch.Tensor):
         loss.backward()
-    grads = {fqn: [v.grad for v in p.values] for fqn, p in params.items()}
+    grads = {fqn: [v.grad for v in p.values] for fqn, p in _trained(params).items()}
     return _Run(outputs, grads, cotangents, sim.values, sim.tally.result().get("tp", {}),
                 tuple(float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for v in losses))
 

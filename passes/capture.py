@@ -28,6 +28,7 @@ passed it: the cache is an object for generation that training never reads and
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -46,6 +47,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from autoshard.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
 from autoshard.passes.partition import callable_blocks
+from autoshard.passes.regions import inline_regions
 from autoshard.passes.reuse_blocks import find_stack, synthesize, with_two_blocks
 
 
@@ -173,7 +175,8 @@ def capture(
     traced_calls = []
     export_shapes = _with_keyword_shapes(dynamic_shapes, model, args, kwargs, set_for_training)
     exported = _export(model, traced, exported_module, traced_args, traced_kwargs, export_shapes, traced_calls)
-    functions = _check_functions(model, traced, args, run_kwargs, traced_calls)
+    on_values = compute_dtype is None and not _on_meta(traced)
+    functions = _check_functions(model, args, run_kwargs, traced_calls, on_values)
     unlifted = exported.module()
     graph = unlifted.graph
     attributes: nn.Module | dict = unlifted
@@ -183,10 +186,11 @@ def capture(
             full = capture(model, args, kwargs, dynamic_shapes, compute_dtype, trace_blocks_once=False)
             return dataclasses.replace(full, trace_note=why)
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
+    gm = graph_module(attributes, graph, type(model).__name__)
+    inline_regions(gm)  # after the stack is written: the names it gives are not export's numbering
     aliases = _tied_aliases(model)
     _clean(graph, aliases)
     in_spec = _drop_keyword_inputs(graph, unlifted._in_spec, set_for_training)
-    gm = graph_module(attributes, graph, type(model).__name__)
     gm._in_spec, gm._out_spec = in_spec, unlifted._out_spec  # read by the pytree calling convention of the code
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     arg_names = tuple(inspect.signature(model.forward).parameters)
@@ -251,9 +255,11 @@ def _drop_keyword_inputs(graph: fx.Graph, in_spec, added: dict):
 
 
 def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
-    """The module export traces and its inputs: the model itself, or a twin (under mixed precision
-    with floating parameters and inputs in ``compute_dtype``, see :func:`_parameters_as`; a model
-    on meta gets a twin with its buffers on meta too)."""
+    """The module export traces and its inputs: always a twin (:func:`_twin`), so that what the
+    forward writes to its modules while traced (a buffer registered on first call, a cached
+    table, a counter) lands on the twin and the user's model is left as it was. Under mixed
+    precision its floating parameters and inputs are in ``compute_dtype`` (see
+    :func:`_parameters_as`); a model on meta gets a twin with its buffers on meta too."""
     if compute_dtype is not None:
         on_meta = parameters_on_meta(model)
         move = _to_meta if on_meta else _unchanged
@@ -266,7 +272,7 @@ def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dt
     if parameters_on_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
         return _twin_on_meta(model), args, kwargs
-    return model, args, kwargs
+    return _twin(model, _unchanged), args, kwargs
 
 
 def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced_calls):
@@ -275,7 +281,7 @@ def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced
     try:
         # a twin on meta also creates the tensors its forward makes without `device=` on meta
         # (a rotary `torch.arange(n)`), or they would meet meta tensors on the CPU
-        on_meta = torch.device("meta") if traced is not model and _on_meta(traced) else contextlib.nullcontext()
+        on_meta = torch.device("meta") if _on_meta(traced) else contextlib.nullcontext()
         with recording_calls(traced_calls, clone=False), on_meta:
             return torch.export.export(exported_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except NotImplementedError:
@@ -408,17 +414,23 @@ def _cast_unit_inputs(twin: nn.Module, blocks: tuple[str, ...], dtype: torch.dty
         block.register_forward_pre_hook(cast, with_kwargs=True)
 
 
+_CONTAINERS = (dict, list, set, collections.OrderedDict)
+
+
 def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
     """``model``'s module tree, shallow-copied, with the same parameters (or ``param_fn`` of each)
     and ``buffer_fn`` of each buffer. The user's modules are not touched: each twin gets its own
-    ``_modules``, ``_buffers`` (and ``_parameters``) dicts. A module reachable under two names
-    stays one twin.
+    ``_modules``, ``_buffers`` (and ``_parameters``) dicts, and copies of the other dicts, lists
+    and sets it holds. A module reachable under two names stays one twin.
     """
     twins: dict[int, nn.Module] = {}
 
     def twin(module: nn.Module) -> nn.Module:
         if id(module) not in twins:
             clone = twins[id(module)] = copy.copy(module)
+            for name, value in module.__dict__.items():  # a cache the forward fills stays the user's
+                if type(value) in _CONTAINERS:
+                    clone.__dict__[name] = copy.copy(value)
             clone._buffers = {n: None if b is None else buffer_fn(b) for n, b in module._buffers.items()}
             if param_fn is not None:
                 clone._parameters = {n: None if p is None else param_fn(p) for n, p in module._parameters.items()}
@@ -429,40 +441,66 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:
-    """The repeated blocks of ``model``: FSDP units, one all-gather each.
+    """The repeated blocks of ``model``: FSDP units, one all-gather each, in module order.
 
-    They are the children, holding parameters, of the outermost
-    ``ModuleList``/``ModuleDict``/``Sequential`` containers (``layers.0``,
-    ``model.layers.3``, ``h.11``...), which is where transformer and MLP-stack
-    code keeps its layers. Everything else stays with the root unit.
+    Model code keeps its layers in a stack: a ``ModuleList`` or ``Sequential`` (``layers.0``,
+    ``model.layers.3``), or a ``ModuleDict`` of like layers keyed by number (torchtitan's
+    ``layers["0"]``). A stack may sit at any depth and inside other containers: nanoGPT holds
+    ``h`` (its layers) inside ``transformer = ModuleDict(wte=..., h=..., ln_f=...)``, a
+    ``ModuleDict`` of unlike modules, which is a namespace to look inside, not a stack. Each
+    stack found is one set of blocks (an encoder's and a decoder's both count).
+
+    In a stack, a child holding parameters is a block when its class repeats there or when it
+    is a layer of its own (it has submodules holding parameters). A leaf of a class of its own
+    at a stack's end (the embedding or the head of a ``Sequential`` model, a final norm) stays
+    in the root unit with everything else outside the stacks. A stack with no such child (one
+    linear in a ``Sequential``) has its children holding parameters as blocks.
     """
     blocks: list[str] = []
-    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
     def visit(prefix: str, module: nn.Module) -> None:
+        if _is_stack(module):
+            blocks.extend(prefix + name for name in _stack_blocks(module))
+            return
         for name, child in module.named_children():
-            fqn = f"{prefix}{name}"
-            if isinstance(child, containers):
-                blocks.extend(
-                    f"{fqn}.{n}" for n, c in child.named_children() if any(True for _ in c.parameters())
-                )
-            else:
-                visit(f"{fqn}.", child)
+            visit(f"{prefix}{name}.", child)
 
-    if isinstance(model, containers):
-        return tuple(n for n, c in model.named_children() if any(True for _ in c.parameters()))
     visit("", model)
     return tuple(blocks)
 
 
-def _check_functions(model, traced, args, kwargs, traced_calls) -> tuple[CheckedFunction, ...]:
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A ``ModuleList``/``Sequential``, or a ``ModuleDict`` whose children holding parameters
+    are all of one class (a namespace of unlike modules is not a stack)."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return True
+    if isinstance(module, nn.ModuleDict):
+        classes = {type(c) for c in module.children() if _holds_parameters(c)}
+        return len(classes) == 1
+    return False
+
+
+def _stack_blocks(stack: nn.Module) -> list[str]:
+    """The names of ``stack``'s children that are blocks (see :func:`find_blocks`)."""
+    holding = [(name, child) for name, child in stack.named_children() if _holds_parameters(child)]
+    counts = collections.Counter(type(child) for _, child in holding)
+    layers = [name for name, child in holding
+              if counts[type(child)] > 1 or any(_holds_parameters(c) for c in child.children())]
+    return layers or [name for name, _ in holding]
+
+
+def _check_functions(model, args, kwargs, traced_calls, on_values: bool) -> tuple[CheckedFunction, ...]:
     """The custom autograd.Functions export met while tracing, each checked (see
     passes.functions) on the values it receives: the model runs once more, eagerly,
     on a twin whose buffers are copies and with the random state restored after, so
     the user's model and random streams are untouched."""
     if not traced_calls:
         return ()
-    if traced is not model:  # on meta: random values of the traced shapes
+    if not on_values:  # on meta or in another dtype: random values of the traced shapes
         return check_functions(traced_calls, on_meta=True)
     calls = []
     twin = _twin(model, lambda b: b.clone())
