@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from autoshard.agreement import check_ranks_agree
 from autoshard.block_quant import BlockQuant, with_quantized_gathers
 from autoshard.carry import check_activations_carry
+from autoshard.clipping import remember_entries
 from autoshard.errors import in_stage
 from autoshard.mesh import CP, MeshAxes, axes_from_sizes, dp_choice, read_mesh
 from autoshard.options import PlanOptions
@@ -377,6 +378,7 @@ def autoshard(
     apply_activation_checkpointing(parts.blocks, activation_checkpointing)  # on the final block code
     verify(sharded, final_plan, axes)
     sharded.autoshard_plan = final_plan
+    remember_entries(sharded, final_plan)
     if axes.has_cp:  # the global positions of this rank's part of the sequence (its outputs', if left cut)
         from autoshard.context_ops import local_positions
 

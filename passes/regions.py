@@ -143,7 +143,7 @@ def _detached(graph: fx.Graph, region: fx.Node, value):
     if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
         return value
     with graph.inserting_before(region):
-        detached = graph.call_function(aten.detach.default, (value,))
+        detached = graph.create_node("call_function", aten.detach.default, (value,), name=f"{value.name}_detached")
     detached.meta = {**{k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")},
                      "val": value.meta["val"].detach()}
     return detached
