@@ -415,6 +415,7 @@ def _cast_unit_inputs(twin: nn.Module, blocks: tuple[str, ...], dtype: torch.dty
 
 
 _CONTAINERS = (dict, list, set, collections.OrderedDict)
+_MODULE_STATE = ("_modules", "_parameters", "_buffers")
 
 
 def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
@@ -437,7 +438,23 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
             clone._modules = {n: None if c is None else twin(c) for n, c in module._modules.items()}
         return twins[id(module)]
 
-    return twin(model)
+    def referenced(value):
+        """A module held as a plain attribute (a tied head's ``self._embedding``, not a submodule)
+        is read as its twin: its parameters are the twin's (cast under mixed precision)."""
+        if isinstance(value, nn.Module):
+            return twin(value)
+        if type(value) in (list, tuple) and any(isinstance(v, nn.Module) for v in value):
+            return type(value)(referenced(v) for v in value)
+        if type(value) in (dict, collections.OrderedDict) and any(isinstance(v, nn.Module) for v in value.values()):
+            return type(value)((k, referenced(v)) for k, v in value.items())
+        return value
+
+    root = twin(model)
+    for clone in list(twins.values()):
+        for name, value in list(clone.__dict__.items()):
+            if name not in _MODULE_STATE and not name.startswith(("_forward", "_backward")):
+                clone.__dict__[name] = referenced(value)
+    return root
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:

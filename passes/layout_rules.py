@@ -397,8 +397,8 @@ def _fused_reshape(in_shape, out_shape, dim, tp) -> tuple[int | None, tuple[int,
     """A fused projection's sharded output dim unflattened into ``(sections, heads, ...)``, as
     vision code splits q|k|v: ``qkv(x).reshape(B, N, 3, H, hd)``.
 
-    The sharded dim ``S`` must map alone to output dims ``(k, h, d, ...)`` with ``k >= 2``
-    sections of ``S / k`` and ``h`` dividing by tp. With the projection's columns stored
+    The sharded dim ``S`` must map alone to output dims ``(k, h, d, ...)`` or ``(k, w)`` with
+    ``k >= 2`` sections of ``S / k`` and ``h`` (or ``w``) dividing by tp. With the projection's columns stored
     section by section per rank (its fused sections, as for a ``split``), each rank's
     ``S / tp`` columns are ``k`` runs of ``S / (k * tp)``: locally ``(k, h / tp, ...)``.
     Returns the output dim tp then cuts (``h``'s) and the sections, or ``(None, None)``.
@@ -419,9 +419,9 @@ def _fused_reshape(in_shape, out_shape, dim, tp) -> tuple[int | None, tuple[int,
         run.append(j)
         j += 1
     dims = [d for d in run if out_shape[d] != 1]
-    # (sections, heads, head_dim) at least: a plain (heads, head_dim) view is not a fusion, and
-    # cutting the head dim of kv heads fewer than tp would spread heads over ranks
-    if product != size or len(dims) < 3 or not out_shape[dims[0]].is_Integer:
+    # (sections, heads, head_dim), or (sections, width) as torch's MultiheadAttention unflattens
+    # its packed in_proj (``unflatten(-1, (3, E))``), the heads split from each section later
+    if product != size or len(dims) < 2 or not out_shape[dims[0]].is_Integer:
         return None, None
     k, heads = int(out_shape[dims[0]]), dims[1]
     if k < 2 or not divides(out_shape[heads], tp) or (int(size) // k) % tp:
