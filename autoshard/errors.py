@@ -21,7 +21,8 @@ def user_frame(frames) -> str:
     ``line``), outermost first: the last one outside the libraries is the line
     the user wrote.
     """
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
+    user = [f for f in frames  # neither the libraries' files nor code they generate (``<eval_with_key>.5``)
+            if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
     if not user:
         return "?"
     frame = user[-1]

@@ -2119,6 +2119,271 @@ class SpanConvAttention(nn.Module):
         return self.dense(torch.cat([context, conv_out], 2).reshape(b, s, 2 * width))
 
 
+# --- code as other libraries write it (an autocast or no-grad region, layers in a ModuleDict, a buffer
+# made in forward, torch's MultiheadAttention, a head tied through an attribute, frozen weights) -----
+
+
+def interleaved_rope_fp32(q, k, seq: int):
+    """Meta-Llama style rotary on interleaved pairs, its table built in float32 from ``arange``."""
+    d = q.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=q.device).float() / d))
+    freqs = torch.outer(torch.arange(seq, device=q.device).float(), inv_freq)
+    cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+    def rotate(t):
+        t = t.float()
+        even, odd = t[..., 0::2], t[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+
+    return rotate(q).type_as(q), rotate(k).type_as(k)
+
+
+class AutocastRopeAttention(QKVAttention):
+    """The rotary embedding kept in float32 by an autocast-disabled region (a ``with`` block)."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            q, k = interleaved_rope_fp32(q, k, s)
+        return self.wo(self.attend(q, k, v).reshape(b, s, -1))
+
+
+class AutocastRope(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, AutocastRopeAttention))
+
+
+class AutocastScoresAttention(QKVAttention):
+    """Attention scores computed under an enabled bfloat16 autocast region inside the forward."""
+
+    def attend(self, q, k, v, *extra):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
+        probs = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).to(v.dtype)
+        return (probs @ v).transpose(1, 2)
+
+
+class AutocastScores(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, AutocastScoresAttention))
+
+
+class NoGradRotaryTable(nn.Module):
+    """A rotary table made under ``@torch.no_grad()``, as Hugging Face's rotary embeddings are."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x):
+        freqs = torch.outer(torch.arange(x.shape[1], device=x.device).float(), self.inv_freq)
+        return freqs.cos(), freqs.sin()
+
+
+class TableRopeAttention(QKVAttention):
+    def attend(self, q, k, v, cos, sin):
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+
+        def rotate(t):
+            even, odd = t[..., 0::2], t[..., 1::2]
+            return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+
+        return super().attend(rotate(q), rotate(k), v)
+
+
+class NoGradRope(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, TableRopeAttention))
+        self.rotary = NoGradRotaryTable(cfg.head_dim)
+
+    def extra(self, tokens):
+        return self.rotary(self.tok_embeddings.weight[tokens])
+
+
+class NanoCausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one fused ``c_attn`` split into q, k, v, a causal bias registered on
+    the first call (older GPT code caches its mask so), biases on every linear."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.n_head, self.n_embd = cfg.heads, cfg.dim
+        self.c_attn = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.c_proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        if getattr(self, "bias", None) is None or self.bias.shape[-1] < T:
+            self.register_buffer("bias", torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device)),
+                                 persistent=False)
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(~self.bias[:T, :T], float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim)
+        self.attn = NanoCausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim)
+        self.mlp = NanoMLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT: its layers in ``transformer.h`` inside a ``ModuleDict`` with the embeddings and the
+    last norm; the head tied to the token embedding."""
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab, cfg.dim),
+            wpe=nn.Embedding(cfg.max_seq, cfg.dim),
+            drop=nn.Dropout(0.0),
+            h=nn.ModuleList([NanoBlock(cfg) for _ in range(cfg.layers)]),
+            ln_f=nn.LayerNorm(cfg.dim),
+        ))
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class TorchMHABlock(nn.Module):
+    """Pre-norm block on ``nn.MultiheadAttention`` (its packed ``in_proj_weight``)."""
+
+    def __init__(self, cfg: Config, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.ln_1 = nn.LayerNorm(cfg.dim)
+        self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=batch_first)
+        self.ln_2 = nn.LayerNorm(cfg.dim)
+        self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.dim))
+        mask = torch.triu(torch.full((cfg.max_seq, cfg.max_seq), float("-inf")), 1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        seq = x.shape[1] if self.batch_first else x.shape[0]
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask[:seq, :seq], need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchMHA(nn.Module):
+    """A decoder of ``TorchMHABlock`` in an ``nn.Sequential``; ``batch_first=False`` runs it
+    sequence-first, as torch's default layout is."""
+
+    def __init__(self, cfg: Config = Config(), batch_first: bool = True):
+        super().__init__()
+        self.cfg, self.batch_first = cfg, batch_first
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.blocks = nn.Sequential(*[TorchMHABlock(cfg, batch_first) for _ in range(cfg.layers)])
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = self.blocks(h if self.batch_first else h.transpose(0, 1))
+        return self.head(self.ln_f(h if self.batch_first else h.transpose(0, 1)))
+
+
+class TwoNormParallelBlock(nn.Module):
+    """GPT-NeoX's parallel residual: attention and MLP read two norms of one input and are summed
+    with it, ``mlp + attn + x``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(cfg.dim)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.dim)
+        self.attention = QKVAttention(cfg)
+        self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn, bias=False), nn.GELU(),
+                                 nn.Linear(cfg.ffn, cfg.dim, bias=False))
+
+    def forward(self, x):
+        attn = self.attention(self.input_layernorm(x))
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return mlp + attn + x
+
+
+class TwoNormParallel(Decoder):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, TwoNormParallelBlock)
+
+
+class AttributeTiedDecoder(Decoder):
+    """The head reads the embedding's weight through a module held as a plain attribute."""
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, QKVAttention))
+        del self.output
+        self.__dict__["_tied_embedding"] = self.tok_embeddings  # not a submodule: no second FQN
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return F.linear(self.norm(h), self._tied_embedding.weight)
+
+
+class FrozenEmbeddingDecoder(Decoder):
+    """The token embedding, the attention norms and ``wq`` frozen (``requires_grad=False``)."""
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__(cfg, lambda c: Block(c, QKVAttention))
+        self.tok_embeddings.weight.requires_grad_(False)
+        for layer in self.layers:
+            layer.attention_norm.weight.requires_grad_(False)
+            layer.attention.wq.weight.requires_grad_(False)
+
+
+# code as other libraries write it: builder, tp collectives per block at the minimum (by block where
+# they differ), and the config the builder takes for tp=8 (8 heads)
+LIBRARY_PATTERNS: dict[str, tuple] = {
+    "autocast_rope": (AutocastRope, 4),
+    "autocast_scores": (AutocastScores, 4),
+    "no_grad_rope": (NoGradRope, 4),
+    "nanogpt": (NanoGPT, 4),
+    "torch_mha": (TorchMHA, 4),
+    "torch_mha_seq_first": (lambda cfg=Config(): TorchMHA(cfg, batch_first=False), 4),
+    "two_norm_parallel": (TwoNormParallel, 3),
+    "attribute_tied": (AttributeTiedDecoder, 4),
+    # block 0 reads the frozen embedding: no gradient of its input to reduce
+    "frozen_embedding": (FrozenEmbeddingDecoder, {"layers.0": 3, "layers.1": 4}),
+}
+
+
 PATTERNS = {
     "interleaved_rope": InterleavedRope,
     "repeat_interleave_gqa": RepeatInterleaveGQA,

@@ -1,0 +1,171 @@
+"""Model code as other libraries write it: regions, containers, lazy buffers, frozen weights.
+
+Each pattern of ``LIBRARY_PATTERNS`` (tests/pattern_models.py) is proven in one process on 2x2,
+tp=4 and tp=8 (8 heads), with no tp break and exactly its analytic minimum of tp collectives per
+block, and the user's model is the same after planning and proving as before (every parameter,
+buffer and module attribute). The capture pieces they rely on are tested by themselves: regions
+inlined with their dtype and grad-mode meaning, blocks found in nested containers, and torch's
+calling convention for ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._ops import HigherOrderOperator
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import autoshard
+from autoshard.passes.capture import capture, find_blocks
+from tests.fingerprint import assert_unchanged, fingerprint
+from tests.pattern_models import LIBRARY_PATTERNS, VOCAB, AutocastScores, Config, NanoGPT, NoGradRope
+from tests.plan_invariants import assert_breaks_complete
+
+TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+OTHER_TOKENS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+MESHES = {"2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "tp8": {"tp": 8}}
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _build(name: str, mesh: dict):
+    build, _ = LIBRARY_PATTERNS[name]
+    torch.manual_seed(0)
+    return build(Config(heads=8, kv_heads=8)) if mesh.get("tp") == 8 else build()
+
+
+def _minimum(name: str, block: str) -> int:
+    minimum = LIBRARY_PATTERNS[name][1]
+    return minimum[block] if isinstance(minimum, dict) else minimum
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", sorted(LIBRARY_PATTERNS))
+def test_library_pattern_is_proven_at_its_minimum_and_leaves_the_model_as_it_was(name, mesh):
+    model = _build(name, MESHES[mesh])
+    before = fingerprint(model)
+    proof = autoshard.check(model, MESHES[mesh], example_inputs=(TOKENS,))
+    assert proof.ok, str(proof)
+    plan = proof.plan
+    assert not plan.breaks, plan.breaks_line()
+    assert_breaks_complete(plan)
+    blocks = [u for u in plan.units if u]
+    assert len(blocks) == model.cfg.layers, plan.units
+    for block in blocks:
+        assert plan.num_tp_collectives(block) == _minimum(name, block), (block, str(plan))
+    assert proof.tp_collectives == plan.predicted_comm()["tp"]
+    assert_unchanged(before, fingerprint(model))
+    model(TOKENS)  # the user's own forward still runs (nanoGPT's then registers its mask, as it does unsharded)
+
+
+@pytest.mark.parametrize("name", ["autocast_rope", "autocast_scores", "attribute_tied", "nanogpt", "torch_mha"])
+def test_library_pattern_is_proven_in_bf16_on_other_inputs(name):
+    model = _build(name, MESHES["2x2"])
+    proof = autoshard.check(model, MESHES["2x2"], example_inputs=(OTHER_TOKENS,), mp_policy=BF16)
+    assert proof.ok, str(proof)
+    assert not proof.plan.breaks, proof.plan.breaks_line()
+
+
+# --- regions ---------------------------------------------------------------------------------------
+
+
+def _region_ops(gm) -> list:
+    return [n for n in gm.graph.nodes if isinstance(n.target, HigherOrderOperator)]
+
+
+def test_an_enabled_autocast_region_is_inlined_with_the_casts_it_makes():
+    """Scores under ``autocast(cpu, bfloat16)``: the matmul reads bf16 casts of q and k, written
+    into the graph, and the captured graph gives the model's values."""
+    model = AutocastScores()
+    captured = capture(model, (TOKENS,))
+    assert not _region_ops(captured.gm)
+    matmuls = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.matmul.default
+               and n.meta["val"].dtype == torch.bfloat16]
+    assert len(matmuls) == model.cfg.layers
+    for matmul in matmuls:
+        assert all(a.target is torch.ops.aten.to.dtype and a.args[1] == torch.bfloat16 for a in matmul.args)
+    torch.testing.assert_close(captured.gm(TOKENS), model(TOKENS), rtol=0, atol=0)
+
+
+def test_a_no_grad_region_is_inlined_and_its_outputs_carry_no_gradient():
+    model = NoGradRope()
+    captured = capture(model, (TOKENS,))
+    assert not _region_ops(captured.gm)
+    detached = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.detach.default]
+    assert len(detached) == 2  # cos and sin leave the region
+    torch.testing.assert_close(captured.gm(TOKENS), model(TOKENS), rtol=0, atol=0)
+
+
+class CondModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: self.proj(t), lambda t: self.proj(t) * 2, (x,))
+
+
+def test_a_higher_order_op_no_rule_covers_is_refused_by_name_and_line():
+    model = CondModel()
+    before = fingerprint(model)
+    with pytest.raises(NotImplementedError, match=r"higher-order op cond at test_own_models\.py:\d+"):
+        autoshard.plan(model, {"tp": 2}, example_inputs=(torch.randn(4, 16),))
+    assert_unchanged(before, fingerprint(model))
+
+
+# --- blocks --------------------------------------------------------------------------------------
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def test_blocks_are_found_in_a_stack_inside_a_namespace_of_unlike_modules():
+    assert find_blocks(NanoGPT()) == ("transformer.h.0", "transformer.h.1")
+    plan = autoshard.plan(NanoGPT(), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    assert plan.units == ("", "transformer.h.0", "transformer.h.1")  # the embeddings and ln_f in the root
+    assert plan.params["transformer.wte.weight"].unit == "" and plan.params["transformer.ln_f.weight"].unit == ""
+
+
+def test_a_sequential_model_keeps_its_embedding_and_head_in_the_root():
+    model = nn.Sequential(nn.Embedding(8, 4), Layer(), Layer(), Layer(), nn.LayerNorm(4), nn.Linear(4, 8))
+    assert find_blocks(model) == ("1", "2", "3")
+
+
+def test_every_stack_is_found_and_a_module_dict_of_like_layers_is_one():
+    model = nn.Module()
+    model.encoder = nn.Module()
+    model.encoder.layers = nn.ModuleList([Layer(), Layer()])
+    model.decoder = nn.Module()
+    model.decoder.layers = nn.ModuleDict({"0": Layer(), "1": Layer()})  # torchtitan keeps its layers so
+    assert find_blocks(model) == ("encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1")
+
+
+def test_a_stack_of_leaf_layers_is_still_one_block_per_layer():
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == ("0", "2")
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4))) == ("0",)
+
+
+# --- clipping ------------------------------------------------------------------------------------
+
+
+def test_clip_grad_norm_takes_torchs_arguments():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    got = autoshard.clip_grad_norm_(model.parameters(), 0.1, norm_type=2.0, error_if_nonfinite=True, foreach=None)
+    want = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+    torch.testing.assert_close(got, want)
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+    model[0].weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        autoshard.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    with pytest.raises(TypeError, match="iterable of tensors"):
+        autoshard.clip_grad_norm_(1.0, 1.0)
