@@ -439,14 +439,22 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
         return twins[id(module)]
 
     def referenced(value):
-        """A module held as a plain attribute (a tied head's ``self._embedding``, not a submodule)
-        is read as its twin: its parameters are the twin's (cast under mixed precision)."""
+        """A module held as a plain attribute (a tied head's ``self._embedding``, not a submodule),
+        in a list or dict, or by a plain object (torchtune's ``TiedLinear``) is read as its twin:
+        its parameters are the twin's (cast under mixed precision). A module a closure captures
+        (``lambda t: t @ self.emb.weight.t()``) is out of reach and read as the user's."""
         if isinstance(value, nn.Module):
             return twin(value)
         if type(value) in (list, tuple) and any(isinstance(v, nn.Module) for v in value):
             return type(value)(referenced(v) for v in value)
         if type(value) in (dict, collections.OrderedDict) and any(isinstance(v, nn.Module) for v in value.values()):
             return type(value)((k, referenced(v)) for k, v in value.items())
+        held = getattr(value, "__dict__", None)
+        if type(held) is dict and not isinstance(value, (type, torch.Tensor)) and any(
+                isinstance(v, nn.Module) for v in held.values()):  # a plain object holding a module (TiedLinear)
+            copied = copy.copy(value)
+            copied.__dict__.update((k, twin(v)) for k, v in held.items() if isinstance(v, nn.Module))
+            return copied
         return value
 
     root = twin(model)
@@ -467,17 +475,22 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     ``ModuleDict`` of unlike modules, which is a namespace to look inside, not a stack. Each
     stack found is one set of blocks (an encoder's and a decoder's both count).
 
-    In a stack, a child holding parameters is a block when its class repeats there or when it
-    is a layer of its own (it has submodules holding parameters). A leaf of a class of its own
-    at a stack's end (the embedding or the head of a ``Sequential`` model, a final norm) stays
-    in the root unit with everything else outside the stacks. A stack with no such child (one
-    linear in a ``Sequential``) has its children holding parameters as blocks.
+    In a stack, the blocks are its layers: the children with submodules holding parameters. A
+    leaf beside them (the embedding or the head of a ``Sequential`` model, a final norm) stays
+    in the root unit with everything else outside the stacks. A stack of leaves of one class (an
+    MLP's linears) has each as a block. A layer that is itself a ``ModuleList`` (vit-pytorch's
+    ``[attention, feed-forward]`` pairs) is not one call: its layers are the blocks.
     """
     blocks: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         if _is_stack(module):
-            blocks.extend(prefix + name for name in _stack_blocks(module))
+            for name in _stack_blocks(module):
+                child = module.get_submodule(name)
+                if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # not one call: its layers are the units
+                    visit(f"{prefix}{name}.", child)
+                else:
+                    blocks.append(prefix + name)
             return
         for name, child in module.named_children():
             visit(f"{prefix}{name}.", child)
@@ -502,12 +515,15 @@ def _is_stack(module: nn.Module) -> bool:
 
 
 def _stack_blocks(stack: nn.Module) -> list[str]:
-    """The names of ``stack``'s children that are blocks (see :func:`find_blocks`)."""
+    """The names of ``stack``'s children that are blocks (see :func:`find_blocks`): its layers
+    (children with submodules holding parameters), or, in a stack of leaves of one class (linears
+    of an MLP stack), every leaf. A ``Sequential`` of unlike leaves (a patch embedding's norm,
+    linear, norm) is no stack of layers: its parameters stay with the root."""
     holding = [(name, child) for name, child in stack.named_children() if _holds_parameters(child)]
-    counts = collections.Counter(type(child) for _, child in holding)
-    layers = [name for name, child in holding
-              if counts[type(child)] > 1 or any(_holds_parameters(c) for c in child.children())]
-    return layers or [name for name, _ in holding]
+    layers = [name for name, child in holding if any(_holds_parameters(c) for c in child.children())]
+    if layers:
+        return layers
+    return [name for name, _ in holding] if len({type(child) for _, child in holding}) == 1 else []
 
 
 def _check_functions(model, args, kwargs, traced_calls, on_values: bool) -> tuple[CheckedFunction, ...]:

@@ -143,6 +143,48 @@ def test_every_stack_is_found_and_a_module_dict_of_like_layers_is_one():
     assert find_blocks(model) == ("encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1")
 
 
+def test_pairs_of_layers_in_a_module_list_are_blocks_and_a_patch_embedding_is_not():
+    """vit-pytorch: ``layers = ModuleList([ModuleList([attention, feed_forward]), ...])`` called as
+    ``for attn, ff in self.layers``; its patch embedding a ``Sequential`` of unlike leaves."""
+    model = nn.Module()
+    model.to_patch_embedding = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.LayerNorm(4))
+    model.layers = nn.ModuleList([nn.ModuleList([Layer(), Layer()]) for _ in range(2)])
+    assert find_blocks(model) == ("layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1")
+
+
+class PlainTie:
+    """torchtune's ``TiedLinear``: a plain object (no module) holding the embedding."""
+
+    def __init__(self, embedding: nn.Embedding):
+        self.tied_module = embedding
+
+    def __call__(self, x):
+        return nn.functional.linear(x, self.tied_module.weight)
+
+
+class PlainTiedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                     for _ in range(2)])
+        self.output = PlainTie(self.embed)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.output(h)
+
+
+def test_a_weight_tied_through_a_plain_object_is_read_in_bf16_under_mixed_precision():
+    model = PlainTiedModel()
+    before = fingerprint(model)
+    proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,), mp_policy=BF16)
+    assert proof.ok, str(proof)
+    assert_unchanged(before, fingerprint(model))
+
+
 def test_a_stack_of_leaf_layers_is_still_one_block_per_layer():
     assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == ("0", "2")
     assert find_blocks(nn.Sequential(nn.Linear(4, 4))) == ("0",)
