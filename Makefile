@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo golden clean
+.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo corpus golden clean
 
 install: $(STAMP)
 
@@ -78,9 +78,35 @@ cp-parity: $(STAMP)
 	$(PY) benchmarks/cp_parity.py
 
 # Every transformers family autoshard captures, planned and proven in one process on five meshes
-# (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4.
-zoo: $(STAMP)
+# (2x2, tp=4, tp=8, 2x4, HSDP 2x2x2), plus bf16 and sequence parallelism on 2x2 and 2x4; then the corpus.
+zoo: $(STAMP) corpus
 	$(PY) benchmarks/zoo.py --options
+
+# The corpus (tests/corpus.py): model code of ten libraries other than transformers, each pinned and installed
+# without its dependencies (they would replace the CPU torch, or pull CUDA wheels and data stacks), next to the
+# few pure-Python packages they import (pinned too); what is stubbed instead, and why, is in tests/corpus.py.
+# The last line checks that torch is still the 2.13.0 CPU build.
+CORPUS_STAMP := $(VENV)/.corpus-stamp
+CORPUS_LIBRARIES := timm==1.0.31 x-transformers==2.31.10 torchtune==0.6.1 peft==0.21.2 litgpt==0.5.13 \
+	open-clip-torch==3.3.0 diffusers==0.42.1 fair-esm==2.0.0 vit-pytorch==1.26.11
+# x-transformers: einops, einx, frozendict, loguru, torch-einops-utils; torchtune: torchao (0.16: the oldest
+# peft accepts, and it still has torchtune's nf4tensor), omegaconf, antlr4, sentencepiece, tiktoken; peft:
+# accelerate, psutil; litgpt: lightning-utilities; open_clip: ftfy, wcwidth; diffusers: requests (and its
+# dependencies); timm and diffusers: pillow
+CORPUS_IMPORTS := einops==0.8.2 einx==0.4.3 frozendict==2.5.1 loguru==0.7.3 torch-einops-utils==0.2.0 \
+	torchao==0.16.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 sentencepiece==0.2.3 tiktoken==0.14.0 \
+	accelerate==1.15.0 psutil==7.2.2 lightning-utilities==0.15.3 ftfy==6.3.1 wcwidth==0.9.4 \
+	requests==2.34.2 charset-normalizer==3.5.2 urllib3==2.8.0 certifi==2026.10.19.post1 pillow==13.0.0
+
+$(CORPUS_STAMP): $(TITAN_STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(CORPUS_LIBRARIES) $(CORPUS_IMPORTS)
+	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu' and torch.version.cuda is None, torch.__version__"
+	touch $(CORPUS_STAMP)
+
+# Each corpus case planned and proven in one process (2x2 and tp=4 in fp32, 2x2 in bf16, cp=2 for decoders),
+# the model fingerprinted before and after each run; results in benchmarks/results/corpus.json.
+corpus: $(CORPUS_STAMP)
+	$(PY) benchmarks/corpus.py
 
 # Rewrite the snapshots (tests/__snapshots__: plan tables, emitted graphs, autoshard.testing reports)
 # after an intended change; syrupy also removes the snapshots no test uses any more.
