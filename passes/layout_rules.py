@@ -347,7 +347,7 @@ def _reshape(node, layouts, tp):
     out_dim = _map_reshape(_shape(value), _shape(node), dim, tp)
     sections = None
     if out_dim is None:
-        out_dim, sections = _fused_reshape(_shape(value), _shape(node), dim, tp)
+        out_dim, sections = _fused_reshape(_shape(value), _shape(node), dim, tp, _projected_width(value))
     if out_dim is None:
         return _folded_reshape(node, value, dim, tp)
     args = None
@@ -393,12 +393,21 @@ def _folded_reshape(node, value, dim, tp):
     return None
 
 
-def _fused_reshape(in_shape, out_shape, dim, tp) -> tuple[int | None, tuple[int, ...] | None]:
+def _projected_width(value: fx.Node):
+    """The last dim of the input a projection ``value`` reads (``None`` for any other op)."""
+    if value.op != "call_function" or not value.args or not isinstance(value.args[0], fx.Node):
+        return None
+    shape = _shape(value.args[0])
+    return shape[-1] if shape else None
+
+
+def _fused_reshape(in_shape, out_shape, dim, tp, projected_width=None) -> tuple[int | None, tuple[int, ...] | None]:
     """A fused projection's sharded output dim unflattened into ``(sections, heads, ...)``, as
     vision code splits q|k|v: ``qkv(x).reshape(B, N, 3, H, hd)``.
 
-    The sharded dim ``S`` must map alone to output dims ``(k, h, d, ...)`` or ``(k, w)`` with
-    ``k >= 2`` sections of ``S / k`` and ``h`` (or ``w``) dividing by tp. With the projection's columns stored
+    The sharded dim ``S`` must map alone to output dims ``(k, h, d, ...)``, or ``(k, w)`` with
+    ``w`` the projection's input width, with ``k >= 2`` sections of ``S / k`` and ``h`` (or
+    ``w``) dividing by tp. With the projection's columns stored
     section by section per rank (its fused sections, as for a ``split``), each rank's
     ``S / tp`` columns are ``k`` runs of ``S / (k * tp)``: locally ``(k, h / tp, ...)``.
     Returns the output dim tp then cuts (``h``'s) and the sections, or ``(None, None)``.
@@ -419,9 +428,13 @@ def _fused_reshape(in_shape, out_shape, dim, tp) -> tuple[int | None, tuple[int,
         run.append(j)
         j += 1
     dims = [d for d in run if out_shape[d] != 1]
-    # (sections, heads, head_dim), or (sections, width) as torch's MultiheadAttention unflattens
-    # its packed in_proj (``unflatten(-1, (3, E))``), the heads split from each section later
-    if product != size or len(dims) < 2 or not out_shape[dims[0]].is_Integer:
+    # (sections, heads, head_dim); or (sections, width) when each section is as wide as the
+    # projection's input, as torch's MultiheadAttention unflattens its packed in_proj
+    # (``unflatten(-1, (3, E))``, the heads split from each section later). A plain
+    # (heads, head_dim) view is not a fusion: cutting the head dim of kv heads fewer than tp
+    # would spread heads over ranks
+    pair = len(dims) == 2 and projected_width is not None and sympy.simplify(out_shape[dims[1]] - projected_width) == 0
+    if product != size or (len(dims) < 3 and not pair) or not out_shape[dims[0]].is_Integer:
         return None, None
     k, heads = int(out_shape[dims[0]]), dims[1]
     if k < 2 or not divides(out_shape[heads], tp) or (int(size) // k) % tp:

@@ -2156,6 +2156,26 @@ class AutocastRope(Decoder):
         super().__init__(cfg, lambda c: Block(c, AutocastRopeAttention))
 
 
+class OuterRopeGQAAttention(QKVAttention):
+    """Grouped-query attention (SDPA's ``enable_gqa``) with the rotary table built inside from
+    ``arange`` and ``outer`` on interleaved pairs: k and v have fewer heads than q."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim)
+        q, k = interleaved_rope_fp32(q, k, s)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class OuterRopeGQA(Decoder):
+    def __init__(self, cfg: Config = Config(kv_heads=2)):
+        super().__init__(cfg, lambda c: Block(c, OuterRopeGQAAttention))
+
+
 class AutocastScoresAttention(QKVAttention):
     """Attention scores computed under an enabled bfloat16 autocast region inside the forward."""
 
@@ -2368,9 +2388,10 @@ class FrozenEmbeddingDecoder(Decoder):
             layer.attention.wq.weight.requires_grad_(False)
 
 
-# code as other libraries write it: builder, tp collectives per block at the minimum (by block where
-# they differ), and the config the builder takes for tp=8 (8 heads)
+# code as other libraries write it: builder and tp collectives per block at the minimum (by block where
+# they differ); with kv heads fewer than tp one more (k and v whole, their gradients gathered)
 LIBRARY_PATTERNS: dict[str, tuple] = {
+    "outer_rope_gqa": (OuterRopeGQA, 4),
     "autocast_rope": (AutocastRope, 4),
     "autocast_scores": (AutocastScores, 4),
     "no_grad_rope": (NoGradRope, 4),
