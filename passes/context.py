@@ -11,6 +11,12 @@ From there the cut follows each op's layout rule, as tp layouts do:
   shifted labels, a position bias) is indexed at this rank's positions, locally: no communication,
   and whatever computed it (``arange(seq)``, position ids, cumulative sums over whole values) keeps
   computing on every position, so every value derived from positions is right without being named;
+* ops that combine values by their dims follow the cut dim to the output: ``outer(a, b)`` keeps a's
+  cut on dim 0 (b's on dim 1), an ``einsum`` or a matmul keeps the subscript the cut dim holds, a
+  broadcast product keeps the cut of the operand whose dim is the sequence, ``repeat`` and ``tile``
+  hold it several times over, complex views (``view_as_complex``, ``polar``) keep it, and an op taking
+  only the dtype or device of a value (``type_as``, ``new_ones``) does not take its cut. So a rotary
+  table built from positions the cut reached first is built from this rank's positions;
 * attention (SDPA, or the matmul-softmax-matmul form) reads every rank's keys and values: they are
   all-gathered over cp (``cp_gather``, whose backward reduce-scatters their gradients, the approach
   the Llama 3 paper describes). A causal SDPA (``is_causal``) becomes ``cp_causal_attention``: each
@@ -99,11 +105,19 @@ class _Gather(Exception):
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SAME_SHAPE = {aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default,
                aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
-               aten.to.device, aten.to.other, aten.type_as.default, aten.dropout.default,
+               aten.to.device, aten.dropout.default,
                aten.feature_dropout.default, aten.alpha_dropout.default, aten.fill.Scalar,
                aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
                aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarSelf,
                aten.where.ScalarOther, aten.copy.default}
+# elementwise, though not tagged pointwise: complex numbers made and taken apart (a complex rotary table)
+_ELEMENTWISE = {aten.polar.default, aten.complex.default, aten.real.default, aten.imag.default, aten.conj.default,
+                aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default}
+# the first operand's values in the dtype (and device) of the second, which gives nothing else
+_LIKE_FIRST = {aten.type_as.default, aten.to.other}
+# a new tensor of the size given, in the dtype and device of a value that gives nothing else (``x.new_ones(s)``)
+_NEW = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+        aten.new_empty_strided.default}
 _SUMS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
 _REDUCTIONS = {aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
                aten.logsumexp.default, aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default,
@@ -335,6 +349,16 @@ class _Rewriter:
         if target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default,
                       aten.addmm.default):
             return self._matmul(node)
+        if target in (aten.outer.default, aten.ger.default, aten.einsum.default):
+            return self._einsum(node)
+        if target in (aten.view_as_real.default, aten.view_as_complex.default):
+            return self._complex_view(node)
+        if target in (aten.repeat.default, aten.tile.default):
+            return self._repeat(node)
+        if target in _LIKE_FIRST:
+            return self._cut_of(node.args[0])
+        if target in _NEW:
+            return None
         if target is aten.embedding.default:
             return self._embedding(node)
         if target in (aten.native_layer_norm.default, aten.layer_norm.default, aten.rms_norm.default,
@@ -357,7 +381,8 @@ class _Rewriter:
             if cut.dim == int(node.args[1]) % len(_shape(node.args[0])):
                 raise _Gather("index_select along the sequence")
             return cut
-        if target in _SAME_SHAPE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+        if target in _SAME_SHAPE or target in _ELEMENTWISE or (isinstance(target, torch._ops.OpOverload)
+                                                                and torch.Tag.pointwise in target.tags):
             return self._pointwise(node, node.all_input_nodes)
         if target in (aten.topk.default, aten.sort.default, aten.argsort.default):
             return self._along_other_dim(node)
@@ -368,8 +393,8 @@ class _Rewriter:
                       aten.scatter_add.default):
             raise _Gather(f"{_op_name(target)} may mix positions along the sequence")
         raise NotImplementedError(
-            f"autoshard: context parallelism has no rule for {describe(node)} ({_op_name(target)}), which reads "
-            f"values cut along the sequence")
+            f"autoshard: context parallelism has no rule for {describe(node)}, which reads values cut along the "
+            f"sequence")
 
     def _pointwise(self, node: fx.Node, values) -> Cut:
         out_ndim = len(_shape(node)) if _shape(node) is not None else 0
@@ -378,6 +403,10 @@ class _Rewriter:
             cut = self._cut_of(value)
             if isinstance(cut, Cut):
                 aligned = cut.dim + out_ndim - len(_shape(value))
+                if aligned < 0:  # not broadcast into the output: no elementwise rule says where the cut goes
+                    raise NotImplementedError(f"autoshard: context parallelism cannot follow the cut of "
+                                              f"'{value.name}' through {describe(node)}, whose output has fewer "
+                                              f"dims than that input")
                 if target_cut is None:
                     target_cut = dataclasses.replace(cut, dim=aligned)
                 elif dataclasses.replace(cut, dim=aligned) != target_cut:
@@ -435,7 +464,8 @@ class _Rewriter:
                 return self._view(node)
             return dataclasses.replace(cut, dim=dim + (nd_out - nd_in if at < dim else 0))
         if target is aten.flatten.using_ints:
-            start, end = node.args[1] % nd_in, node.args[2] % nd_in
+            args = _bound(node)
+            start, end = args["start_dim"] % nd_in, args["end_dim"] % nd_in
             if start <= dim <= end:
                 return self._view(node)
             return dataclasses.replace(cut, dim=dim - (end - start) if dim > end else dim)
@@ -503,8 +533,10 @@ class _Rewriter:
         src = node.args[0]
         cut = self._cut_of(src)
         nd = len(_shape(src))
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("dims"))
-        dims = [d % nd for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        args = _bound(node)  # roll(x, shifts, dims), diff(x, n, dim): the dims by name, defaults included
+        dim = args.get("dim", args.get("dims"))
+        dims = list(range(nd)) if dim is None or dim == [] else [d % nd for d in (dim if isinstance(dim, (list, tuple))
+                                                                                   else [dim])]
         if cut.dim in dims:
             raise _Gather(f"{_op_name(node.target)} along the sequence")
         return cut
@@ -541,6 +573,16 @@ class _Rewriter:
             a, b = node.args[1], node.args[2]
         else:
             a, b = node.args[0], node.args[1]
+        if target in (aten.matmul.default, aten.mm.default, aten.bmm.default) and min(
+                len(_shape(a)), len(_shape(b))) >= 2:
+            # [..., m, k] @ [..., k, n]: a cut on m or n (a table built as ``inv_freq @ positions``), or on a
+            # batch dim, keeps it; keys cut on k (or a second operand cut otherwise) are read whole
+            nd_a, nd_b, nd_out = len(_shape(a)), len(_shape(b)), len(_shape(node))
+            batch = [f"...{i}" for i in range(nd_out - 2)]
+            subs = [batch[nd_out - nd_a:] + ["m", "k"], batch[nd_out - nd_b:] + ["k", "n"]]
+            cut, (a, b) = self._by_subscripts(node, [a, b], subs, batch + ["m", "n"])
+            node.args = (a, b, *node.args[2:])
+            return cut
         if target is aten.linear.default or self._cut_of(b) is None:
             cut = self._cut_of(a)
             nd_a = len(_shape(a))
@@ -553,6 +595,88 @@ class _Rewriter:
         if self._cut_of(a) is None:
             return None
         return self._matmul(node)
+
+    def _einsum(self, node: fx.Node) -> Cut:
+        """``einsum`` (and ``outer(a, b)``, which is ``einsum("i,j->ij", a, b)``): the cut follows its
+        subscript to the output (a rotary table ``outer(positions, inv_freq)`` keeps the cut of the
+        positions on dim 0)."""
+        if node.target is aten.einsum.default:
+            equation, operands = node.args[0], list(node.args[1])
+            subs, out = _einsum_subscripts(equation, [len(_shape(v)) for v in operands])
+            if len(out) != len(_shape(node)) or any(len(sub) != len(_shape(v)) for sub, v in zip(subs, operands,
+                                                                                              strict=True)):
+                raise NotImplementedError(f"autoshard: {describe(node)}: context parallelism cannot read the "
+                                          f"einsum equation '{equation}'")
+            cut, operands = self._by_subscripts(node, operands, subs, out)
+            node.args = (equation, operands, *node.args[2:])
+            return cut
+        cut, operands = self._by_subscripts(node, list(node.args[:2]), [["i"], ["j"]], ["i", "j"])
+        node.args = tuple(operands)
+        return cut
+
+    def _by_subscripts(self, node: fx.Node, operands: list, subs: list[list[str]], out: list[str]):
+        """The output cut and the operands to read, for an op whose dims are named by subscripts
+        (``einsum``): the first cut operand's cut dim names a subscript, which the output keeps. Another
+        operand cut along that subscript alike keeps its cut; one cut otherwise is read whole (keys
+        against cut queries); a whole one holding that subscript at the sequence's length is indexed
+        at this rank's positions, one holding it at length 1 is broadcast. A subscript summed over (not
+        in ``out``) or repeated (a diagonal) mixes positions: the cut operands are read whole."""
+        first = next((i for i, v in enumerate(operands) if isinstance(self._cut_of(v), Cut)), None)
+        if first is None:
+            raise NotImplementedError(f"autoshard: {describe(node)} reads values cut along the sequence that are not "
+                                      f"one tensor")
+        cut = self._cut_of(operands[first])
+        letter = subs[first][cut.dim]
+        name = _op_name(node.target)
+        if letter not in out:
+            raise _Gather(f"{name} contracting the sequence")
+        if any(sub.count(letter) > 1 for sub in subs) or out.count(letter) > 1:
+            raise _Gather(f"{name} taking a diagonal along the sequence")
+        whole = self._global(cut)
+        kept = []  # what each operand becomes: itself, "gather", or the dim to index it along
+        for value, sub in zip(operands, subs, strict=True):
+            vcut = self._cut_of(value)
+            if vcut is not None and not isinstance(vcut, Cut):
+                raise NotImplementedError(f"autoshard: {describe(node)} reads '{value.name}', which holds cut values")
+            if isinstance(vcut, Cut) and sub[vcut.dim] == letter and vcut == dataclasses.replace(cut, dim=vcut.dim):
+                kept.append(None)
+                continue
+            shape = _shape(value) if isinstance(_val(value), torch.Tensor) else None
+            at = sub.index(letter) if shape is not None and letter in sub else None
+            size = None if at is None else shape[at]  # whole shapes: a cut operand's too
+            if size not in (None, 1, whole):
+                raise NotImplementedError(f"autoshard: {describe(node)} reads '{value.name}' of size {size} along "
+                                          f"the subscript of a sequence of {whole}")
+            kept.append(("gather" if isinstance(vcut, Cut) else None, at if size == whole else None))
+        new = []
+        for value, how in zip(operands, kept, strict=True):
+            if how is not None:
+                gather, at = how
+                if gather:
+                    value = self._gather(value, node)
+                if at is not None:
+                    value = self._index(value, dataclasses.replace(cut, dim=at), node)
+            new.append(value)
+        return dataclasses.replace(cut, dim=out.index(letter)), new
+
+    def _complex_view(self, node: fx.Node) -> Cut:
+        """``view_as_complex`` (pairs of the last dim made complex) and ``view_as_real`` (a last dim of
+        2 added): every other dim, the cut one included, is kept."""
+        cut = self._cut_of(node.args[0])
+        if node.target is aten.view_as_complex.default and cut.dim == len(_shape(node.args[0])) - 1:
+            raise _Gather("view_as_complex of pairs along the sequence")
+        return cut
+
+    def _repeat(self, node: fx.Node) -> Cut:
+        """``repeat`` / ``tile``: new dims added in front; the cut dim repeated ``r`` times holds the
+        sequence ``r * before`` times over (each copy this rank's positions)."""
+        src = node.args[0]
+        cut = self._cut_of(src)
+        nd_in, nd_out = len(_shape(src)), len(_shape(node))
+        repeats = [int(r) for r in node.args[1]]
+        repeats = [1] * (nd_out - len(repeats)) + repeats
+        dim = cut.dim + nd_out - nd_in
+        return dataclasses.replace(cut, dim=dim, before=cut.before * repeats[dim])
 
     def _embedding(self, node: fx.Node) -> Cut:
         ids = node.args[1]
@@ -794,6 +918,44 @@ def _covers(node: fx.Node, size: int) -> bool:
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     return (start in (0, None)) and (end is None or end >= size) and step == 1
+
+
+def _einsum_subscripts(equation: str, ndims: list[int]) -> tuple[list[list[str]], list[str]]:
+    """Each operand's subscripts and the output's, for ``einsum(equation, operands of ndims)``: ``...``
+    spelled as one subscript per dim (``...0``, ``...1``: aligned from the right, as broadcasting
+    aligns them), an implicit output (no ``->``) as einsum forms it."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    ins = lhs.split(",")
+    ellipsis = max((nd - len(sub) + 3 for sub, nd in zip(ins, ndims, strict=False) if "..." in sub), default=0)
+
+    def spell(sub: str, nd: int) -> list[str]:
+        if "..." not in sub:
+            return list(sub)
+        head, tail = sub.split("...")
+        n = nd - len(head) - len(tail)
+        return list(head) + [f"...{i}" for i in range(ellipsis - n, ellipsis)] + list(tail)
+
+    subs = [spell(sub, nd) for sub, nd in zip(ins, ndims, strict=False)]
+    if arrow:
+        out = spell(rhs, ellipsis + len(rhs) - 3) if "..." in rhs else list(rhs)
+    else:
+        letters = [c for sub in ins for c in sub.replace("...", "")]
+        out = [f"...{i}" for i in range(ellipsis)] + sorted(c for c in set(letters) if letters.count(c) == 1)
+    return subs, out
+
+
+def _bound(node: fx.Node) -> dict:
+    """An ATen node's arguments by their schema names, defaults filled in (``flatten(x, -2)`` has
+    ``end_dim=-1``)."""
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
 
 
 def _op_name(target) -> str:
