@@ -36,6 +36,7 @@ import inspect
 import itertools
 import re
 import traceback
+import types
 
 import torch
 import torch.fx as fx
@@ -441,14 +442,22 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
     def referenced(value):
         """A module held as a plain attribute (a tied head's ``self._embedding``, not a submodule),
         in a list or dict, or by a plain object (torchtune's ``TiedLinear``) is read as its twin:
-        its parameters are the twin's (cast under mixed precision). A module a closure captures
-        (``lambda t: t @ self.emb.weight.t()``) is out of reach and read as the user's."""
+        its parameters are the twin's (cast under mixed precision). So is a module a function held
+        as an attribute closes over (x-transformers' ``lambda t: t @ self.token_emb.emb.weight.t()``):
+        the function is rebound to the twin."""
         if isinstance(value, nn.Module):
             return twin(value)
         if type(value) in (list, tuple) and any(isinstance(v, nn.Module) for v in value):
             return type(value)(referenced(v) for v in value)
         if type(value) in (dict, collections.OrderedDict) and any(isinstance(v, nn.Module) for v in value.values()):
             return type(value)((k, referenced(v)) for k, v in value.items())
+        if isinstance(value, types.FunctionType) and value.__closure__ and any(
+                isinstance(_cell_value(c), nn.Module) for c in value.__closure__):  # a lambda reading a module
+            cells = tuple(types.CellType(twin(v)) if isinstance(v := _cell_value(c), nn.Module) else c
+                          for c in value.__closure__)
+            rebound = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+            rebound.__kwdefaults__ = value.__kwdefaults__
+            return rebound
         held = getattr(value, "__dict__", None)
         if type(held) is dict and not isinstance(value, (type, torch.Tensor)) and any(
                 isinstance(v, nn.Module) for v in held.values()):  # a plain object holding a module (TiedLinear)
@@ -463,6 +472,13 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
             if name not in _MODULE_STATE and not name.startswith(("_forward", "_backward")):
                 clone.__dict__[name] = referenced(value)
     return root
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:

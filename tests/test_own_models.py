@@ -182,8 +182,18 @@ class PlainTiedModel(nn.Module):
         return self.output(h)
 
 
-def test_a_weight_tied_through_a_plain_object_is_read_in_bf16_under_mixed_precision():
-    model = PlainTiedModel()
+class ClosureTiedModel(PlainTiedModel):
+    """x-transformers: the logits computed by a lambda that closes over the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.output = lambda h: h @ self.embed.weight.t()
+
+
+@pytest.mark.parametrize("model_class", [PlainTiedModel, ClosureTiedModel])
+def test_a_weight_tied_through_an_object_or_a_closure_is_read_in_bf16_under_mixed_precision(model_class):
+    torch.manual_seed(0)
+    model = model_class()
     before = fingerprint(model)
     proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,), mp_policy=BF16)
     assert proof.ok, str(proof)
