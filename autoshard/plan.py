@@ -37,6 +37,7 @@ derived and checked when the plan is applied.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from torch.distributed.tensor.placement_types import Placement
@@ -46,7 +47,16 @@ from autoshard.export import to_hf_tp_plan, to_parallelize_plan
 from autoshard.mesh import axes_from_sizes, dp_choice
 from autoshard.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.retarget import retarget
-from autoshard.sharding import Collective, Role, Why, as_placement, dp_padding, placement_dim, placements_text
+from autoshard.sharding import (
+    Collective,
+    Role,
+    Why,
+    as_placement,
+    dp_padding,
+    placement_dim,
+    placements_text,
+    rank_shape,
+)
 from autoshard.stages import PipelineStages
 
 # 2: collectives are records (kind, direction, subject, cause, sharing); 1 (still loaded): prose
@@ -200,6 +210,9 @@ class Plan:
     pipeline: PipelineStages | None = None
     # on a mesh with a cp axis: how the sequence is cut (autoshard.passes.context.ContextPlan.to_dict())
     context: Mapping = dataclasses.field(default_factory=dict)
+    # parameters the model does not train (requires_grad=False: LoRA's base weights, a frozen embedding):
+    # no gradient is made or reduced for them over tp or dp, and the optimizer holds no state for them
+    frozen: tuple[str, ...] = ()
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -256,7 +269,8 @@ class Plan:
         } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {}) | (
             {"trace_note": self.trace_note} if self.trace_note else {}) | (
             {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}) | (
-            {"context": dict(self.context)} if self.context else {})
+            {"context": dict(self.context)} if self.context else {}) | (
+            {"frozen": list(self.frozen)} if self.frozen else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -289,6 +303,7 @@ class Plan:
             trace_note=str(data.get("trace_note", "")),
             pipeline=PipelineStages.from_dict(data["pipeline"]) if data.get("pipeline") else None,
             context=dict(data.get("context", {})),
+            frozen=tuple(str(f) for f in data.get("frozen", ())),
         )
 
     def __str__(self) -> str:
@@ -349,6 +364,8 @@ class Plan:
             out.append(self.all_gather_quant_line())
         if self.trace_note:
             out.append(f"capture: every block traced (not once for all): {self.trace_note}")
+        if self.frozen:
+            out.append(self.frozen_line())
         if "tp" in self.mesh:
             out.append(self.breaks_line())
             out += self.tp_traffic_lines()
@@ -359,6 +376,19 @@ class Plan:
 
             out += ContextPlan.from_dict(self.context).lines()
         return "\n".join(out)
+
+    def values_per_rank(self) -> tuple[int, int]:
+        """``(parameter values, gradient values)`` one rank holds: its shard of every parameter, and
+        of the trained ones only (a frozen parameter has no gradient, nor optimizer state)."""
+        axes = axes_from_sizes(dict(self.mesh))
+        held = {fqn: math.prod(rank_shape(entry, axes)) for fqn, entry in self.params.items()}
+        return sum(held.values()), sum(n for fqn, n in held.items() if fqn not in self.frozen)
+
+    def frozen_line(self) -> str:
+        values, gradients = self.values_per_rank()
+        return (f"frozen: {len(self.frozen)} of {len(self.params)} parameters (requires_grad=False), no gradient "
+                f"made or reduced; per rank {values:,} parameter values, {gradients:,} with gradients "
+                f"({gradients / max(values, 1):.0%})")
 
     def _placement_cell(self, fqn: str, entry: ParamSharding, axis: str) -> str:
         """A parameter's placement on ``axis``; on ``pp``, the stage holding it."""

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from autoshard.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP, axes_from_sizes
 from autoshard.options import PlanOptions
-from autoshard.sharding import Wire, rank_shape, tp_local_shape
+from autoshard.sharding import Wire, tp_local_shape
 
 MATMULS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -297,7 +297,7 @@ def matmul_flops(node) -> float:
 
 
 def _memory(plan, captured, layout_plan, axes, states: int) -> int:
-    sharded = sum(math.prod(rank_shape(entry, axes)) for entry in plan.params.values())
+    sharded, trained = plan.values_per_rank()  # a frozen parameter has no gradient nor optimizer state
     units: dict[str, int] = {}
     for entry in plan.params.values():
         units[entry.unit] = units.get(entry.unit, 0) + math.prod(tp_local_shape(entry, axes))
@@ -308,7 +308,7 @@ def _memory(plan, captured, layout_plan, axes, states: int) -> int:
         if node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point():
             size = val.numel() * val.element_size()
             activations += size // axes.tp if layout_plan.layouts.get(node) is not None else size
-    return 4 * sharded * (2 + states) + 4 * gathered + activations
+    return 4 * sharded + 4 * trained * (1 + states) + 4 * gathered + activations
 
 
 def _probe_device() -> torch.device:

@@ -141,6 +141,7 @@ class CapturedGraph:
     trace_note: str = ""  # why a stack of blocks was traced in full rather than once
     # a stack's block 1 and the blocks written as its copies (reuse_blocks): planned once, stamped on the copies
     written: tuple[str, ...] = ()
+    frozen: frozenset[str] = frozenset()  # parameters that do not require grad
 
 
 class CaptureError(ValueError):
@@ -200,8 +201,9 @@ def capture(
     inputs = InputSignature.of(tuple(args), kwargs, arg_names, placeholders)
     inputs = dataclasses.replace(inputs, set_by_capture=tuple(set_for_training.items()))
     written = tuple(stack.block(k) for k in range(1, stack.count)) if stack is not None else ()
+    frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
     return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note,
-                         written)
+                         written, frozen)
 
 
 # Keywords whose default serves inference, and the value training runs with: a Hugging Face

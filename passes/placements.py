@@ -82,6 +82,7 @@ def build_plan(
         activation_units=tuple(unit_of_node(n, captured.block_fqns) for n in activation_nodes) if axes.has_tp else (),
         functions=tuple(str(f) for f in captured.functions),
         breaks=breaks,
+        frozen=tuple(sorted(captured.frozen)),
     )
 
 

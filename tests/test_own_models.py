@@ -226,3 +226,21 @@ def test_clip_grad_norm_takes_torchs_arguments():
         autoshard.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
     with pytest.raises(TypeError, match="iterable of tensors"):
         autoshard.clip_grad_norm_(1.0, 1.0)
+
+
+# --- frozen weights --------------------------------------------------------------------------------
+
+
+def test_a_plan_names_the_frozen_parameters_and_the_gradients_a_rank_holds():
+    from autoshard.plan import Plan
+    from tests.pattern_models import FrozenEmbeddingDecoder
+
+    model = FrozenEmbeddingDecoder()
+    plan = autoshard.plan(model, {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert set(plan.frozen) == frozen and len(frozen) == 5
+    values, gradients = plan.values_per_rank()
+    # a rank's quarter of the embedding (128 x 64) and of each wq (64 x 64), half of each norm (64, whole over tp)
+    assert values - gradients == 128 * 64 // 4 + 2 * 64 * 64 // 4 + 2 * 64 // 2
+    assert f"frozen: 5 of {len(plan.params)} parameters" in str(plan)
+    assert Plan.from_dict(plan.to_dict()).frozen == plan.frozen
