@@ -22,7 +22,7 @@ import autoshard
 from examples.models import Llama, LlamaConfig, MLPStack, rotary_tables
 from tests.distributed import distributed_tests
 from tests.hf_cases import CASES, main_output
-from tests.parity import dp_slice, full, lm_loss, mse_loss
+from tests.parity import dp_slice, full, hf_loss, lm_loss, mse_loss
 
 CFG = LlamaConfig()
 
@@ -229,6 +229,31 @@ def check_hf_llama_needs_its_rotary_buffer_filled(ctx):
     torch.testing.assert_close(main_output(sharded(local)), main_output(on_cpu(local)), rtol=1e-5, atol=1e-5)
 
 
+def check_hf_llama_on_meta_shards_on_a_pipeline(ctx):
+    """Built on meta, as a model too large for one host is sharded: Hugging Face Llama (its rotary
+    table made in a no-grad region) plans and shards on pp=2 x tp=2 and, filled from the CPU-built
+    model's state dict, a 1F1B step over 2 microbatches gives one device's loss and leaves no
+    tensor on meta."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    case = CASES["llama"]
+    torch.manual_seed(0)
+    on_cpu = case.build()
+    with torch.device("meta"):
+        on_meta = case.build()
+    on_meta.model.rotary_emb.inv_freq = type(on_meta.model.rotary_emb)(config=on_meta.config).inv_freq
+    ids, _ = case.inputs()
+    targets = torch.randint(0, on_cpu.config.vocab_size, ids.shape, generator=torch.Generator().manual_seed(1))
+    pipe = autoshard.autoshard(on_meta, mesh, example_inputs=(ids,), loss_fn=hf_loss, microbatches=2,
+                               schedule="1F1B")
+    assert all(p.is_meta for p in on_meta.parameters())
+    pipe.load_state_dict(on_cpu.state_dict())
+    assert not any(t.is_meta for t in [*pipe.parameters(), *pipe.module.buffers()])
+    loss = pipe.step(ids, targets)
+    torch.testing.assert_close(loss, hf_loss(on_cpu(ids), targets).detach(), rtol=1e-5, atol=1e-6)
+
+
 def check_unfilled_non_persistent_buffers_are_refused(ctx):
     with torch.device("meta"):
         on_meta = Llama(CFG)
@@ -239,6 +264,7 @@ def check_unfilled_non_persistent_buffers_are_refused(ctx):
 
 
 CHECKS = [
+    check_hf_llama_on_meta_shards_on_a_pipeline,
     check_llama_on_meta_trains_like_the_cpu_built_model,
     check_no_full_size_tensor_is_allocated,
     check_load_sharded_state_dict,

@@ -95,3 +95,21 @@ def test_a_batch_that_does_not_split_is_skipped_and_said():
 def test_without_links_or_a_process_group_it_says_what_to_pass():
     with pytest.raises(ValueError, match="pass links=autoshard.Links"):
         autoshard.suggest_mesh(_llama(), 4, example_inputs=(TOKENS,), verbose=False)
+
+
+def test_a_model_built_on_meta_ranks_its_pipeline_candidates():
+    """Hugging Face Llama built on meta (its rotary table made in a no-grad region, which every
+    simulation now runs as plain ops): the pipeline shapes of 4 ranks are planned and priced, none
+    skipped for an error (Llama-3-8B shapes over 64 ranks do the same, in about a minute)."""
+    import transformers as hf
+
+    config = hf.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=2, use_cache=False)
+    with torch.device("meta"):
+        model = hf.LlamaForCausalLM(config)
+    tokens = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(0))
+    suggestion = autoshard.suggest_mesh(model, 4, example_inputs=(tokens,), links=FAST, flops_per_second=1e12,
+                                        verbose=False)
+    pipelined = [c.mesh for c in suggestion.candidates if "pp" in c.mesh]
+    assert {"pp": 2, "dp": 2} in pipelined and {"pp": 2, "tp": 2} in pipelined, pipelined
+    assert all("does not divide" in s or "stages" in s for s in suggestion.skipped), suggestion.skipped
