@@ -87,74 +87,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-import importlib.abc  # noqa: E402
-import importlib.machinery  # noqa: E402
-import types  # noqa: E402
-
-# modules the Llama-3 path imports but never calls (see the module docstring)
-STUBBED_PACKAGES = ("tyro",)
-STUBBED_MODULES = ("torchtitan.distributed.minimal_async_ep.kernels",)
-
-
-class _Inert:
-    """Stands in for any attribute of a stubbed module: callable, and a decorator returns its function."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str) -> _Inert:
-        return _Inert(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]):
-            return args[0]
-        return _Inert(f"{self._name}()")
-
-    def __repr__(self) -> str:
-        return f"<stub {self._name}>"
-
-
-class _InertModule(types.ModuleType):
-    def __getattr__(self, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Inert(f"{self.__name__}.{attr}")
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers imports of the stubbed names before the real (missing or unusable) modules."""
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in STUBBED_PACKAGES or name in STUBBED_MODULES:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _InertModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-def _trainer_stub() -> types.ModuleType:
-    """``torchtitan.trainer`` with a ``Trainer.Config`` no config here is an instance of."""
-    module = types.ModuleType("torchtitan.trainer")
-
-    class Trainer:
-        class Config:
-            pass
-
-    module.Trainer = Trainer
-    return module
+from tests.corpus import install_stubs  # noqa: E402
 
 
 def install_import_stubs() -> None:
-    """Idempotent; runs at import so spawned ranks (which re-import this file) get it too."""
-    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StubFinder())
-    sys.modules.setdefault("torchtitan.trainer", _trainer_stub())
+    """torchtitan's stubs (tests/corpus.py: ``tyro``, its async-EP kernels, ``torchtitan.trainer``);
+    idempotent, and run at import so spawned ranks (which re-import this file) get them too."""
+    install_stubs("torchtitan")
 
 
 install_import_stubs()
@@ -168,6 +107,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+import types  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402

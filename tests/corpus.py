@@ -20,7 +20,7 @@ import system only in the process that builds that library's models), and why:
 * ``lightning`` for litgpt: the Fabric/Trainer framework imported by ``litgpt/__init__`` and
   its checkpoint helpers; ``litgpt.model`` and ``litgpt.lora`` never call it.
 * ``tyro``, ``torchtitan.distributed.minimal_async_ep.kernels`` and ``torchtitan.trainer`` for
-  torchtitan, as ``benchmarks/bench_titan.py`` does (CLI parsing, triton MoE kernels, the launcher).
+  torchtitan (CLI parsing, triton MoE kernels, the launcher); ``benchmarks/bench_titan.py`` uses these too.
 
 Every case has ``library``, ``name``, ``kind``, ``features``, ``build()`` (a fresh model, seeded)
 and ``inputs()`` -> ``(args, kwargs)``. Models run as their library wrote them: no case wraps a
