@@ -101,6 +101,39 @@ def test_a_no_grad_region_is_inlined_and_its_outputs_carry_no_gradient():
     torch.testing.assert_close(captured.gm(TOKENS), model(TOKENS), rtol=0, atol=0)
 
 
+class NestedRegions(nn.Module):
+    """A bf16 autocast region inside a no-grad one, and an fp32 region inside that."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.table = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                scale = self.table(x)  # bf16
+                with torch.autocast("cpu", enabled=False):
+                    scale = scale.float().sigmoid()
+        return self.proj(x) * scale
+
+
+def test_nested_regions_are_inlined_each_with_its_own_meaning():
+    model = NestedRegions()
+    x = torch.randn(4, 16)
+    captured = capture(model, (x,))
+    assert not _region_ops(captured.gm)
+    linears = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    weights = {n.args[1].target if n.args[1].op == "get_attr" else n.args[1].args[0].target: n for n in linears}
+    assert weights["table.weight"].args[1].target is torch.ops.aten.to.dtype  # the cast autocast makes
+    assert weights["table.weight"].meta["val"].dtype == torch.bfloat16
+    assert weights["proj.weight"].meta["val"].dtype == torch.float32
+    assert sum(n.target is torch.ops.aten.detach.default for n in captured.gm.graph.nodes) == 1
+    torch.testing.assert_close(captured.gm(x), model(x), rtol=0, atol=0)
+    captured.gm(x).sum().backward()
+    assert captured.gm.get_parameter("table.weight").grad is None
+
+
 class CondModel(nn.Module):
     def __init__(self):
         super().__init__()
