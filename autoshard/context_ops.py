@@ -154,7 +154,7 @@ def cp_all_reduce(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
 
 @cp_all_reduce.register_fake
 def _(x, cp, group_name):
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # as the real one: of ``x.contiguous()``
 
 
 def _cp_all_reduce_backward(ctx, grad):

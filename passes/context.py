@@ -32,7 +32,10 @@ From there the cut follows each op's layout rule, as tp layouts do:
 
 Graph outputs still cut are all-gathered whole, so the result returns what the model returns.
 The rewritten graph's values get their local shapes by fake-tensor propagation; tp then plans it as
-it plans any graph.
+it plans any graph. A view the local layout cannot take (export drops a ``contiguous()`` that was a
+no-op on one device, and the cut's attention returns another layout) becomes a reshape there. No error
+of torch's leaves the cut unnamed: an op that fails on the local shapes is a ``NotImplementedError``
+naming it and its source line, anything else an ``InternalError``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER, CP_LOCAL_OUTPUT, CP_POSITIONS
-from autoshard.errors import describe
+from autoshard.errors import InternalError, describe
 
 aten = torch.ops.aten
 
@@ -141,27 +144,113 @@ def cut_sequence(gm: fx.GraphModule, seq: int, cp: int, group_name: str, params:
         raise ValueError(f"autoshard: context parallelism cuts the sequence in 2*cp = {2 * cp} chunks, and the "
                          f"sequence length {seq} (dim {SEQ_DIM} of the first input) does not divide by {2 * cp}")
     rewriter = _Rewriter(gm, seq, cp, group_name, params, balanced, local_outputs)
-    rewriter.run()
-    gm.graph.lint()
+    try:
+        rewriter.run()
+        gm.graph.lint()
+    except Exception as err:
+        _reraise(err, rewriter.visiting)
     gm.recompile()
-    refresh_shapes(gm)
+    refresh_shapes(gm, rewriter.inserted)
     return ContextPlan(seq, cp, tuple(rewriter.gathered_whole), tuple(rewriter.attention), tuple(rewriter.entries),
                        rewriter.output_cuts)
 
 
-def refresh_shapes(gm: fx.GraphModule) -> None:
-    """Every node's ``meta["val"]`` recomputed (fake tensors) for the rewritten, local shapes."""
+def refresh_shapes(gm: fx.GraphModule, inserted=frozenset()) -> None:
+    """Every node's ``meta["val"]`` recomputed (fake tensors) for the rewritten, local shapes.
+
+    A view of a value whose local layout cannot be viewed so (a ``transpose(1, 2).contiguous().view(b,
+    s, -1)`` whose ``contiguous`` export dropped, since the op it followed made the transpose
+    contiguous, an op the cut replaced, which does not) becomes a reshape: a view where it can be
+    one, a copy where it cannot. An op that fails on the local shapes raises a ``NotImplementedError``
+    naming it and its source line; a failure at a node the cut inserted (``inserted``, or an autoshard
+    op), or one that is no error of torch's about the op's arguments, is an :class:`InternalError`."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    vals = [n.meta.get("val") for n in placeholders]
-    mode = detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
-    mode.allow_non_fake_inputs = True
-    attrs = {n: n.meta["val"] for n in gm.graph.nodes if n.op == "get_attr" and "val" in n.meta}
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+    try:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        vals = [n.meta.get("val") for n in placeholders]
+        mode = detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+        mode.allow_non_fake_inputs = True
+        attrs = {n: n.meta["val"] for n in gm.graph.nodes if n.op == "get_attr" and "val" in n.meta}
+        prop = _LocalShapes(gm, mode, inserted)
+        prop.propagate_dont_convert_inputs(*vals)
+    except Exception as err:  # named at its node by _LocalShapes, or outside any node: the propagation itself
+        _reraise(err, None)
+    if prop.reshaped:
+        gm.recompile()
     for node, val in attrs.items():  # parameters keep their shapes, and the requires_grad FakeTensorProp drops
         node.meta["val"] = val
+
+
+_RESHAPED = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+
+
+class _LocalShapes(FakeTensorProp):
+    """:class:`FakeTensorProp` that makes views reshapes where the local layout asks for it, and
+    names the node at which an op fails."""
+
+    def __init__(self, gm: fx.GraphModule, mode, inserted):
+        super().__init__(gm, mode)
+        self.extra_traceback = False  # errors are named below, not extended with torch's note
+        self.inserted = inserted
+        self.reshaped: list[fx.Node] = []
+
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except Exception as err:
+            if n.op == "call_function" and n.target in _RESHAPED and isinstance(err, (RuntimeError, ValueError)):
+                view = n.target
+                n.target = _RESHAPED[view]  # not viewable on the local layout: a reshape copies
+                try:
+                    result = super().run_node(n)
+                except Exception:
+                    n.target = view
+                else:
+                    self.reshaped.append(n)
+                    return result
+            failure = self._failure(n, err)
+            if failure is err:
+                raise
+            raise failure from err
+
+    def _failure(self, n: fx.Node, err: Exception) -> Exception:
+        ours = (n in self.inserted or n.op != "call_function" or n.target in (_merged_index, _causal_mask)
+                or getattr(n.target, "namespace", None) == "autoshard")
+        if ours or not isinstance(err, (RuntimeError, ValueError, IndexError)):
+            return _unexpected(err, n)
+        inputs = ", ".join(f"'{a.name}' {list(_val(a).shape)}" for a in n.all_input_nodes
+                           if isinstance(_val(a), torch.Tensor))
+        return NotImplementedError(f"autoshard: context parallelism cannot run {describe(n)} on this rank's part "
+                                   f"of the sequence (local inputs: {inputs or 'none'}): {type(err).__name__}: "
+                                   f"{_first_line(err)}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _reraise(err: Exception, node: fx.Node | None):
+    """Raise ``err`` as :func:`_unexpected` makes it leave the cut (called in an ``except`` block)."""
+    wrapped = _unexpected(err, node)
+    if wrapped is err:
+        raise err
+    raise wrapped from err
+
+
+def _unexpected(err: Exception, node: fx.Node | None) -> Exception:
+    """``err`` as it leaves the cut: an autoshard error meant for the user (a ``ValueError`` or
+    ``NotImplementedError`` whose message starts ``autoshard``) or an :class:`InternalError` as is, any
+    other error an :class:`InternalError` naming ``node`` (a ``ValueError`` of torch's or of Python's
+    included, which the stage would otherwise let through as a user's error)."""
+    if isinstance(err, InternalError) or (isinstance(err, (ValueError, NotImplementedError))
+                                          and str(err).startswith("autoshard")):
+        return err
+    where = f" at {describe(node)}" if node is not None else ""
+    return InternalError(f"autoshard: internal error in stage 'cut the sequence'{where}: {type(err).__name__}: "
+                         f"{_first_line(err)}. This is a bug in autoshard: please report it with the model's code")
 
 
 def _val(node):
@@ -193,6 +282,8 @@ class _Rewriter:
         self.balanced = balanced
         self.local_outputs = local_outputs
         self.kept_cut: dict[fx.Node, int] = {}
+        self.inserted: set[fx.Node] = set()  # nodes the cut added (a failure there is autoshard's)
+        self.visiting: fx.Node | None = None  # the node whose rule runs (named by an internal error)
         self.output_cuts: tuple[int | None, ...] = ()
 
     # --- driving -------------------------------------------------------------------------------
@@ -207,13 +298,16 @@ class _Rewriter:
         with self.graph.inserting_after(placeholders[-1]):
             self.positions = self.graph.call_function(CP_POSITIONS, (like, self.seq, self.cp, self.group,
                                                                      self.balanced))
+        self.inserted.add(self.positions)
         for node in nodes:
+            self.visiting = node
             if node.op == "call_function":
                 if any(a in self.data for a in node.all_input_nodes):
                     self.data.add(node)
                 self._visit(node)
             elif node.op == "output":
                 self._output(node)
+        self.visiting = None
         for node in reversed(self.dead):
             for user in list(node.users):
                 if user.target is operator.getitem and not user.users:
@@ -276,6 +370,7 @@ class _Rewriter:
         local only once the walk is done)."""
         with self.graph.inserting_before(before):
             new = self.graph.call_function(target, tuple(args), kwargs or {})
+        self.inserted.add(new)
         owner = owner if owner is not None else before
         for key in ("stack_trace", "nn_module_stack"):
             if key in owner.meta:
@@ -355,6 +450,8 @@ class _Rewriter:
             return self._complex_view(node)
         if target in (aten.repeat.default, aten.tile.default):
             return self._repeat(node)
+        if target is aten.expand_as.default:
+            return self._expand_as(node)
         if target in _LIKE_FIRST:
             return self._cut_of(node.args[0])
         if target in _NEW:
@@ -399,7 +496,8 @@ class _Rewriter:
     def _pointwise(self, node: fx.Node, values) -> Cut:
         out_ndim = len(_shape(node)) if _shape(node) is not None else 0
         target_cut = None
-        for value in values:
+        values = list(values)
+        for i, value in enumerate(values):
             cut = self._cut_of(value)
             if isinstance(cut, Cut):
                 aligned = cut.dim + out_ndim - len(_shape(value))
@@ -410,7 +508,9 @@ class _Rewriter:
                 if target_cut is None:
                     target_cut = dataclasses.replace(cut, dim=aligned)
                 elif dataclasses.replace(cut, dim=aligned) != target_cut:
-                    node.replace_input_with(value, self._gather(value, node))
+                    # cut otherwise: read whole, then (below) indexed as the output is cut where it holds it
+                    values[i] = self._gather(value, node)
+                    node.replace_input_with(value, values[i])
         assert target_cut is not None
         for value in values:
             if self._cut_of(value) is None and isinstance(_val(value), torch.Tensor):
@@ -507,11 +607,12 @@ class _Rewriter:
         nd_in = len(_shape(src))
         if node.target in (aten.sum.default, aten.mean.default):
             dims, keep = list(range(nd_in)), False
-        else:
-            raw = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-            dims = list(range(nd_in)) if raw is None else [d % nd_in for d in (raw if isinstance(raw, (list, tuple))
-                                                                               else [raw])]
-            keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        else:  # by name: ``linalg_vector_norm(x, ord, dim, keepdim)``'s second argument is no dim
+            args = _bound(node)
+            raw = args.get("dim")
+            dims = list(range(nd_in)) if raw is None or raw == [] else [
+                d % nd_in for d in (raw if isinstance(raw, (list, tuple)) else [raw])]
+            keep = bool(args.get("keepdim", False))
         if cut.dim not in dims:
             return dataclasses.replace(cut, dim=cut.dim if keep else cut.dim - sum(d < cut.dim for d in dims))
         if node.target not in _SUMS:
@@ -666,6 +767,41 @@ class _Rewriter:
         if node.target is aten.view_as_complex.default and cut.dim == len(_shape(node.args[0])) - 1:
             raise _Gather("view_as_complex of pairs along the sequence")
         return cut
+
+    def _expand_as(self, node: fx.Node) -> Cut:
+        """``x.expand_as(other)``: the output has ``other``'s shape, so ``other``'s cut; where ``x``
+        broadcasts on that dim (size 1, or no such dim: a norm kept with ``keepdim``) it is taken as it
+        is, a whole ``x`` holding the sequence there is indexed at this rank's positions, and one cut
+        otherwise is read whole first. With only ``x`` cut, ``other`` (whose shape alone is read)
+        holds the sequence where ``x`` does, and is indexed at this rank's positions."""
+        x, other = node.args[:2]
+        xcut, ocut = self._cut_of(x), self._cut_of(other)
+        nd_x, nd_out = len(_shape(x)), len(_shape(other))
+        if not isinstance(ocut, Cut):
+            if not isinstance(xcut, Cut):
+                raise NotImplementedError(f"autoshard: {describe(node)} reads '{x.name}', which holds cut values")
+            out = dataclasses.replace(xcut, dim=xcut.dim + nd_out - nd_x)
+            if ocut is not None or _shape(other)[out.dim] != self._global(out):
+                raise NotImplementedError(f"autoshard: {describe(node)} expands '{x.name}' cut along the sequence "
+                                          f"to the shape of '{other.name}', {list(_shape(other))}")
+            node.replace_input_with(other, self._index(other, out, node))
+            return out
+        at = ocut.dim - (nd_out - nd_x)  # x's dim broadcast to other's cut one
+        if xcut == dataclasses.replace(ocut, dim=at):
+            return ocut
+        if xcut is not None:
+            if not isinstance(xcut, Cut):
+                raise NotImplementedError(f"autoshard: {describe(node)} reads '{x.name}', which holds cut values")
+            whole = self._gather(x, node)
+            node.replace_input_with(x, whole)
+            x = whole
+        size = _shape(x)[at] if at >= 0 else 1
+        if size == self._global(ocut):
+            node.replace_input_with(x, self._index(x, dataclasses.replace(ocut, dim=at), node))
+        elif size != 1:
+            raise NotImplementedError(f"autoshard: {describe(node)} expands '{x.name}' of size {size} to a sequence "
+                                      f"of {self._global(ocut)}")
+        return ocut
 
     def _repeat(self, node: fx.Node) -> Cut:
         """``repeat`` / ``tile``: new dims added in front; the cut dim repeated ``r`` times holds the

@@ -282,6 +282,29 @@ def test_outer_einsum_matmul_and_repeat_keep_the_cut(mesh):
     assert proof.plan.context["gathered_whole"] == []
 
 
+class DifferentlyCut(nn.Module):
+    """Two operands of one sum cut along the same dim in different ways: ``pairs`` holds each position's
+    two halves next to each other (a view merged them in), ``twice`` the whole sequence twice over
+    (``repeat``). ``twice`` is read whole and indexed as ``pairs`` is cut."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)                                    # [b, s, 16]
+        b, s, d = h.shape
+        pairs = h.reshape(b, 2 * s, d // 2)                       # [b, 2s, 8]: position p at 2p, 2p + 1
+        twice = h.repeat(1, 2, 1)[..., : d // 2]                  # [b, 2s, 8]: position p at p, s + p
+        return self.head((pairs + twice).reshape(b, s, d))
+
+
+def test_operands_cut_differently_are_read_whole_and_indexed_alike():
+    torch.manual_seed(0)
+    _proven(DifferentlyCut(), {"cp": 4}, _tokens())
+
+
 # --- an op the cut cannot follow --------------------------------------------------------------
 
 
@@ -333,3 +356,132 @@ def test_an_op_mixing_positions_is_read_by_its_argument_names():
     torch.manual_seed(0)
     proof = _proven(RolledPositions(), {"cp": 2}, _tokens())
     assert proof.plan.context["gathered_whole"] == [["roll", "roll.default along the sequence"]]
+
+
+# --- attention outputs and norms as torchtune and x-transformers write them ------------------------
+
+
+class TorchtuneAttention(QKVAttention):
+    """torchtune's ``MultiHeadAttention.forward``: ``[b, h, s, d]`` after SDPA, then
+    ``output.transpose(1, 2).contiguous().view(b, s_x, -1)``. SDPA returns a layout whose transpose
+    is contiguous already, so torch.export drops ``.contiguous()``; the cut's causal attention returns
+    ``[b, h, s, d]`` contiguous, on which the view cannot be a view: it becomes a reshape."""
+
+    def forward(self, x):
+        b, s_x, _ = x.shape
+        q = self.wq(x).view(b, s_x, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s_x, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s_x, self.n_kv, self.head_dim).transpose(1, 2)
+        output = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        output = output.transpose(1, 2).contiguous().view(b, s_x, -1)
+        return self.wo(output)
+
+
+class QKNormAttention(QKVAttention):
+    """x-transformers' ``attn_qk_norm``: ``F.normalize(t, dim=-1) * scale * gamma`` on ``[b, h, s, d]``
+    queries and keys. ``F.normalize`` divides by ``norm(keepdim=True).clamp_min(eps).expand_as(t)``:
+    an ``expand_as`` of a value cut along the sequence to the shape of another, cut alike."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.q_gamma = nn.Parameter(torch.rand(self.head_dim) + 0.5)
+        self.k_gamma = nn.Parameter(torch.rand(self.head_dim) + 0.5)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, -1).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv, -1).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv, -1).transpose(1, 2)
+        q, k = F.normalize(q, dim=-1) * 4.0 * self.q_gamma, F.normalize(k, dim=-1) * 4.0 * self.k_gamma
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=1.0)
+        return self.wo(o.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class ExpandAsWhole(Decoder):
+    """``expand_as`` with one side whole: a padding gate from the token ids (whole, ``[b, s, 1]``)
+    expanded to the hidden states (cut), and each position's mean (cut) expanded to the shape of a
+    position table (whole, ``[b, s, dim]``)."""
+
+    def __init__(self, cfg: Config = CFG):
+        super().__init__(cfg, lambda c: Block(c, QKNormAttention))
+        self.pos = nn.Parameter(torch.randn(cfg.max_seq, cfg.dim) * 0.02)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        b, s = tokens.shape
+        gate = (tokens != 0).unsqueeze(-1).to(h.dtype)                    # whole, holding the sequence
+        table = self.pos[:s].unsqueeze(0).expand(b, -1, -1)               # whole, [b, s, dim]
+        h = h * gate.expand_as(h) + h.mean(-1, keepdim=True).expand_as(table) * 0.1
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+EXPORTED_MODELS = {
+    "torchtune_contiguous_view": _decoder(TorchtuneAttention),
+    "xtransformers_qk_norm": _decoder(QKNormAttention),
+    "expand_as_one_side_whole": ExpandAsWhole,
+}
+
+
+@pytest.mark.parametrize("mesh", [{"cp": 2}, {"cp": 4}, {"cp": 2, "tp": 2}], ids=["cp2", "cp4", "cp2xtp2"])
+@pytest.mark.parametrize("name", list(EXPORTED_MODELS))
+def test_contiguous_views_and_expand_as_are_proven(name, mesh):
+    torch.manual_seed(0)
+    proof = _proven(EXPORTED_MODELS[name](), mesh, _tokens())
+    assert len(proof.plan.context["attention"]) == 2
+    assert proof.plan.context["gathered_whole"] == []
+
+
+def test_a_view_the_local_layout_cannot_take_becomes_a_reshape():
+    """The attention output's view (export dropped the ``.contiguous()`` before it) is a reshape in the
+    cut graph; the views the local layout can take stay views."""
+    from autoshard.passes.capture import capture
+    from autoshard.passes.context import cut_sequence
+
+    torch.manual_seed(0)
+    captured = capture(_decoder(TorchtuneAttention)(), (_tokens(),), {}, None, None, True)
+    before = {n.name: n.target for n in captured.gm.graph.nodes}
+    assert torch.ops.aten.contiguous.default not in before.values()  # what the bug needs: export dropped it
+    cut_sequence(captured.gm, 16, 2, "cp", set(captured.param_shapes))
+    changed = [n for n in captured.gm.graph.nodes if before.get(n.name) is torch.ops.aten.view.default
+               and n.target is torch.ops.aten.reshape.default]
+    assert len(changed) == 2  # one per layer: the attention output
+    for node in changed:
+        assert node.args[0].target is torch.ops.aten.transpose.int
+        assert tuple(node.meta["val"].shape) == (2, 8, 64)
+    assert any(n.target is torch.ops.aten.view.default for n in captured.gm.graph.nodes)
+
+
+def test_errors_leaving_the_cut_are_named():
+    """Nothing torch or Python raises leaves the cut unwrapped: an op torch cannot run on the local
+    shapes is a ``NotImplementedError`` naming it and its source line; a failure at a node the cut
+    inserted, or inside a rule, an ``InternalError`` naming the node."""
+    from autoshard.errors import InternalError
+    from autoshard.passes import context
+    from autoshard.passes.capture import capture
+
+    torch.manual_seed(0)
+
+    def captured():
+        return capture(_decoder(TorchtuneAttention)(), (_tokens(),), {}, None, None, True).gm
+
+    gm = captured()
+    context.cut_sequence(gm, 16, 2, "cp", set())  # no parameter: nothing is cut, shapes stay whole
+    view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
+    view.args = (view.args[0], [3, -1, 7])  # as if a rule had left the shape of another length
+    with pytest.raises(NotImplementedError, match=r"cannot run node 'view\w*' \(view.default\) at "
+                                                  r"test_context_rope\.py:\d+ `.*`.*RuntimeError"):
+        context.refresh_shapes(gm)
+    with pytest.raises(InternalError, match=r"stage 'cut the sequence' at node 'view\w*'"):
+        context.refresh_shapes(gm, {view})  # a node the cut inserted: autoshard's bug
+
+    def broken_rule(self, node):
+        raise ValueError("zip() argument 2 is longer than argument 1")  # Python's, not a refusal
+
+    gm = captured()
+    params = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(context._Rewriter, "_norm", broken_rule)
+        with pytest.raises(InternalError, match=r"at node 'rms_norm\w*' .*ValueError: zip\(\)"):
+            context.cut_sequence(gm, 16, 2, "cp", params)
