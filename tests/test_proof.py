@@ -452,7 +452,11 @@ def test_a_cancelling_sum_of_bf16_partials_is_rounding_only():
     """Doge's ``A`` (one decay per head, replicated over tp) gets its gradient as the sum of every
     rank's partial, each rounded to bf16 on its rank; the partials cancel, so their roundings are
     several times one device's single rounding of the sum. In float64 the sharded code agrees with
-    the model to float64's rounding: the plan computes the model's function."""
+    the model to float64's rounding: the plan computes the model's function.
+
+    How far the partials cancel depends on the draw and on the CPU's bf16 kernels, so the proof's
+    draws (``seed``) are taken in turn until one goes beyond ``FACTOR``: every draw is proven, and
+    that one as rounding only."""
     from autoshard.rounding import FACTOR
     from tests.zoo import ZooCase
 
@@ -460,10 +464,15 @@ def test_a_cancelling_sum_of_bf16_partials_is_rounding_only():
     torch.manual_seed(0)
     model = case.build()
     args, kwargs = case.inputs()
-    proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=args, example_kwargs=kwargs, mp_policy=BF16)
-    assert proof.ok, str(proof)
-    beyond = [m for m in proof.gradients if m.factor > FACTOR]
-    assert beyond and all(m.rounding_only and m.wide_sharded < 1e-12 for m in beyond), [str(m) for m in beyond]
+    for seed in range(8):
+        proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=args, example_kwargs=kwargs,
+                                mp_policy=BF16, seed=seed)
+        assert proof.ok, str(proof)
+        beyond = [m for m in proof.gradients if m.factor > FACTOR]
+        if beyond:
+            break
+    assert beyond, "no draw's partial sums cancelled beyond FACTOR"
+    assert all(m.rounding_only and m.wide_sharded < 1e-12 for m in beyond), [str(m) for m in beyond]
     assert "self_attn.A" in beyond[0].what
 
 
