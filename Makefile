@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo corpus golden clean
+.PHONY: install test test-long lint demo bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo corpus golden clean
 
 install: $(STAMP)
 
@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,examples]'
 	touch $(STAMP)
 
+# The suite in two tiers: `make test` (every one-process proof and one gloo group per multi-process file),
+# `make test-long` (the tests marked `long`: the bf16 matrix of every pattern, the GPU check script run on the
+# CPU, a wheel installed and run, a rank killed mid-save). CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not long"
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long
 
 lint: $(STAMP)
 	$(PY) -m ruff check autoshard passes tests examples benchmarks

@@ -26,3 +26,19 @@ def fake_world():
     yield
     dist.destroy_process_group()
 
+
+
+# The second tier (`make test-long`, also run by CI): the longer matrices and end-to-end runs. `make test`
+# keeps every one-process proof of every pattern on its meshes and one gloo group per multi-process file.
+LONG = (
+    "tests/test_blocks_kept.py::test_the_patterns_are_proven_in_bf16_on_other_inputs_at_their_fp32_count",
+    "tests/test_gpu_check.py::test_gpu_check_prints_one_line_per_check_and_passes_what_runs_here",
+    "tests/test_testing_plugin.py::test_command_line_from_an_installed_wheel",
+    "tests/test_checkpoint.py::test_resume_after_a_rank_is_killed_mid_save",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in LONG:
+            item.add_marker(pytest.mark.long)
