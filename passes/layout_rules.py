@@ -395,7 +395,8 @@ def _folded_reshape(node, value, dim, tp):
 
 def _projected_width(value: fx.Node):
     """The last dim of the input a projection ``value`` reads (``None`` for any other op)."""
-    if value.op != "call_function" or not value.args or not isinstance(value.args[0], fx.Node):
+    if (value.op != "call_function" or not value.args or not isinstance(value.args[0], fx.Node)
+            or not isinstance(value.args[0].meta.get("val"), torch.Tensor)):  # a split's pieces: no projection
         return None
     shape = _shape(value.args[0])
     return shape[-1] if shape else None

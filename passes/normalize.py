@@ -9,9 +9,14 @@
   bias is added once, after the partial sums are reduced.
 * **No global size for ``repeat_interleave``.** Its ``output_size`` hint is dropped, so that
   the op cut over the repeated dim needs no local one.
+* **Scatters into zeros by constant indices are concatenations.** ``zeros.index_copy_(dim, idx,
+  src)`` with a constant ``idx`` (litgpt's LoRA ``zero_pad``) is the ``cat`` of ``src``'s slices and
+  zeros for the columns it skips.
 * **Partial sums first.** ``x + attn(h) + mlp(h)`` is ``(x + a) + m`` in the graph; a chain
   of adds is regrouped so that the outputs of linears are summed first, ``x + (a + m)``:
-  two rowwise outputs then add as partial sums and are all-reduced once (a parallel block).
+  two rowwise outputs then add as partial sums and are all-reduced once (a parallel block). Their
+  biases were added apart before discover (:func:`weights_on_the_right`), so they are added after
+  the partial sums (GPT-NeoX's biased ``mlp + attn + x``).
 * **Fused sections** (:func:`~autoshard.passes.sections.split_fused_outputs`): a fused q|k|v
   output with a section whose heads do not divide by tp becomes one ``fused_split``, whose
   layout rule keeps that section whole on every rank and cuts the others.
@@ -38,6 +43,7 @@ from autoshard.passes.sections import split_fused_outputs
 def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
     """Rewrite ``gm`` in place (see the module docstring); ``sites`` are unchanged."""
     _filled_buffers_as_cat(gm.graph)
+    _index_copied_zeros_as_cat(gm)
     _sum_partials_first(gm, sites)
     if tp > 1:
         _convolution_bias_apart(gm.graph)
@@ -49,7 +55,13 @@ def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
 def weights_on_the_right(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> list[fx.Node]:
     """``W @ x`` with ``W`` a 2-D parameter on the left (Mamba's ``dt_proj.weight @ dt.transpose(1,
     2)``) is ``(x.mT @ W.T).mT``: rewritten as that linear between two transposes, so that it is a
-    linear site like any other (discover runs after this). Returns the new linears."""
+    linear site like any other (discover runs after this). Returns the new linears.
+
+    Also, before discover, two linears' biases are added apart: a bias computed rather than a
+    parameter (:func:`_computed_bias_apart`), and the bias of a linear summed with other linears
+    (:func:`_summed_biases_apart`)."""
+    _computed_bias_apart(gm.graph, param_shapes)
+    _summed_biases_apart(gm.graph, param_shapes)
     graph = gm.graph
     rewritten = []
     for node in list(graph.nodes):
@@ -78,6 +90,60 @@ def weights_on_the_right(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, 
     if rewritten:
         graph.eliminate_dead_code()
     return rewritten
+
+
+def _computed_bias_apart(graph: fx.Graph, param_shapes: dict[str, tuple[int, ...]]) -> None:
+    """``linear(x, W, b)`` with ``W`` a 2-D parameter and ``b`` a computed value, not a parameter (EVA's
+    fused q|k|v bias ``cat((q_bias, k_bias, v_bias))`` with ``k_bias`` a zeros buffer), is
+    ``linear(x, W) + b``: the linear is then a site like any other, and the bias an operand of an add
+    whose layout rules cut it as the linear's output is cut (a cat of sections piece by piece)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
+            continue
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        weight = node.args[1] if len(node.args) > 1 else None
+        if not (isinstance(bias, fx.Node) and isinstance(weight, fx.Node)) or bias.op == "get_attr" \
+                or weight.op != "get_attr" or len(param_shapes.get(weight.target, ())) != 2:
+            continue
+        out = node.meta.get("val")
+        if not isinstance(out, torch.Tensor) or not isinstance(bias.meta.get("val"), torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            bare = _made(graph, torch.ops.aten.linear.default, (node.args[0], weight), node, out)
+            added = _made(graph, torch.ops.aten.add.Tensor, (bare, bias), node, out)
+        node.replace_all_uses_with(added)
+        graph.erase_node(node)
+
+
+def _summed_biases_apart(graph: fx.Graph, param_shapes: dict[str, tuple[int, ...]]) -> None:
+    """In a sum of two or more linears' outputs (GPT-NeoX's parallel residual ``mlp + attn + x``), a
+    linear's bias is added apart, ``linear(x, W) + b``: a sum is the same in any order, so
+    :func:`_sum_partials_first` then adds the products first and the biases after them. Cut rowwise,
+    the products add as partial sums and are all-reduced once, and each bias is added once to the
+    total; with the bias inside, each product would be reduced before its bias, one all-reduce each."""
+    for node in list(graph.nodes):
+        if not _is_plain_add(node) or any(_is_plain_add(u) and len(node.users) == 1 for u in node.users):
+            continue  # start from the last add of a chain
+        terms, _ = _add_chain(node)
+        products = [t for t in terms if _weight_linear(t, param_shapes) and _same_shape(t, node)]
+        if len(products) < 2:
+            continue
+        for product in products:
+            bias = product.args[2] if len(product.args) > 2 else product.kwargs.get("bias")
+            if not isinstance(bias, fx.Node) or bias.op != "get_attr" or len(product.users) != 1:
+                continue
+            with graph.inserting_before(product):
+                bare = _made(graph, torch.ops.aten.linear.default, product.args[:2], product, product.meta["val"])
+                added = _made(graph, torch.ops.aten.add.Tensor, (bare, bias), product, product.meta["val"])
+            product.replace_all_uses_with(added)
+            graph.erase_node(product)
+
+
+def _weight_linear(node, param_shapes) -> bool:
+    """``aten.linear(x, W, ...)`` with ``W`` a 2-D parameter read as it is stored."""
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target == torch.ops.aten.linear.default
+            and isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr"
+            and len(param_shapes.get(node.args[1].target, ())) == 2)
 
 
 _FRESH_BUFFERS = (torch.ops.aten.new_empty.default, torch.ops.aten.empty.memory_format,
@@ -114,6 +180,76 @@ def _filled_buffers_as_cat(graph: fx.Graph) -> None:
             graph.erase_node(view)
         buffer.replace_all_uses_with(cat)
         graph.erase_node(buffer)
+
+
+_CONSTANT_CHAIN = (torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.detach_.default,
+                   torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.alias.default)
+_INDEX_COPIES = (torch.ops.aten.index_copy_.default, torch.ops.aten.index_copy.default)
+
+
+def _index_copied_zeros_as_cat(gm: fx.GraphModule) -> None:
+    """A fresh zeros buffer whose one use is ``index_copy_(buffer, dim, index, src)`` with a constant
+    ``index`` (litgpt's LoRA ``zero_pad``: the q and v updates placed in the q|k|v columns, k's left
+    zero) becomes the ``cat`` along ``dim`` of ``src``'s slices and zeros for the columns it skips,
+    in column order: each run of consecutive columns taken from consecutive ``src`` columns is one
+    slice. A functional op with a layout rule, where a scatter by constant indices has none."""
+    graph, changed = gm.graph, False
+    for copy in [n for n in graph.nodes if n.op == "call_function" and n.target in _INDEX_COPIES]:
+        buffer, dim, index, src = copy.args[:4]
+        if not (isinstance(buffer, fx.Node) and buffer.op == "call_function" and len(buffer.users) == 1
+                and buffer.target in (torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default)
+                and isinstance(src, fx.Node) and isinstance(dim, int)):
+            continue
+        columns = _constant_of(gm, index)
+        want, got = buffer.meta.get("val"), src.meta.get("val")
+        if columns is None or not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) \
+                or want.dtype != got.dtype or columns.dim() != 1:
+            continue
+        dim %= want.dim()
+        size = want.shape[dim]
+        columns = [int(c) % size for c in columns.tolist()] if isinstance(size, int) else None
+        if not columns or len(set(columns)) != len(columns) or len(columns) != got.shape[dim]:
+            continue
+        runs = []  # (first column, first src column, length), in column order
+        for j, c in sorted(enumerate(columns), key=lambda pair: pair[1]):
+            if runs and runs[-1][0] + runs[-1][2] == c and runs[-1][1] + runs[-1][2] == j:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((c, j, 1))
+        pieces, at = [], 0
+        with graph.inserting_before(copy):
+            for c, j, length in runs + [(size, None, 0)]:
+                if c > at:  # columns no src column is copied to: zeros
+                    shape = list(want.shape)
+                    shape[dim] = c - at
+                    pieces.append(_made(graph, torch.ops.aten.new_zeros.default, (src, shape), copy,
+                                        want.narrow(dim, at, c - at)))
+                if length:
+                    pieces.append(_made(graph, torch.ops.aten.slice.Tensor, (src, dim, j, j + length), copy,
+                                        got.narrow(dim, j, length)))
+                at = c + length
+            cat = _made(graph, torch.ops.aten.cat.default, (pieces, dim), copy, want)
+        copy.replace_all_uses_with(cat)
+        graph.erase_node(copy)
+        graph.erase_node(buffer)
+        changed = True
+    if changed:
+        graph.eliminate_dead_code()
+
+
+def _constant_of(gm: fx.GraphModule, node) -> torch.Tensor | None:
+    """The integer tensor constant ``node`` reads (through copies and detaches), or None."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CONSTANT_CHAIN:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.device.type == "meta" \
+            or isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    return value
 
 
 def _slice_fill(buffer: fx.Node, order: dict[fx.Node, int]):

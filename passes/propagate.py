@@ -399,6 +399,11 @@ class Revisions:
         self.narrowing = {
             s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
         }
+        # tables of fewer rows than features (class labels, token types): a lookup does no arithmetic,
+        # so computed whole such a table costs only its memory, less than one square weight's
+        self.small_tables = {
+            s.node: s for s in sites.embeddings if s.num_embeddings < s.embedding_dim and s.weight_fqn not in sites.tied
+        }
         self.gathered_early: dict[fx.Node, str] = {}
         self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
         self.colwise: dict[str, str] = dict(colwise or {})  # seeded: shared linears it decides colwise
@@ -419,6 +424,12 @@ class Revisions:
                 self.replicated[site.weight_fqn] = (
                     f"its {site.out_features} outputs (fewer than its {site.in_features} inputs) feed no rowwise "
                     f"linear (its sharded region ends at {why}); computed whole, it needs no collective")
+            elif source in self.small_tables and self.may_replicate:
+                site = self.small_tables[source]
+                self.replicated[site.weight_fqn] = (
+                    f"a table of {site.num_embeddings} rows (fewer than its {site.embedding_dim} features) whose "
+                    f"output feeds no rowwise linear (its sharded region ends at {why}); a lookup does no arithmetic: "
+                    f"computed whole, it needs no collective")
             else:
                 self.gathered_early[source] = why
         self.reduced_early |= early
@@ -709,7 +720,7 @@ class Propagation:
         LoRA adapter on a rowwise layer (PEFT's ``o_proj``/``down_proj``): ``lora_A`` rowwise, then
         ``lora_B`` through. The weight's gradient is a sum over the ranks' shares: it enters tp."""
         if (not self._whole_weight_may_read(site) or self.seen(site.input) != PARTIAL
-                or site.node.target != _aten.linear.default):
+                or site.node.target not in (_aten.linear.default, _aten.matmul.default)):
             return False
         value = site.output
         while True:
@@ -735,7 +746,7 @@ class Propagation:
         bias-free ``x @ W`` on the parameter itself, not shared, tied, revised or fixed by a plan."""
         node = site.node
         return (self.fixed_roles is None and site.bias_node is None and site.weight_cast is None
-                and len(node.args) >= 2 and node.args[1] is site.weight_node
+                and len(node.args) >= 2 and _weight_read(site) is not None
                 and site.weight_fqn not in self.sites.shared and site.weight_fqn not in self.sites.tied
                 and site.weight_fqn not in self.revised.replicated)
 
@@ -745,7 +756,9 @@ class Propagation:
         self.roles[site.weight_fqn] = REPLICATE
         self.notes[site.weight_fqn] = note
         self.require(site.input, site.node, layout)
-        self.require(site.weight_node, site.node, None, then=self.partial_grad(site.weight_node))
+        reader = _weight_read(site)  # the op reading the parameter: the site's, or its transpose
+        self.require(site.weight_node, reader, None, then=self.partial_grad(site.weight_node))
+        self.layouts[reader] = None
         self.layouts[site.node] = self.layouts[site.output] = layout
 
     def _embedding(self, site: EmbeddingSite) -> None:
@@ -757,6 +770,8 @@ class Propagation:
                 f"autoshard: embedding '{site.weight_fqn}' can be {sharded_role!r} or 'replicate', not {role!r}"
             )
         role = self.divisible_role(site, role)
+        if self.fixed_roles is None and self._kept_whole(site.weight_fqn):
+            role = REPLICATE
         self.roles[site.weight_fqn] = role
         self.layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
         if self.options.sequence_parallel and self.seq_ok(node, site.weight_fqn):
@@ -1034,9 +1049,12 @@ class Propagation:
     def _cut_in_sections(self, value: fx.Node, fused: FusedSections) -> bool:
         """Cut the replicated operands met between a colwise output and its split ``value`` along the
         fused dim (a constant multiplying the output: Falcon-H1's per-section muP vector) as the
-        projection stores its sections, not in contiguous chunks. False when one carries a gradient:
-        such a cut is not built, and the split is not accepted."""
-        frontier, cuts = [value], {}
+        projection stores its sections, not in contiguous chunks. One that carries a gradient is cut
+        so only when it is a ``cat`` of one piece per section (EVA's q|k|v bias ``cat((q_bias, k_bias,
+        v_bias))``): each piece is cut in contiguous chunks, so each rank's cat is its share of every
+        section, and a piece that is a parameter read there alone is stored cut. Any other such
+        operand is not cut (its gradient would be gathered), and the split is not accepted."""
+        frontier, cuts, cats = [value], {}, []
         while frontier:
             node = frontier.pop()
             if self.output_site.get(node) is not None:
@@ -1049,12 +1067,32 @@ class Propagation:
                 if other in previous or not any(step.kind == TAKE_SHARD for step in steps):
                     continue
                 if other in self.carries_grad:
-                    return False
+                    chain = _cat_of_sections(other, steps[0].dim, fused, self.tp) if len(steps) == 1 else None
+                    if chain is None or not self._cut_for_free(chain[-1], steps[0].dim, fused):
+                        return False
+                    cats.append((chain, node, steps[0].dim))
+                    continue
                 cuts[(other, node)] = tuple(dataclasses.replace(step, sections=fused) if step.kind == TAKE_SHARD
                                             else step for step in steps)
             frontier += previous
         self.edges.update(cuts)
+        for chain, reader, dim in cats:
+            del self.edges[(chain[0], reader)]
+            self.layouts.update(dict.fromkeys(chain, dim))
+            cat = chain[-1]
+            for i, piece in enumerate(cat.args[0]):
+                # a whole section's piece is read whole; its gradient arrives whole on every rank, as
+                # the whole section's does (gathered over the ranks' heads)
+                self.require(piece, cat, None if i in fused.whole else dim)
         return True
+
+    def _cut_for_free(self, cat: fx.Node, dim: int, fused: FusedSections) -> bool:
+        """Whether every piece of ``cat`` that a cut section reads is cut with no collective: it
+        carries no gradient (a zeros buffer), or it is a parameter read there alone, stored cut. A
+        piece that carries a gradient otherwise would be cut with its gradient all-gathered, a
+        collective where the split gathered whole costs one too."""
+        return all(i in fused.whole or piece not in self.carries_grad or self._param_chain(piece, dim) is not None
+                   for i, piece in enumerate(cat.args[0]))
 
     # --- what a consumer needs ------------------------------------------------------------------
 
@@ -1181,6 +1219,56 @@ class Propagation:
             f"autoshard: {describe(consumer)} needs its input '{value.name}' sharded on dim "
             f"{wanted} but it is {have}"
         )
+
+
+# ops of one tensor that keep each column where it is: a value made from a cat of sections by them
+# is cut in those sections as the cat is
+_COLUMNWISE = (_aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default, _aten._to_copy.default, _aten.to.dtype,
+               _aten.clone.default, _aten.alias.default)
+
+
+def _weight_read(site: LinearSite) -> fx.Node | None:
+    """The node that reads ``site``'s parameter as the site's op takes it: the op itself
+    (``linear(x, W)``, ``x @ W``), or the transpose it reads (``x @ W.T``); None for any other."""
+    rhs = site.node.args[1] if len(site.node.args) > 1 else None
+    if rhs is site.weight_node:
+        return site.node
+    if (isinstance(rhs, fx.Node) and rhs in site.nodes and site.node.target == _aten.matmul.default
+            and rhs.args and rhs.args[0] is site.weight_node and len(rhs.users) == 1):
+        return rhs
+    return None
+
+
+def _cat_of_sections(node: fx.Node, dim, fused: FusedSections, tp: int) -> list[fx.Node] | None:
+    """``node``, read only by the op that cuts it along ``dim`` in ``fused``'s sections, and the ops
+    back to a ``cat`` along ``dim`` of one piece per section that it is made from by columnwise ops of
+    it alone (a scale: litgpt's LoRA update ``zero_pad(after_B) * scaling``), each read only by the
+    next; None if it is not. Cut piece by piece (a whole section's piece read whole, a cut one in
+    contiguous chunks), the cat is each rank's share of every section, in the order the projection
+    stores them."""
+    if not isinstance(dim, int) or fused.runs not in ((), (0, sum(fused.sizes))):  # columns in order
+        return None
+    chain = [node]
+    while node.target != _aten.cat.default:
+        inputs = node.all_input_nodes
+        if (node.op != "call_function" or node.target not in _COLUMNWISE or len(inputs) != 1
+                or node.args[0] is not inputs[0] or len(node.users) != 1):
+            return None
+        node = inputs[0]
+        if node.meta["val"].shape != chain[-1].meta["val"].shape:
+            return None
+        chain.append(node)
+    pieces = node.args[0]
+    cat_dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    ndim = _ndim(node)
+    if (len(node.users) != 1 or cat_dim % ndim != dim % ndim
+            or not all(isinstance(p, fx.Node) and _ndim(p) == ndim for p in pieces)):
+        return None
+    sizes = tuple(p.meta["val"].shape[dim] for p in pieces)
+    if sizes != tuple(fused.sizes) or not all(isinstance(size, int) and (i in fused.whole or size % tp == 0)
+                                              for i, size in enumerate(sizes)):
+        return None
+    return chain
 
 
 def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: int) -> tuple[int, list[str]] | None:
@@ -1497,10 +1585,23 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             for i in gradient_inputs(member):
                 if (i is top and member in readers) or i in members:
                     continue
-                if i.op != "get_attr" or (i, member) in edges:
+                weight, reader = parameter_read(i, member)
+                if weight is None:
                     return None  # a gradient from elsewhere meets top's below it
-                weights.append((i, member))  # a weight of replicated work (LoRA's lora_A): entered too
+                weights.append((weight, reader))  # a weight of replicated work (LoRA's lora_A): entered too
         return members, pairs, weights
+
+    def parameter_read(value: fx.Node, member: fx.Node):
+        """(the parameter, the op reading it) when ``value`` is a parameter, or a view of one read
+        by ``member`` alone (litgpt's ``x @ self.lora_A.transpose(0, 1)``), with nothing entered on
+        the way; else (None, None)."""
+        reader = member
+        while value.op == "call_function" and value.target in _VIEWS and len(value.users) == 1 \
+                and isinstance(value.args[0], fx.Node) and (value, reader) not in edges:
+            value, reader = value.args[0], value
+        if value.op != "get_attr" or (value, reader) in edges:
+            return None, None
+        return value, reader
 
     def ancestors(node: fx.Node):
         """Replicated values ``node``'s gradient flows to, nearest first."""

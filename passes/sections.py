@@ -96,12 +96,31 @@ def split_fused_outputs(gm: fx.GraphModule, sites: Sites, tp: int) -> list[fx.No
         return []
     rewritten = []
     for site in sites.linears:
-        found = find_fused_output(gm, site.output)
+        found = find_fused_output(gm, _added_to(site.output))
         heads = found.heads() if found is not None else []
         if found is None or all(h % tp == 0 for h in heads):
             continue
         rewritten.append(_rewrite(gm.graph, found, heads))
     return rewritten
+
+
+def _added_to(value: fx.Node) -> fx.Node:
+    """``value``, or the sum it is read through alone: ``value + b`` with ``b`` of its shape or a row
+    of its width (a bias computed apart: EVA's ``cat((q_bias, k_bias, v_bias))``) keeps every column
+    where it is, so its sections are the projection's; ``b`` is cut in the same sections."""
+    while len(value.users) == 1:
+        (user,) = value.users
+        if (user.op != "call_function" or user.target != aten.add.Tensor or len(user.args) != 2
+                or user.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, fx.Node) for a in user.args)):
+            break
+        other = user.args[1] if user.args[0] is value else user.args[0]
+        mine, theirs, out = (n.meta.get("val") for n in (value, other, user))
+        if other is value or not all(isinstance(t, torch.Tensor) for t in (mine, theirs, out)) \
+                or mine.shape != out.shape or mine.dtype != out.dtype \
+                or tuple(theirs.shape) not in (tuple(mine.shape), tuple(mine.shape[-1:])):
+            break
+        value = user
+    return value
 
 
 def find_fused_output(gm: fx.GraphModule, value: fx.Node) -> FusedOutput | None:

@@ -2613,3 +2613,212 @@ def block_minimum(name: str, block: str) -> int:
     minimum = MINIMUM[name]
     return minimum[block] if isinstance(minimum, dict) else minimum
 
+
+
+# --- diffusers' DiT as it is wired: the timestep and class-label embedder inside every block ---------
+
+
+class CombinedTimestepLabelEmbeddings(nn.Module):
+    """diffusers' ``CombinedTimestepLabelEmbeddings``: sinusoids -> ``TimestepEmbedding`` (Linear, SiLU,
+    Linear) plus ``LabelEmbedding``'s ``embedding_table`` (``num_classes + 1`` rows: the last one is
+    classifier-free guidance's dropped label), summed."""
+
+    def __init__(self, num_classes: int, dim: int):
+        super().__init__()
+        self.timestep_embedder = nn.Sequential(nn.Linear(32, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, timestep, class_labels, hidden_dtype=None):
+        freqs = torch.exp(-torch.arange(16, dtype=torch.float32) / 16)
+        t = timestep[:, None].float() * freqs
+        timesteps_proj = torch.cat([torch.cos(t), torch.sin(t)], dim=-1)
+        timesteps_emb = self.timestep_embedder(timesteps_proj.to(dtype=hidden_dtype))
+        return timesteps_emb + self.embedding_table(class_labels)
+
+
+class LabelAdaLayerNormZero(AdaLayerNormZero):
+    """``AdaLayerNormZero(dim, num_embeddings)``: the block embeds timestep and label itself,
+    ``emb = self.linear(self.silu(self.emb(timestep, class_labels)))``."""
+
+    def __init__(self, dim: int, num_classes: int):
+        super().__init__(dim)
+        self.emb = CombinedTimestepLabelEmbeddings(num_classes, dim)
+
+    def forward(self, x, timestep, class_labels):
+        return super().forward(x, self.emb(timestep, class_labels, hidden_dtype=x.dtype))
+
+
+class LabelDiTBlock(DiTBlock):
+    def __init__(self, cfg: Config, num_classes: int = 10):
+        super().__init__(cfg)
+        self.norm1 = LabelAdaLayerNormZero(cfg.dim, num_classes)
+
+    def forward(self, hidden_states, timestep, class_labels):
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, timestep, class_labels)
+        hidden_states = gate_msa.unsqueeze(1) * self.attn1(norm_hidden_states) + hidden_states
+        norm_hidden_states = self.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        return gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states) + hidden_states
+
+
+class LabelConditionedDiT(nn.Module):
+    """diffusers' ``DiTTransformer2DModel``: every block embeds the timestep and the class label
+    (a table of 11 rows, fewer than its features), and the output head calls block 0's embedder
+    again, ``self.transformer_blocks[0].norm1.emb(timestep, class_labels)``, for its shift and scale."""
+
+    def __init__(self, cfg: Config = Config(heads=8, kv_heads=8)):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(LabelDiTBlock(cfg) for _ in range(cfg.layers))
+        self.norm_out = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.proj_out_1 = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.proj_out_2 = nn.Linear(cfg.dim, cfg.vocab)
+
+    def forward(self, tokens):
+        hidden_states = self.tok_embeddings(tokens)
+        timestep, class_labels = tokens[:, 0] % 10, tokens[:, 1] % 10
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, timestep, class_labels)
+        conditioning = self.layers[0].norm1.emb(timestep, class_labels, hidden_dtype=hidden_states.dtype)
+        shift, scale = self.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
+        hidden_states = self.norm_out(hidden_states) * (1 + scale[:, None]) + shift[:, None]
+        return self.proj_out_2(hidden_states)
+
+
+PATTERNS["label_conditioned_dit"] = LabelConditionedDiT
+# each block's timestep embedder colwise then rowwise (1: its sinusoid input has no gradient), its
+# 11-row label table computed whole (a lookup: no collective), the modulation computed whole, the
+# attention and MLP 4; block 0's embedder runs again for the output head (1 more)
+MINIMUM["label_conditioned_dit"] = {"layers.0": 6, "layers.1": 5}
+
+
+# --- timm's EVA: a fused q|k|v whose bias is a concatenation, k's a zeros buffer ----------------------
+
+
+class EvaAttention(nn.Module):
+    """timm's ``EvaAttention`` with ``qkv_fused=True``: ``qkv`` has no bias of its own, the bias is
+    ``torch.cat((self.q_bias, self.k_bias, self.v_bias))`` with ``k_bias`` a non-persistent zeros
+    buffer, passed to ``F.linear(x, weight=self.qkv.weight, bias=qkv_bias)``; heads by
+    ``reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.num_heads = cfg.heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(cfg.dim) * 0.02)
+        self.register_buffer("k_bias", torch.zeros(cfg.dim), persistent=False)
+        self.v_bias = nn.Parameter(torch.randn(cfg.dim) * 0.02)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+PATTERNS["eva_concatenated_qkv_bias"] = lambda: Decoder(Config(heads=8, kv_heads=8),
+                                                        lambda c: Block(c, EvaAttention))
+# a dense block's 4: q_bias and v_bias stored cut with their sections, the zeros buffer cut per rank
+MINIMUM["eva_concatenated_qkv_bias"] = 4
+
+
+# --- GPT-NeoX's parallel residual with biases on the rowwise linears ---------------------------------
+
+
+class BiasedTwoNormParallelBlock(TwoNormParallelBlock):
+    """GPT-NeoX's block as it ships (``bias=True`` everywhere): ``mlp + attn + x`` where attention's
+    output projection and the MLP's down projection each add a bias."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.attention.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=True)
+        self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.dim))
+
+
+PATTERNS["biased_two_norm_parallel"] = lambda: Decoder(Config(), BiasedTwoNormParallelBlock)
+# as without biases: both norms' input gradients (2) and one all-reduce of the two partial outputs
+# summed before their biases are added (1)
+MINIMUM["biased_two_norm_parallel"] = 3
+
+
+# --- litgpt's LoRALinear: the adapters as matmuls by transposed parameters ----------------------------
+
+
+class LitLoRALinear(nn.Module):
+    """litgpt's ``LoRALinear``: ``lora = (x @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1))
+    * self.scaling`` added to ``self.linear(x)``; the adapters are parameters read by matmuls."""
+
+    def __init__(self, in_features: int, out_features: int, r: int = 4, lora_alpha: float = 8.0):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=False)
+        self.lora_A = nn.Parameter(torch.randn(r, in_features) / math.sqrt(in_features))
+        self.lora_B = nn.Parameter(torch.randn(out_features, r) * 0.02)  # litgpt starts it at zero; trained, it is not
+        self.scaling = lora_alpha / r
+
+    def forward(self, x):
+        pretrained = self.linear(x)
+        lora = (x @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) * self.scaling
+        return pretrained + lora
+
+
+class LitLoRAAttention(QKVAttention):
+    """LoRA on q, v and the output projection (litgpt's ``lora_query``, ``lora_value``, ``lora_projection``)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.wq = LitLoRALinear(cfg.dim, cfg.heads * cfg.head_dim)
+        self.wv = LitLoRALinear(cfg.dim, cfg.kv_heads * cfg.head_dim)
+        self.wo = LitLoRALinear(cfg.heads * cfg.head_dim, cfg.dim)
+
+
+class LitLoRAMLP(SwiGLU):
+    """litgpt's ``LLaMAMLP`` with ``lora_mlp``: LoRA on ``fc_1``, ``fc_2`` and ``proj``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.w1 = LitLoRALinear(cfg.dim, cfg.ffn)
+        self.w3 = LitLoRALinear(cfg.dim, cfg.ffn)
+        self.w2 = LitLoRALinear(cfg.ffn, cfg.dim)
+
+
+PATTERNS["litgpt_lora_adapters"] = lambda: Decoder(Config(heads=8, kv_heads=8),
+                                                   lambda c: Block(c, LitLoRAAttention, LitLoRAMLP))
+# as PEFT's adapters (lora_adapters): on the rowwise wo and w2, lora_A rowwise and lora_B computed whole
+# on its partial input, reduced with its base; the adapters' partial weight gradients in one bucket (1)
+MINIMUM["litgpt_lora_adapters"] = 5
+
+
+class GroupedEvaAttention(nn.Module):
+    """EVA's concatenated q|k|v bias on a grouped-query fused projection: ``F.linear(x, qkv.weight,
+    torch.cat((q_bias, k_bias, v_bias)))`` with ``k_bias`` a zeros buffer, then
+    ``split([q, kv, kv], -1)``; with kv heads fewer than tp, k and v (and their bias pieces) whole."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.dim, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim) * 0.02)
+        self.register_buffer("k_bias", torch.zeros(cfg.kv_heads * cfg.head_dim), persistent=False)
+        self.v_bias = nn.Parameter(torch.randn(cfg.kv_heads * cfg.head_dim) * 0.02)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = F.linear(x, weight=self.qkv.weight, bias=torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        kv_size = self.n_kv * self.head_dim
+        q, k, v = qkv.split([self.n_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        q = q.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, N, self.n_kv, self.head_dim).transpose(1, 2)
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+PATTERNS["grouped_concatenated_qkv_bias"] = lambda: Decoder(Config(heads=8, kv_heads=2),
+                                                            lambda c: Block(c, GroupedEvaAttention))
+# a dense block's 4 (one more where kv heads are fewer than tp: k and v whole, their bias pieces read
+# whole, the zeros buffer's too)
+MINIMUM["grouped_concatenated_qkv_bias"] = 4

@@ -55,7 +55,9 @@ def _blocks(plan, prefix):
                                                            "projected_positions", "factorized_shared_layer",
                                                            "moe_interleaved", "convnext_layer",
                                                            "moe_concatenated_experts", "moe_shared_expert",
-                                                           "moe_narrow_shared_expert"))
+                                                           "moe_narrow_shared_expert", "label_conditioned_dit",
+                                                           "eva_concatenated_qkv_bias", "litgpt_lora_adapters",
+                                                           "grouped_concatenated_qkv_bias"))
 def test_the_patterns_are_proven_on_tp8_at_their_minimum(name):
     """8 q heads on tp=8: one q head per rank, k/v (2 heads, or 1) whole on every rank."""
     model = PATTERNS[name]()
@@ -71,7 +73,8 @@ BF16_PATTERNS = WHOLE_SECTION_PATTERNS + (
     "normed_mamba_mixer", "zero_centred_qk_norm", "mup_mamba2_mixer", "mamba2_mixer_groups", "lora_adapters",
     "relative_logits", "grouped_conv_block", "projected_positions", "factorized_shared_layer", "moe_interleaved",
     "convnext_layer", "moe_concatenated_experts", "moe_shared_expert", "moe_narrow_shared_expert",
-    "conv_value_skip", "span_conv_attention")
+    "conv_value_skip", "span_conv_attention", "label_conditioned_dit", "biased_two_norm_parallel",
+    "litgpt_lora_adapters")
 
 
 @pytest.mark.parametrize("name", BF16_PATTERNS)

@@ -49,7 +49,11 @@ END_TO_END = (("interleaved_rope", "2d"), ("wide_qk_norm", "2d"), ("moe_loop", "
     # routed and shared experts entering tp at the one input a router computed whole also reads
     ("moe_shared_expert", "2d"),
     # a depthwise conv over the values' heads, one head per rank: its local conv folded over the batch
-    ("conv_value_skip", "tp"))
+    ("conv_value_skip", "tp"),
+    # a fused q|k|v bias concatenated from parameters and a zeros buffer: q_bias and v_bias stored cut
+    ("eva_concatenated_qkv_bias", "2d"),
+    # a parallel residual whose rowwise biases are added after the one all-reduce of both partial sums
+    ("biased_two_norm_parallel", "2d"))
 WHOLE_SECTIONS = {"grouped_fused_qkv", "indexed_multi_query", "mup_mamba2_mixer"}
 # stored in sections: the state dict reloads into the single-device layout, clipping sees the true norm
 RELOADED = WHOLE_SECTIONS | {"gated_deltanet"}
