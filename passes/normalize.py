@@ -37,7 +37,7 @@ from autoshard.passes.decompose import expand_gqa_for_tp
 from autoshard.passes.discover import Sites
 from autoshard.passes.layout_rules import Convolution
 from autoshard.passes.partition import made_like
-from autoshard.passes.sections import split_fused_outputs
+from autoshard.passes.sections import constant_tensor, split_fused_outputs
 
 
 def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:
@@ -182,8 +182,6 @@ def _filled_buffers_as_cat(graph: fx.Graph) -> None:
         graph.erase_node(buffer)
 
 
-_CONSTANT_CHAIN = (torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.detach_.default,
-                   torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.alias.default)
 _INDEX_COPIES = (torch.ops.aten.index_copy_.default, torch.ops.aten.index_copy.default)
 
 
@@ -239,17 +237,8 @@ def _index_copied_zeros_as_cat(gm: fx.GraphModule) -> None:
 
 def _constant_of(gm: fx.GraphModule, node) -> torch.Tensor | None:
     """The integer tensor constant ``node`` reads (through copies and detaches), or None."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CONSTANT_CHAIN:
-        node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    value = gm
-    for part in node.target.split("."):
-        value = getattr(value, part, None)
-    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.device.type == "meta" \
-            or isinstance(value, torch._subclasses.FakeTensor):
-        return None
-    return value
+    value = constant_tensor(gm, node)
+    return None if value is None or value.is_floating_point() else value
 
 
 def _slice_fill(buffer: fx.Node, order: dict[fx.Node, int]):

@@ -265,23 +265,30 @@ def _index(gm, indices, probe: torch.Tensor, start: int):
     if len(picked) != 1 or picked[0][0] < start:
         return None
     position, index = picked[0]
-    value = _constant(gm, index)
+    value = constant_tensor(gm, index)
     if value is None or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
         return None
     return probe.index_select(position - start, value.to("cpu").long() % probe.shape[position - start])
 
 
-def _constant(gm, node) -> torch.Tensor | None:
-    """The value of a constant tensor the graph reads (an index list lifted into the graph)."""
-    while isinstance(node, fx.Node) and node.target in (aten.lift_fresh_copy.default, aten.clone.default,
-                                                          aten._to_copy.default):
+# ops between a lifted constant and its reader that keep its value
+_CONSTANT_COPIES = (aten.lift_fresh_copy.default, aten.clone.default, aten._to_copy.default, aten.detach.default,
+                    aten.detach_.default, aten.alias.default)
+
+
+def constant_tensor(gm, node) -> torch.Tensor | None:
+    """The value of a constant tensor the graph reads (an index list lifted into the graph), through
+    copies and detaches; None for anything else, or a constant without a value (meta or fake)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CONSTANT_COPIES:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
     value = gm
     for name in node.target.split("."):
         value = getattr(value, name, None)
-    return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+    if not isinstance(value, torch.Tensor) or value.is_meta or isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    return value
 
 
 def _rewrite(graph: fx.Graph, found: FusedOutput, heads: list[int]) -> fx.Node:
