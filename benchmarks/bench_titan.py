@@ -87,7 +87,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from tests.corpus import install_stubs  # noqa: E402
+from tests.corpus import install_stubs, titan_llama3_config  # noqa: E402
 
 
 def install_import_stubs() -> None:
@@ -157,28 +157,8 @@ def model_config(dp: int, tp: int, kv_heads: int = NUM_KV_HEADS):
     ``update_from_config`` validates that tp divides the (kv) heads and attaches torchtitan's
     sharding configs, as the Trainer does before building.
     """
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import (
-        _EMBEDDING_INIT,
-        _NORM_INIT,
-        Llama3Model,
-        _build_llama3_layers,
-        _output_linear_init,
-    )
-
-    rope = ComplexRoPE.Config(dim=DIM // NUM_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama")
-    layers = _build_llama3_layers(n_layers=NUM_LAYERS, dim=DIM, n_heads=NUM_HEADS, n_kv_heads=kv_heads,
-                                  hidden_dim=FFN_HIDDEN, rope=rope, attn_backend="flex")
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config = Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=layers,
-    )
+    config = titan_llama3_config(dim=DIM, n_heads=NUM_HEADS, n_kv_heads=kv_heads, n_layers=NUM_LAYERS,
+                                 hidden_dim=FFN_HIDDEN, vocab=VOCAB, seq=SEQ_LEN)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism_config(dp, tp)))
     return config
 

@@ -353,8 +353,10 @@ def _attention_mask_inputs(gen):
 # ------------------------------------------------------------------------------------------- torchtitan
 
 
-def _titan_llama3(kv_heads: int = KV_HEADS):
-    """torchtitan's Llama-3 (fused ``wqkv``, complex RoPE), SDPA attention as in bench_titan.py."""
+def titan_llama3_config(*, dim: int, n_heads: int, n_kv_heads: int, n_layers: int, hidden_dim: int, vocab: int,
+                        seq: int):
+    """torchtitan's Llama-3 config from its own helpers (fused ``wqkv``, complex RoPE sized to the
+    sequence), with SDPA attention instead of flex; ``benchmarks/bench_titan.py`` builds from it too."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import (
@@ -365,19 +367,24 @@ def _titan_llama3(kv_heads: int = KV_HEADS):
         _output_linear_init,
     )
 
-    rope = ComplexRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=500000, scaling="llama")
-    layers = _build_llama3_layers(n_layers=LAYERS, dim=WIDTH, n_heads=HEADS, n_kv_heads=kv_heads, hidden_dim=FFN,
-                                  rope=rope, attn_backend="flex")
+    rope = ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=seq, theta=500000, scaling="llama")
+    layers = _build_llama3_layers(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                  hidden_dim=hidden_dim, rope=rope, attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config = Llama3Model.Config(
-        dim=WIDTH, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=WIDTH, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=WIDTH, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=WIDTH, out_features=VOCAB, param_init=_output_linear_init(WIDTH)),
+    return Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
         layers=layers,
     )
-    model = config.build()
+
+
+def _titan_llama3(kv_heads: int = KV_HEADS):
+    """torchtitan's Llama-3 at the corpus's size."""
+    model = titan_llama3_config(dim=WIDTH, n_heads=HEADS, n_kv_heads=kv_heads, n_layers=LAYERS, hidden_dim=FFN,
+                                vocab=VOCAB, seq=SEQ).build()
     with torch.no_grad():
         model.init_weights()
     return model
