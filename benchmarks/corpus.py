@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.zoo import _UNSHARDED_FAILS_TEXT, UNSHARDED_FAILS, _options, block_minimum  # noqa: E402
+from benchmarks.zoo import _UNSHARDED_FAILS_TEXT, UNSHARDED_FAILS, _options, block_cells, block_minimum  # noqa: E402
 
 MESHES = {"2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "cp2": {"cp": 2}}
 # (mesh, option) runs of every case; cp runs only for decoders
@@ -290,9 +290,7 @@ def _print_case(result: dict) -> None:
         print(f"{head}not built: {result['build_error']}", flush=True)
         return
     for row in result["rows"]:
-        per_block = "/".join(map(str, row.get("per_block", []))) or "-"
-        per_block += f" (min {'/'.join(map(str, row['minimum']))})" if row.get("minimum") else ""
-        broken = f"{row['broken']}/{row['blocks']}" if "broken" in row else "-"
+        per_block, broken = block_cells(row)
         changed = "CHANGED" if row.get("changed") else "-"
         if row.get("replicated_matrices"):
             broken += f" r{len(row['replicated_matrices'])}"

@@ -250,15 +250,21 @@ def main() -> None:
                    "summary": summary, "families": results}, f, indent=1)
 
 
+def block_cells(row: dict) -> tuple[str, str]:
+    """A row's tp collectives per block next to its minimum, and its broken blocks of all."""
+    per_block = "/".join(map(str, row.get("per_block", []))) or "-"
+    per_block += f" (min {'/'.join(map(str, row['minimum']))})" if row.get("minimum") else ""
+    broken = f"{row['broken']}/{row['blocks']}" if "broken" in row else "-"
+    return per_block, broken
+
+
 def _print_family(result: dict) -> None:
     head = f"{result['kind']:<16}{result['family']:<28}"
     if "export_error" in result or "build_error" in result:
         print(f"{head}not captured: {result.get('export_error') or result.get('build_error')}", flush=True)
         return
     for row in result["rows"]:
-        per_block = "/".join(map(str, row.get("per_block", []))) or "-"
-        per_block += f" (min {'/'.join(map(str, row['minimum']))})" if row.get("minimum") else ""
-        broken = f"{row['broken']}/{row['blocks']}" if "broken" in row else "-"
+        per_block, broken = block_cells(row)
         detail = row.get("detail") or row.get("first_break", "")
         print(f"{head}{row['mesh']:<6}{row['option']:<18}{row['status']:<14}{per_block:>16}{broken:>7}  {detail[:110]}",
               flush=True)
