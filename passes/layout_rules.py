@@ -728,7 +728,10 @@ def _attention(node, layouts, tp):
 
 def _batched_matmul(node, layouts, tp):
     """a @ b between activations, sharded on a shared batch dim (heads in manual
-    attention) or on a's rows with b replicated."""
+    attention), on a's rows with b replicated, or on the contracted dim (per-head scores weighted
+    and summed over heads, ``w[..., 1, h] @ s[..., h, t]``): a replicated operand is cut to match
+    (a local slice) and each rank's partial sum is reduced once where it is read, instead of the
+    cut operand gathered."""
     a, b = node.args[:2]
     la, lb = layouts.get(a), layouts.get(b)
     na, nb, no = _ndim(a), _ndim(b), _ndim(node)
@@ -739,6 +742,8 @@ def _batched_matmul(node, layouts, tp):
         return Decision(oa, {a: la, b: lb}) if oa == ob else None
     if la == na - 2 and lb is None:
         return Decision(no - 2, {a: la, b: None})
+    if {la, lb} - {None} and la in (None, na - 1) and lb in (None, nb - 2):
+        return Decision(PARTIAL, {a: na - 1, b: nb - 2})  # the contracted dim cut: each rank's share of the sum
     return None
 
 

@@ -455,7 +455,12 @@ class Revisions:
             if not region_sources or not cost.no_dearer:  # a tie gathers early: sharding bought nothing
                 continue
             exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
-            exits += _contractions(plan, region)
+            contractions = _contractions(plan, region)
+            if contractions and not exits and not cost.cheaper and not region & plan.carries_grad:
+                # a tie, where a region without gradients (a no-grad indexer's scores) ends only in
+                # sums over its cut dim: kept cut, its work shared and its reduced sum no break
+                continue
+            exits += contractions
             if exits and not position:
                 position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
             first = min(exits, key=position.__getitem__, default=None)
@@ -1489,7 +1494,9 @@ def _share_gathers(edges: dict) -> None:
 def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
     """Values a gradient flows back through: computed from a trainable parameter or from an
     input that requires grad (an activation handed over from the graph before a graph break),
-    floating point, and not cut off by ``detach`` or lent only a dtype or shape (``type_as``)."""
+    floating point, not cut off by ``detach`` or lent only a dtype or shape (``type_as``), and on
+    a path to a floating output: a no-grad region's work (an indexer's scores, read only through
+    ``detach`` or as top-k indices) carries none."""
     carries = set()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -1497,15 +1504,26 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
             if isinstance(val, torch.Tensor) and val.requires_grad:
                 carries.add(node)
         elif node.op == "call_function" and node.target not in _GRAD_STOPS:
-            floating = any(
-                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-                for v in (val if isinstance(val, (tuple, list)) else (val,))
-            )
-            # ``mask.type_as(embeds)``: the second tensor lends its dtype or shape, no gradient
-            sources = node.args[:1] if node.target in _SHAPED_LIKE else node.all_input_nodes
-            if floating and any(i in carries for i in sources):
+            if _floating(val) and any(i in carries for i in _grad_sources(node)):
                 carries.add(node)
-    return frozenset(carries)
+    reaching = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op == "output":
+            reaching.update(v for v in node.all_input_nodes if _floating(v.meta.get("val")))
+        elif node in reaching and node.op == "call_function" and node.target not in _GRAD_STOPS:
+            reaching.update(_grad_sources(node))
+    return frozenset(carries & reaching)
+
+
+def _floating(val) -> bool:
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+               for v in (val if isinstance(val, (tuple, list)) else (val,)))
+
+
+def _grad_sources(node: fx.Node) -> list[fx.Node]:
+    """The inputs a node's gradient flows back to: ``mask.type_as(embeds)``'s second tensor only
+    lends its dtype or shape."""
+    return list(node.args[:1]) if node.target in _SHAPED_LIKE else node.all_input_nodes
 
 
 # ops whose input gradient is their output gradient moved back (views, pieces of a split, casts):

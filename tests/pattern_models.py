@@ -2822,3 +2822,53 @@ PATTERNS["grouped_concatenated_qkv_bias"] = lambda: Decoder(Config(heads=8, kv_h
 # a dense block's 4 (one more where kv heads are fewer than tp: k and v whole, their bias pieces read
 # whole, the zeros buffer's too)
 MINIMUM["grouped_concatenated_qkv_bias"] = 4
+
+
+# --- DeepSeek-V3.2's sparse-attention indexer: per-head scores weighted and summed over heads ---------
+
+
+class HeadWeightedIndexerAttention(QKVAttention):
+    """A lightning indexer as DeepSeek-V3.2 writes it: under ``@torch.no_grad()``, every index head
+    scores each key with ``relu(q_h . k)``, a per-token head weight mixes them
+    (``weights.unsqueeze(-2) @ scores``: the heads contracted), and each query attends only to its
+    top-k causal keys."""
+
+    def __init__(self, cfg: Config, topk: int = 8):
+        super().__init__(cfg)
+        self.topk = topk
+        self.index_q = nn.Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=False)
+        self.index_k = nn.Linear(cfg.dim, cfg.head_dim, bias=False)
+        self.index_weights = nn.Linear(cfg.dim, cfg.heads, bias=False)
+
+    @torch.no_grad()
+    def select(self, x):
+        b, s, _ = x.shape
+        q = self.index_q(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.index_k(x)  # [b, s, d]: one key head
+        scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)))  # [b, s, h, t]
+        weights = self.index_weights(x) * self.n_heads ** -0.5  # [b, s, h]
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [b, s, t]
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        chosen = index_scores.topk(min(self.topk, s), dim=-1).indices
+        selected = torch.zeros(b, s, s, dtype=torch.bool, device=x.device).scatter(-1, chosen, True)
+        return selected & causal
+
+    def attend(self, q, k, v, *extra):
+        raise AssertionError("forward attends itself")
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        mask = self.select(x).unsqueeze(1)  # [b, 1, s, t]
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+PATTERNS["head_weighted_indexer"] = lambda: Decoder(Config(heads=8, kv_heads=8),
+                                                    lambda c: Block(c, HeadWeightedIndexerAttention))
+# a dense block's 4: the indexer makes no gradient (its region is no-grad), and its projections are
+# small enough to compute whole (cut, its head-weighted sum would be one all-reduce more)
+MINIMUM["head_weighted_indexer"] = 4

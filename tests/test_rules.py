@@ -92,6 +92,11 @@ RULE_CASES = [
     ("partial plus partial stays partial", lambda a, b: a + b, [(8, 64), (8, 64)], [P, P], P),
     ("a nonlinear op of a partial has no rule", lambda p: p.exp(), [(8, 64)], [P], GATHER),
     ("zeros plus partial stays partial", lambda x, p: torch.zeros_like(x) + p, [(8, 64), (8, 64)], [None, P], P),
+    # DeepSeek-V3.2's indexer: per-head scores weighted and summed over heads, the heads contracted
+    ("head-weighted sum of scores, both cut", lambda w, s: w.unsqueeze(-2) @ s, [(2, 8, 4), (2, 8, 4, 8)], [2, 2], P),
+    ("head-weighted sum, weights whole", lambda w, s: w.unsqueeze(-2) @ s, [(2, 8, 4), (2, 8, 4, 8)], [None, 2], P),
+    ("head-weighted sum, scores whole", lambda w, s: w.unsqueeze(-2) @ s, [(2, 8, 4), (2, 8, 4, 8)], [2, None], P),
+    ("a @ b with a's rows and b's rows cut", lambda a, b: a @ b, [(2, 8, 8), (2, 8, 8)], [1, 1], GATHER),
 ]
 
 
@@ -161,3 +166,22 @@ def test_moe_plan(name, per_block):
     assert router.role == "replicate" and "computed whole" in router.note
     assert not plan.breaks
     assert [plan.num_tp_collectives(b) for b in plan.units[1:]] == [per_block, per_block]
+
+
+def test_values_of_a_no_grad_region_carry_no_gradient():
+    """DeepSeek-V3.2's ``@torch.no_grad()`` indexer, inlined: its projections read trainable weights,
+    but nothing it computes reaches the loss except through top-k indices, so no value in it is
+    planned to carry a gradient (no backward collective, and a region that ends in a sum over heads
+    may stay cut). The attention beside it carries one as usual."""
+    from autoshard.passes.propagate import _carries_grad
+
+    model = PATTERNS["head_weighted_indexer"]()
+    captured = capture(model, (torch.randint(0, 128, (2, 16)),), {}, None)
+    carries = _carries_grad(captured.gm)
+    matmuls = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.matmul.default]
+    indexer = [n for n in matmuls if "select" in str(n.meta.get("stack_trace", ""))]
+    assert indexer and not any(n in carries for n in indexer), indexer
+    linears = {n.args[1].target if n.args[1].op == "get_attr" else n.args[1].name: n
+               for n in captured.gm.graph.nodes if n.target is torch.ops.aten.linear.default}
+    assert [name for name, n in linears.items() if n in carries and "index" in name] == []
+    assert any(n in carries for name, n in linears.items() if "wq" in name)
