@@ -81,6 +81,7 @@ class Proof:
     exact: str = ""  # "float64" when measured against a float64 run; else why there is none (or "")
     # the first emitted node computing in another dtype than the model's code (autoshard.precision)
     precision_change: str | None = None
+    inputs: str = "fresh"  # which inputs it ran: fresh ones, or the example's (see passes/specialize)
 
     @property
     def ok(self) -> bool:
@@ -119,6 +120,8 @@ class Proof:
         head = (f"autoshard proof on tp={self.tp}: {verdict} ({len(self.outputs)} outputs max error "
                 f"{self.max_output_error:.1e}, {len(self.gradients)} gradients max error "
                 f"{self.max_gradient_error:.1e}, {against}, {self.seconds:.2f} s)")
+        if self.inputs != "fresh":
+            head += f"\n  inputs: {self.inputs}"
         if self.ok:
             return head
         worst = sorted(self.failures(), key=lambda m: -(m.judged / max(m.allowed, 1e-300)))[:5]
@@ -195,8 +198,17 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         # the model's own (a twin captured on meta has none), on the CPU where the proof runs
         # (copies: a training-mode batch norm writes its running statistics, and the user's stay untouched)
         buffers = {fqn: b.detach().cpu().clone() for fqn, b in model.named_buffers()}
+        inputs_used = "fresh"
         try:
-            ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
+            try:
+                ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
+            except EmittedCodeError:
+                if not _branches_on_data(subject.reference):
+                    raise
+                # captured for the branches the example takes (passes/specialize): its own inputs do
+                inputs, inputs_used = fresh_inputs(subject, example_inputs, example_kwargs or {}, gen, fresh=False), \
+                    "the example's (fresh ones take another data-dependent branch)"
+                ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
         except EmittedCodeError as err:  # the unsharded graph itself: nothing autoshard emitted
             raise NotImplementedError(
                 f"autoshard: the model as captured does not run on these inputs and options, unsharded: "
@@ -227,7 +239,7 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
             _reads_of_worst(subject, [m for m in gradients if not m.ok])
     values = _kept_values(subject, inputs, weights, ref.cotangents, sim) if keep_values else None
     return Proof(subject.tp, tolerance, outputs, gradients, first or changed, time.perf_counter() - start,
-                 sim.tp_collectives, values=values, exact=why, precision_change=changed)
+                 sim.tp_collectives, values=values, exact=why, precision_change=changed, inputs=inputs_used)
 
 
 def _by_name(values: dict[str, PerRank]) -> dict[str, PerRank]:
@@ -369,18 +381,24 @@ def vocabularies(sites) -> dict[str, tuple[int, int | None]]:
 
 
 
-def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generator) -> list:
-    """The flat graph inputs: new values of the example's shapes (see the module docstring)."""
+def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generator, fresh: bool = True) -> list:
+    """The flat graph inputs: new values of the example's shapes (see the module docstring), or
+    (``fresh=False``) the example's own."""
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), subject.reference._in_spec))
     placeholders = [n for n in subject.reference.graph.nodes if n.op == "placeholder"]
-    fresh = []
+    new = []
     for node, value in zip(placeholders, flat, strict=True):
         value = value.detach().cpu() if isinstance(value, torch.Tensor) else value
         traced = node.meta.get("val")
         if isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor) and value.dtype != traced.dtype:
             value = value.to(traced.dtype)  # under mixed precision the root's inputs are cast, as FSDP2 casts them
-        fresh.append(_fresh(node.name, value, subject, gen))
-    return fresh
+        new.append(_fresh(node.name, value, subject, gen) if fresh else value)
+    return new
+
+
+def _branches_on_data(graph: fx.GraphModule) -> bool:
+    """Whether the graph was captured for the data-dependent branches its example takes."""
+    return any(n.target is torch.ops.aten._assert_scalar.default for n in graph.graph.nodes)
 
 
 def _fresh(name: str, value, subject: Subject, gen: torch.Generator):

@@ -50,6 +50,7 @@ from autoshard.passes.functions import CheckedFunction, check_functions, recordi
 from autoshard.passes.partition import callable_blocks
 from autoshard.passes.regions import inline_regions
 from autoshard.passes.reuse_blocks import find_stack, synthesize, with_two_blocks
+from autoshard.passes.specialize import export_specialized, guards_on_data, name_branches, unreported_data_guards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,8 @@ class CapturedGraph:
     # a stack's block 1 and the blocks written as its copies (reuse_blocks): planned once, stamped on the copies
     written: tuple[str, ...] = ()
     frozen: frozenset[str] = frozenset()  # parameters that do not require grad
+    # lines whose data-dependent branch is taken as the example took it, checked at run time (specialize)
+    branches: tuple[str, ...] = ()
 
 
 class CaptureError(ValueError):
@@ -190,6 +193,7 @@ def capture(
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     gm = graph_module(attributes, graph, type(model).__name__)
     inline_regions(gm)  # after the stack is written: the names it gives are not export's numbering
+    branches = name_branches(gm.graph, type(model).__name__)
     aliases = _tied_aliases(model)
     _clean(graph, aliases)
     in_spec = _drop_keyword_inputs(graph, unlifted._in_spec, set_for_training)
@@ -203,7 +207,7 @@ def capture(
     written = tuple(stack.block(k) for k in range(1, stack.count)) if stack is not None else ()
     frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
     return CapturedGraph(gm, param_shapes, callable_blocks(gm, blocks), inputs, aliases, functions, trace_note,
-                         written, frozen)
+                         written, frozen, branches)
 
 
 # Keywords whose default serves inference, and the value training runs with: a Hugging Face
@@ -286,7 +290,19 @@ def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced
         # (a rotary `torch.arange(n)`), or they would meet meta tensors on the CPU
         on_meta = torch.device("meta") if _on_meta(traced) else contextlib.nullcontext()
         with recording_calls(traced_calls, clone=False), on_meta:
-            return torch.export.export(exported_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            with unreported_data_guards() as stop:
+                try:
+                    return torch.export.export(exported_module, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                               strict=False)
+                except Exception as err:
+                    if _on_meta(traced) or not guards_on_data(err):
+                        raise
+                    stop.handled, stopped = True, err
+            traced_calls.clear()  # traced again
+            exported = export_specialized(exported_module, args, kwargs, dynamic_shapes)
+            if exported is None:
+                raise stopped
+            return exported
     except NotImplementedError:
         raise
     except Exception as err:  # export raises many types; the user needs one

@@ -2390,6 +2390,41 @@ class FrozenEmbeddingDecoder(Decoder):
 
 # code as other libraries write it: builder and tp collectives per block at the minimum (by block where
 # they differ); with kv heads fewer than tp one more (k and v whole, their gradients gathered)
+class PaddingBranchBlock(TorchMHABlock):
+    """``TorchMHABlock`` reading a key padding mask, or none."""
+
+    def forward(self, x, padding_mask=None):
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, key_padding_mask=padding_mask, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class PaddingBranchEncoder(nn.Module):
+    """fair-esm's encoder: ``padding_mask = tokens.eq(padding_idx)``, padded positions zeroed, then
+    ``if not padding_mask.any(): padding_mask = None``, a Python branch on a tensor's value that
+    ``torch.export`` cannot trace for every input."""
+
+    padding_idx = 1
+
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.dim, padding_idx=self.padding_idx)
+        self.layers = nn.ModuleList(PaddingBranchBlock(cfg, batch_first=True) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab)
+
+    def forward(self, tokens):
+        padding_mask = tokens.eq(self.padding_idx)
+        x = self.embed_tokens(tokens)
+        x = x * (1 - padding_mask.unsqueeze(-1).type_as(x))
+        if not padding_mask.any():
+            padding_mask = None
+        for layer in self.layers:
+            x = layer(x, padding_mask)
+        return self.lm_head(self.norm(x))
+
+
 LIBRARY_PATTERNS: dict[str, tuple] = {
     "outer_rope_gqa": (OuterRopeGQA, 4),
     "autocast_rope": (AutocastRope, 4),
@@ -2402,6 +2437,8 @@ LIBRARY_PATTERNS: dict[str, tuple] = {
     "attribute_tied": (AttributeTiedDecoder, 4),
     # block 0 reads the frozen embedding: no gradient of its input to reduce
     "frozen_embedding": (FrozenEmbeddingDecoder, {"layers.0": 3, "layers.1": 4}),
+    # captured for the branch its example takes (tests/test_own_models.py: both ways)
+    "padding_branch": (PaddingBranchEncoder, 4),
 }
 
 

@@ -19,7 +19,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import autoshard
 from autoshard.passes.capture import capture, find_blocks
 from tests.fingerprint import assert_unchanged, fingerprint
-from tests.pattern_models import LIBRARY_PATTERNS, VOCAB, AutocastScores, Config, NanoGPT, NoGradRope
+from tests.pattern_models import (
+    LIBRARY_PATTERNS, VOCAB, AutocastScores, Config, NanoGPT, NoGradRope, PaddingBranchEncoder,
+)
 from tests.plan_invariants import assert_breaks_complete
 
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -149,6 +151,40 @@ def test_a_higher_order_op_no_rule_covers_is_refused_by_name_and_line():
     with pytest.raises(NotImplementedError, match=r"higher-order op cond at test_own_models\.py:\d+"):
         autoshard.plan(model, {"tp": 2}, example_inputs=(torch.randn(4, 16),))
     assert_unchanged(before, fingerprint(model))
+
+
+# --- data-dependent branches ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded_example", "padded_example"])
+def test_a_branch_on_a_tensors_value_is_taken_as_the_example_takes_it_and_checked(padded):
+    """fair-esm's ``if not padding_mask.any(): padding_mask = None``: captured for the example's way
+    (export alone stops there), proven on 2x2 and tp=4, and an input that goes the other way is
+    stopped by name and line, not run down a path the capture never saw."""
+    model = PaddingBranchEncoder()
+    example = TOKENS.clone()
+    other = TOKENS.clone()
+    (example if padded else other)[:, -3:] = PaddingBranchEncoder.padding_idx
+    before = fingerprint(model)
+    for mesh in ("2x2", "tp4"):
+        proof = autoshard.check(model, MESHES[mesh], example_inputs=(example,))
+        assert proof.ok, str(proof)
+        assert not proof.plan.breaks, proof.plan.breaks_line()
+        # fresh token ids hold the padding row: only the padded example's branch accepts them
+        assert proof.inputs == "fresh" if padded else proof.inputs.startswith("the example's"), proof.inputs
+    assert_unchanged(before, fingerprint(model))
+    captured = capture(model, (example,))
+    assert len(captured.branches) == 1 and "pattern_models.py" in captured.branches[0], captured.branches
+    assert torch.equal(captured.gm(example), model(example))
+    with pytest.raises(RuntimeError, match=r"take the branch at pattern_models\.py:\d+ `if not padding_mask"):
+        captured.gm(other)
+
+
+def test_a_branch_on_a_tensors_value_is_refused_by_line_on_the_meta_device():
+    with torch.device("meta"):
+        model = PaddingBranchEncoder()
+    with pytest.raises(ValueError, match=r"pattern_models\.py:\d+.*data-dependent"):
+        autoshard.plan(model, MESHES["2x2"], example_inputs=(TOKENS,))
 
 
 # --- blocks --------------------------------------------------------------------------------------
