@@ -38,6 +38,7 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
 from autoshard.errors import describe
+from autoshard.passes.capture import buffer_dtype_hint
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
 from autoshard.passes.placements import multiplies
 from autoshard.passes.simulate import EmittedCodeError, PerRank, RankSimulator, widened
@@ -210,9 +211,10 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
                     "the example's (fresh ones take another data-dependent branch)"
                 ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
         except EmittedCodeError as err:  # the unsharded graph itself: nothing autoshard emitted
+            first = str(err).splitlines()[0].replace("in the emitted code", "in the captured graph")
+            hint = buffer_dtype_hint(model, _compute_dtype(weights, subject.reference)) if "dtype" in first else ""
             raise NotImplementedError(
-                f"autoshard: the model as captured does not run on these inputs and options, unsharded: "
-                f"{str(err).splitlines()[0].replace('in the emitted code', 'in the captured graph')}"
+                f"autoshard: the model as captured does not run on these inputs and options, unsharded: {first}{hint}"
             ) from err
         dtype = _compute_dtype(weights, subject.reference)
         tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)

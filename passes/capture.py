@@ -179,7 +179,10 @@ def capture(
         exported_module = with_two_blocks(_twin(traced, lambda b: b), stack)
     traced_calls = []
     export_shapes = _with_keyword_shapes(dynamic_shapes, model, args, kwargs, set_for_training)
-    exported = _export(model, traced, exported_module, traced_args, traced_kwargs, export_shapes, traced_calls)
+    try:
+        exported = _export(model, traced, exported_module, traced_args, traced_kwargs, export_shapes, traced_calls)
+    except CaptureError as err:
+        raise _with_buffer_hint(err, model, compute_dtype) from err.__cause__
     on_values = compute_dtype is None and not _on_meta(traced)
     functions = _check_functions(model, args, run_kwargs, traced_calls, on_values)
     unlifted = exported.module()
@@ -317,6 +320,26 @@ def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced
             f"(strict=False) at {user_frame(traceback.extract_tb(err.__traceback__))}: "
             f"{type(err).__name__}: {_first_lines(str(err))}"
         ) from err
+
+
+def _with_buffer_hint(err: CaptureError, model: nn.Module, compute_dtype) -> CaptureError:
+    hint = buffer_dtype_hint(model, compute_dtype) if "dtype" in str(err) else ""
+    return CaptureError(f"{err}{hint}") if hint else err
+
+
+def buffer_dtype_hint(model: nn.Module, compute_dtype) -> str:
+    """For an error on mixed dtypes under mixed precision: the floating buffers kept in another
+    dtype, and what to do. FSDP2 casts parameters and inputs to ``param_dtype`` and leaves buffers
+    as they are, so a float32 buffer (a rotary or scale table) turns bf16 math float32 part-way."""
+    if compute_dtype is None or compute_dtype == torch.float32:
+        return ""
+    kept = [name for name, b in model.named_buffers() if b.is_floating_point() and b.dtype != compute_dtype]
+    if not kept:
+        return ""
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return (f". Under mp_policy the parameters and inputs compute in {compute_dtype} and the buffers stay as "
+            f"they are, as FSDP2 runs them; this model keeps {shown} in another dtype. Cast those buffers to "
+            f"{compute_dtype} before sharding, or compute where they are read in an autocast(enabled=False) region")
 
 
 def _cache_in_output(err: Exception) -> str | None:

@@ -187,6 +187,27 @@ def test_a_branch_on_a_tensors_value_is_refused_by_line_on_the_meta_device():
         autoshard.plan(model, MESHES["2x2"], example_inputs=(TOKENS,))
 
 
+class Float32BufferInBf16(nn.Module):
+    """A float32 buffer (a rotary or scale table) multiplied into activations: under bf16 parameters
+    the product is float32, and the next matmul meets a bf16 weight, as FSDP2 itself runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.register_buffer("table", torch.linspace(0.5, 1.5, 32))
+
+    def forward(self, x):
+        return self.down(self.up(x) * self.table)
+
+
+def test_mixed_precision_on_a_float32_buffer_is_refused_naming_the_buffer_and_the_fix():
+    model = Float32BufferInBf16()
+    with pytest.raises((ValueError, NotImplementedError), match=r"keeps table in another dtype\. Cast those buffers to torch\.bfloat16"):
+        autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16)
+    model.table.data = model.table.data.to(torch.bfloat16)  # the fix it names
+    assert autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16).ok
+
+
 # --- blocks --------------------------------------------------------------------------------------
 
 
