@@ -1510,9 +1510,15 @@ def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
     for node in reversed(gm.graph.nodes):
         if node.op == "output":
             reaching.update(v for v in node.all_input_nodes if _floating(v.meta.get("val")))
-        elif node in reaching and node.op == "call_function" and node.target not in _GRAD_STOPS:
-            reaching.update(_grad_sources(node))
+        elif node.op == "call_function" and node.target not in _GRAD_STOPS and (node in reaching or _writes(node)):
+            reaching.update(_grad_sources(node))  # a write into a tensor read later (a scan's output) reaches too
     return frozenset(carries & reaching)
+
+
+def _writes(node: fx.Node) -> bool:
+    """An in-place op: its value lands in a tensor that other nodes read, not in its own users."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _floating(val) -> bool:

@@ -185,3 +185,28 @@ def test_values_of_a_no_grad_region_carry_no_gradient():
                for n in captured.gm.graph.nodes if n.target is torch.ops.aten.linear.default}
     assert [name for name, n in linears.items() if n in carries and "index" in name] == []
     assert any(n in carries for name, n in linears.items() if "wq" in name)
+
+
+class _ScanInto(nn.Module):
+    """A recurrent scan as gated DeltaNet and Kimi write it: each step's output written into a
+    preallocated tensor (``o[:, i] = ...``), which the output projection reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        v = self.proj(x)
+        o = torch.zeros_like(v)
+        for i in range(x.shape[1]):
+            o[:, i] = v[:, i] * 2
+        return self.out(o)
+
+
+def test_a_value_written_into_a_tensor_the_output_reads_carries_a_gradient():
+    from autoshard.passes.propagate import _carries_grad
+
+    captured = capture(_ScanInto(), (torch.randn(2, 4, 8),), {}, None)
+    carries = _carries_grad(captured.gm)
+    linears = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 2 and all(n in carries for n in linears), [(n.name, n in carries) for n in linears]
