@@ -11,16 +11,17 @@ block in forward and two in backward.
 """
 
 # collectives registers the torch.ops.autoshard ops; testing is autoshard.testing.check and its report
-from autoshard import collectives, testing  # noqa: F401
+from autoshard import testing
+from autoshard.adapters.backend import backend, register_backend_name
+from autoshard.adapters.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.api import autoshard, check, plan
-from autoshard.backend import backend, register_backend_name
-from autoshard.block_quant import BlockQuant
-from autoshard.checkpoint import full_state_dict, load_latest, save_checkpoint
-from autoshard.clipping import clip_grad_norm_
-from autoshard.mesh import data_parallel_rank
-from autoshard.plan import ParamSharding, Plan
-from autoshard.proof import Proof, ProofError
-from autoshard.suggest import Links, suggest_mesh
+from autoshard.core.mesh import data_parallel_rank
+from autoshard.driver.suggest import Links, suggest_mesh
+from autoshard.plans.block_quant import BlockQuant
+from autoshard.plans.plan import ParamSharding, Plan
+from autoshard.proof.proof import Proof, ProofError
+from autoshard.runtime import collectives  # noqa: F401
+from autoshard.runtime.clipping import clip_grad_norm_
 
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 

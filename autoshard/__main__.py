@@ -1,7 +1,7 @@
-"""``python -m autoshard check ...``: see :mod:`autoshard.cli`."""
+"""``python -m autoshard check ...``: see :mod:`autoshard.adapters.cli`."""
 
 import sys
 
-from autoshard.cli import main
+from autoshard.adapters.cli import main
 
 sys.exit(main())

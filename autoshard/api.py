@@ -1,50 +1,36 @@
-"""``autoshard()`` and ``plan()``: the only place the pipeline runs.
+"""``autoshard()``, ``plan()`` and ``check()``: the public door over the planning driver.
 
 capture -> discover -> normalize -> propagate -> alternatives -> placements (the plan) -> [ranks agree]
 -> layouts -> transpose -> partition -> [proof] -> materialize -> activation checkpointing -> verify
 
-``_plan`` runs the stages up to the plan, ``_emit`` those that write the sharded code, and
+``_plan`` runs the stages up to the plan, ``emit`` those that write the sharded code, and
 ``autoshard()`` the rest; :func:`checked_on` plans, emits and proves without a process group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autoshard.agreement import check_ranks_agree
-from autoshard.block_quant import BlockQuant, with_quantized_gathers
-from autoshard.carry import check_activations_carry
-from autoshard.clipping import remember_entries
-from autoshard.errors import in_stage
-from autoshard.mesh import CP, MeshAxes, axes_from_sizes, dp_choice, read_mesh
-from autoshard.options import PlanOptions
-from autoshard.passes.alternatives import settle
-from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module, parameters_on_meta
-from autoshard.passes.checkpointing import MODES as CHECKPOINT_MODES
-from autoshard.passes.checkpointing import apply_activation_checkpointing
-from autoshard.passes.discover import Sites, find_sites
-from autoshard.passes.layouts import insert_redistributes
-from autoshard.passes.materialize import materialize
-from autoshard.passes.normalize import normalize, weights_on_the_right
-from autoshard.passes.partition import Partitioned, partition
-from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import LayoutPlan, propagate
-from autoshard.passes.transpose import rewrite_linears
-from autoshard.passes.verify import verify
-from autoshard.plan import Plan, mixed_precision_of
-from autoshard.proof import Proof, Subject, prove, vocabularies
-from autoshard.retarget import retarget
-from autoshard.sharding import REPLICATED, Role, placements_text, shard_on
+from autoshard.core.mesh import CP, MeshAxes
+from autoshard.core.options import PlanOptions
+from autoshard.driver.agreement import check_ranks_agree
+from autoshard.driver.pipeline_plan import pipeline_plan_for
+from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_cut, prove_on
+from autoshard.passes.capture import parameters_on_meta
+from autoshard.plans.block_quant import BlockQuant
+from autoshard.plans.plan import Plan
+from autoshard.proof.proof import Proof, prove
+from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
+from autoshard.runtime.activation_checkpointing import apply_activation_checkpointing
+from autoshard.runtime.clipping import remember_entries
+from autoshard.runtime.materialize import materialize
+from autoshard.runtime.verify import verify
 
 # The largest model (parameter elements) ``autoshard(check="auto")`` proves. The proof runs every
 # tp rank's forward and backward on the example shapes in this process, which costs about one
@@ -96,7 +82,7 @@ def check(
         microbatch, are proven against the unsharded graph.
 
     Returns:
-        a :class:`~autoshard.proof.Proof`: ``ok``, the error of every output and gradient, the
+        a :class:`~autoshard.proof.proof.Proof`: ``ok``, the error of every output and gradient, the
         first diverging node when it failed; ``raise_if_failed()`` raises with all of it.
 
     Example::
@@ -106,61 +92,21 @@ def check(
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once, context_output)
-    axes = _axes(mesh)
+    axes = mesh_axes(mesh)
     pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                      pp_split=pp_split, memory_per_rank=memory_per_rank)
     if axes.has_pp:
-        from autoshard.pipeline_proof import prove_stages
+        from autoshard.proof.pipeline_proof import prove_stages
 
-        pplan = _pipeline_plan(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
+        pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
                                keep_reference=True)
         return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
     _refuse_pipeline_options(pipelined)
     if axes.has_cp:
         planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
-        emitted = _emit(planned, axes, "tp", options) if axes.has_tp else None
+        emitted = emit(planned, axes, "tp", options) if axes.has_tp else None
         return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
     return prove_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
-
-
-def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
-             options: PlanOptions, *, plan=None, captured: CapturedGraph | None = None, seed: int = 0,
-             rtol: float | None = None) -> Proof:
-    """:func:`check` on ``axes`` with ``options``; ``captured`` (this model captured with these
-    inputs and options, see :func:`capture_for`) skips capturing again: the zoo proves one
-    capture on several meshes."""
-    return checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, captured=captured,
-                      seed=seed, rtol=rtol).proof
-
-
-def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
-               options: PlanOptions, *, plan=None, captured: CapturedGraph | None = None, seed: int = 0,
-               rtol: float | None = None, tp_group: str = "tp", keep_values: bool = False) -> Checked:
-    """Plan, emit (the tp ops name their group ``tp_group``) and prove, without a process group;
-    ``keep_values`` keeps the tensors the proof ran (:class:`~autoshard.proof.ProofValues`)."""
-    if axes.has_cp:
-        raise NotImplementedError("autoshard: the per-node report of a tp proof does not cover a mesh with a 'cp' "
-                                  "axis; prove it with autoshard.check(model, mesh, example_inputs=...)")
-    planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
-                    captured=captured)
-    emitted = _emit(planned, axes, tp_group if axes.has_tp else None, options, keep_planned=True)
-    proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol,
-                  keep_values=keep_values)
-    return Checked(planned, emitted, dataclasses.replace(proof, plan=planned.plan))
-
-
-def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-                options: PlanOptions, axes: MeshAxes) -> CapturedGraph:
-    """The capture :func:`_plan` makes for ``axes`` (mixed precision captures in ``param_dtype``
-    only with a dp axis), to plan on several meshes from one trace."""
-    return capture(model, example_inputs, example_kwargs, options.dynamic_shapes,
-                   _compute_dtype(model, axes, options), options.trace_blocks_once)
-
-
-def _compute_dtype(model: nn.Module, axes: MeshAxes, options: PlanOptions):
-    if getattr(model, "replays_graph", False):
-        return None  # a dynamo graph replayed node by node: its blocks' input casts never run
-    return options.mp_policy.param_dtype if options.mp_policy is not None and axes.has_dp else None
 
 
 def plan(
@@ -200,7 +146,7 @@ def plan(
         :func:`autoshard`'s.
 
     Returns:
-        The :class:`~autoshard.plan.Plan` :func:`autoshard` would apply.
+        The :class:`~autoshard.plans.plan.Plan` :func:`autoshard` would apply.
 
     Example::
 
@@ -209,11 +155,11 @@ def plan(
     """
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once, context_output)
-    axes = _axes(mesh)
+    axes = mesh_axes(mesh)
     pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                      pp_split=pp_split, memory_per_rank=memory_per_rank)
     if axes.has_pp:
-        return _pipeline_plan(model, axes, example_inputs, example_kwargs, None, options, pipelined).plan
+        return pipeline_plan_for(model, axes, example_inputs, example_kwargs, None, options, pipelined).plan
     _refuse_pipeline_options(pipelined)
     return plan_result(model, axes, example_inputs, example_kwargs, None, options).plan
 
@@ -303,7 +249,7 @@ def autoshard(
             block, in a fraction of the time. Blocks that differ are traced in full and the plan
             says why; ``False`` always traces all.
         check: prove the emitted tp code before any tensor is placed (see :func:`check`); a plan
-            that fails raises :class:`~autoshard.proof.ProofError` naming the first diverging
+            that fails raises :class:`~autoshard.proof.proof.ProofError` naming the first diverging
             node and its source line. ``"auto"`` proves when it costs little: a mesh with tp, a
             model holding values (not on meta) with at most :data:`AUTO_CHECK_MAX_ELEMENTS`
             parameter elements. ``True`` always, ``False`` never.
@@ -325,7 +271,7 @@ def autoshard(
 
     Returns:
         the sharded ``fx.GraphModule`` (its blocks are FSDP units); on a mesh with a ``pp`` axis a
-        :class:`~autoshard.pipeline.Pipeline` (``step(inputs, targets)``, ``parameters()``).
+        :class:`~autoshard.runtime.pipeline_stages.Pipeline` (``step(inputs, targets)``, ``parameters()``).
 
     Example::
 
@@ -333,7 +279,7 @@ def autoshard(
         sharded = autoshard.autoshard(model, mesh, example_inputs=(tokens,))
         optimizer = torch.optim.AdamW(sharded.parameters(), lr=3e-4)
     """
-    axes = _axes(mesh)
+    axes = mesh_axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
     if activation_checkpointing not in (None, *CHECKPOINT_MODES):
@@ -359,7 +305,7 @@ def autoshard(
     final_plan, captured = planned.plan, planned.captured
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     tp_group = axes.group_name("tp") if axes.has_tp else None
-    emitted = _emit(planned, axes, tp_group, options, keep_planned=proving)
+    emitted = emit(planned, axes, tp_group, options, keep_planned=proving)
     if proving and axes.has_cp:
         prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted=emitted).raise_if_failed()
     elif proving:
@@ -380,7 +326,7 @@ def autoshard(
     sharded.autoshard_plan = final_plan
     remember_entries(sharded, final_plan)
     if axes.has_cp:  # the global positions of this rank's part of the sequence (its outputs', if left cut)
-        from autoshard.context_ops import local_positions
+        from autoshard.runtime.context_ops import local_positions
 
         sharded.cp_positions = local_positions(axes.mesh.get_local_rank(CP), axes.cp, final_plan.context["seq"],
                                                torch.device(axes.mesh.device_type))  # as materialize places tensors
@@ -398,27 +344,10 @@ def _refuse_pipeline_options(pipelined: dict) -> None:
         raise ValueError(f"autoshard: {', '.join(given)} configure pipeline stages, and this mesh has no 'pp' axis")
 
 
-def _pipeline_plan(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, pipelined: dict,
-                   keep_reference: bool = False):
-    from autoshard.pipeline_plan import plan_pipeline
-
-    if not isinstance(example_inputs, tuple):
-        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
-    per_rank = pipelined["stages_per_rank"]
-    microbatches = pipelined["microbatches"]
-    if microbatches is None:
-        microbatches = axes.pp * (per_rank or (1 if pipelined["schedule"].lower() in ("gpipe", "1f1b") else 2))
-    tp_group = axes.stage_axes().group_name("tp") if axes.has_tp and axes.mesh is not None else "tp"
-    return plan_pipeline(model, axes, example_inputs, example_kwargs, plan, options,
-                         schedule=pipelined["schedule"], microbatches=microbatches, stages_per_rank=per_rank,
-                         pp_split=pipelined["pp_split"], memory_per_rank=pipelined["memory_per_rank"],
-                         tp_group=tp_group if axes.has_tp else None, keep_reference=keep_reference)
-
-
 def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, check, pipelined: dict, *,
               sync_module_states, reshard_after_forward, activation_checkpointing):
     """``autoshard()`` on a mesh with a pp axis: the stage plan, proven, and this rank's stages."""
-    from autoshard.pipeline import materialize_pipeline
+    from autoshard.runtime.pipeline_stages import materialize_pipeline
 
     if pipelined["loss_fn"] is None:
         raise ValueError("autoshard: a mesh with a 'pp' axis trains through a schedule that runs the loss on the "
@@ -426,11 +355,11 @@ def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, optio
     if options.mp_policy is not None and not axes.stage_axes().has_dp:
         raise ValueError("autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none")
     proving = _proves(check, model, axes)
-    pplan = _pipeline_plan(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
+    pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
                            keep_reference=proving)
     _check_agreement(pplan.plan, pplan.planned.captured.inputs, axes)
     if proving:
-        from autoshard.pipeline_proof import prove_stages
+        from autoshard.proof.pipeline_proof import prove_stages
 
         prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs).raise_if_failed()
     return materialize_pipeline(pplan, model, axes, pipelined["loss_fn"], sync_module_states=sync_module_states,
@@ -450,221 +379,6 @@ def _check_agreement(final_plan: Plan, inputs, axes: MeshAxes) -> None:
         check_ranks_agree(final_plan, inputs, mesh.get_group(name))
 
 
-def _axes(mesh) -> MeshAxes:
-    if isinstance(mesh, Mapping):
-        return axes_from_sizes(dict(mesh))
-    return read_mesh(mesh)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanResult:
-    """A plan with what it was made from: the captured graph (nodes and all, normalized), the
-    sites and propagation's layouts. Emission works from it, and so does ``suggest_mesh``
-    (which costs a plan on the graph). ``reference`` is a copy of the graph as captured,
-    before any pass rewrote it (kept only for a proof)."""
-
-    plan: Plan
-    captured: CapturedGraph
-    sites: Sites
-    layout_plan: LayoutPlan
-    reference: fx.GraphModule | None = None
-    # on a mesh with a cp axis: a copy of the graph cut over cp, before tp (kept only for a proof)
-    context_graph: fx.GraphModule | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Emitted:
-    """The sharded code before any tensor is placed: ``parts`` (root and block graphs), and
-    with ``keep_planned`` the :class:`~autoshard.proof.Subject` a proof runs."""
-
-    parts: Partitioned
-    subject: Subject | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Checked:
-    """One plan, the code emitted for it and its proof: what :mod:`autoshard.testing` reports."""
-
-    planned: PlanResult
-    emitted: Emitted
-    proof: Proof
-
-
-def plan_result(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
-                keep_reference: bool = False, captured: CapturedGraph | None = None) -> PlanResult:
-    """Capture, discover, normalize, propagate, settle the alternatives and build the plan for ``axes``; ``given`` is a
-    saved plan to apply instead of deciding roles. ``captured``: a capture of this model
-    (:func:`capture_for`) to plan on a copy of instead of capturing again."""
-    with _without_cyclic_gc():
-        return _planned(model, axes, example_inputs, example_kwargs, given, options, keep_reference, captured)
-
-
-@contextlib.contextmanager
-def _without_cyclic_gc():
-    """Python's cyclic garbage collector paused while planning, as torch's own
-    ``get_state_dict`` pauses it.
-
-    Planning allocates a few objects per graph node (nodes, their users and meta dicts) and
-    keeps most of them. Every so many allocations the collector walks what survived, and once
-    the survivors outgrow a quarter of the heap it walks the whole process (torch, the model):
-    planning an 80-block Llama on meta paid one such pass, 0.4 s of its 1.5 s. Garbage made
-    meanwhile is collected by the first pass after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
-             keep_reference: bool, captured: CapturedGraph | None) -> PlanResult:
-    """:func:`plan_result`'s stages."""
-    options = options.for_tp(axes.has_tp)
-    if not isinstance(example_inputs, tuple):
-        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
-    saved = _as_plan(given)
-    given = _check_plan_mesh(saved, axes) if saved is not None else None
-    if captured is None:
-        captured = capture_for(model, example_inputs, example_kwargs, options, axes)
-    else:
-        captured = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
-    reference = copy_graph_module(captured.gm) if keep_reference else None
-    context, context_graph = None, None
-    if options.context_output != "whole" and not axes.has_cp:
-        raise ValueError("autoshard: context_output configures context parallelism, and this mesh has no 'cp' axis")
-    if axes.has_cp:
-        context = _cut_sequence(captured, axes, options, example_inputs)
-        context_graph = copy_graph_module(captured.gm) if keep_reference else None
-    with in_stage("discover", captured.gm.graph):
-        weights_on_the_right(captured.gm, captured.param_shapes)
-        sites = find_sites(captured.gm, captured.param_shapes)
-    roles = None
-    dp_placements = None
-    if given is not None:
-        _check_plan_params(given, captured.param_shapes)
-        weights = {s.weight_fqn for s in sites.all}
-        roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
-        # an expert weight's role is planned again from its layout unless the plan replicated it
-        experts = {s.weight_fqn for s in sites.experts}
-        roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == Role.REPLICATE}
-        dp_placements = {fqn: dp_choice(p.placements) for fqn, p in given.params.items() if dp_choice(p.placements)}
-    with in_stage("normalize", captured.gm.graph):
-        normalize(captured.gm, sites, axes.tp)
-    with in_stage("propagate", captured.gm.graph):
-        layout_plan = propagate(captured.gm, sites, axes.tp, roles, options, written=captured.written,
-                                block_fqns=captured.block_fqns)
-    if roles is None and axes.has_tp:
-        with in_stage("alternatives", captured.gm.graph):
-            layout_plan = settle(captured, sites, axes, options, layout_plan)
-    with in_stage("plan", captured.gm.graph):
-        final = build_plan(captured, sites, layout_plan, axes, dp_placements)
-    if options.mp_policy is not None:
-        final = dataclasses.replace(final, mixed_precision=mixed_precision_of(options.mp_policy))
-    if options.all_gather_quant is not None:
-        final = with_quantized_gathers(final, axes, options.all_gather_quant)
-    if captured.trace_note:
-        final = dataclasses.replace(final, trace_note=captured.trace_note)
-    if context is not None:
-        from autoshard.passes.context import cp_traffic
-
-        traffic = cp_traffic(captured.gm, layout_plan.layouts, axes.tp)
-        final = dataclasses.replace(final, context=context.to_dict() | {"collectives": [list(t) for t in traffic]})
-    if given is not None:
-        _check_plan_consistent(given, final)
-        if given is not saved:
-            check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
-    return PlanResult(final, captured, sites, layout_plan, reference, context_graph)
-
-
-def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, example_inputs: tuple):
-    """The captured graph rewritten into one cp rank's code (see :mod:`autoshard.passes.context`)."""
-    from autoshard.passes.context import SEQ_DIM, cut_sequence
-
-    if options.sequence_parallel:
-        raise ValueError("autoshard: sequence_parallel cuts the sequence over tp, and the mesh's cp axis cuts it "
-                         "already: use one of them (cp keeps every activation cut, attention included)")
-    if options.dynamic_shapes is not None:
-        raise NotImplementedError("autoshard: context parallelism cuts a sequence of fixed length; capture with "
-                                  "dynamic_shapes=None")
-    if options.loss_parallel:
-        raise NotImplementedError("autoshard: loss_parallel with a cp axis: the logits come back whole over cp")
-    first = example_inputs[0] if example_inputs else None
-    if not isinstance(first, torch.Tensor) or first.dim() <= SEQ_DIM:
-        what = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
-        raise ValueError("autoshard: context parallelism cuts dim 1 ([batch, seq, ...]) of the first input, and "
-                         f"the first example input is {what}")
-    group = axes.group_name(CP) if axes.mesh is not None else CP
-    with in_stage("cut the sequence", captured.gm.graph):
-        return cut_sequence(captured.gm, int(first.shape[SEQ_DIM]), axes.cp, group, set(captured.param_shapes),
-                            local_outputs=options.context_output == "local")
-
-
-def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-              axes: MeshAxes, rtol: float | None = None, emitted: Emitted | None = None):
-    """The graph cut over cp, every cp rank simulated, against the unsharded graph
-    (see :mod:`autoshard.context_proof`); on a mesh with tp, the tp code ``emitted`` for it, every
-    cp x tp rank simulated."""
-    from autoshard.context_proof import prove_context
-    from autoshard.passes.context import ContextPlan
-    from autoshard.pipeline import flat_inputs
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    weights = {}
-    for node in planned.reference.graph.nodes:
-        if node.op == "get_attr" and node.target in params:
-            read = node.meta.get("val")  # in the dtype the graph reads it (param_dtype under mixed precision)
-            dtype = read.dtype if isinstance(read, torch.Tensor) else None
-            weights[node.target] = params[node.target].detach().cpu().to(dtype).clone().requires_grad_(
-                params[node.target].requires_grad)
-        elif node.op == "get_attr" and node.target in buffers:
-            weights[node.target] = buffers[node.target].detach().cpu().clone()
-    inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    cut = ContextPlan.from_dict(planned.plan.context)
-    if axes.has_tp:
-        proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
-                              output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
-    else:
-        proof = prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol,
-                              output_cuts=cut.output_cuts, seq=cut.seq)
-    return dataclasses.replace(proof, plan=planned.plan)
-
-
-def _emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,
-          keep_planned: bool = False) -> Emitted:
-    """The tp collectives, the rewritten linears and the per-block graphs of a plan.
-
-    ``tp_group`` names the tp process group in the emitted ops; a proof runs the code
-    without resolving it, so any name serves there."""
-    gm, sites, layout_plan = planned.captured.gm, planned.sites, planned.layout_plan
-    planned_graph = copy_graph_module(gm) if keep_planned else None
-    vocab = vocabularies(sites) if keep_planned else {}  # before the rewrite reads ids locally
-    reduce_dtype = options.mp_policy.reduce_dtype if options.mp_policy is not None else None
-    if tp_group is not None:
-        with in_stage("layouts", gm.graph):
-            insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
-    with in_stage("transpose", gm.graph):
-        rewrite_linears(gm, sites, layout_plan, tp_group, axes.tp, reduce_dtype)
-    with in_stage("partition", gm.graph):
-        parts = partition(gm, planned.captured.block_fqns)
-    if not keep_planned:
-        return Emitted(parts)
-    subject = Subject(
-        reference=planned.reference,
-        planned=planned_graph,
-        emitted=gm,
-        root=parts.root,
-        plan=planned.plan,
-        tp=axes.tp,
-        layouts=layout_plan.layouts,
-        skip=frozenset(n.name for s in sites.all for n in {s.node, getattr(s, "output", s.node)}),
-        vocabularies=vocab,
-    )
-    return Emitted(parts, subject)
-
-
 def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:
     """Whether ``autoshard(check=...)`` runs the proof: always for True, never for False;
     for ``"auto"`` when it costs little (see :data:`AUTO_CHECK_MAX_ELEMENTS`)."""
@@ -677,52 +391,3 @@ def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:
     return sum(p.numel() for p in model.parameters()) <= AUTO_CHECK_MAX_ELEMENTS
 
 
-def _as_plan(given) -> Plan | None:
-    if given is None or isinstance(given, Plan):
-        return given
-    if isinstance(given, Mapping):
-        return Plan.from_dict(given)
-    raise ValueError(f"autoshard: `plan` must be a Plan or its dict, got {type(given).__name__}")
-
-
-def _check_plan_mesh(given: Plan, axes: MeshAxes) -> Plan:
-    """``given`` on this mesh: retargeted when made for another mesh shape, or a ValueError."""
-    return retarget(given, axes.to_dict())
-
-
-def _check_plan_params(given: Plan, param_shapes) -> None:
-    missing = sorted(set(param_shapes) - set(given.params))
-    extra = sorted(set(given.params) - set(param_shapes))
-    if missing or extra:
-        raise ValueError(
-            f"autoshard: the plan does not match the model's parameters "
-            f"(missing from plan: {missing or 'none'}; not in model: {extra or 'none'})"
-        )
-    for fqn, entry in given.params.items():
-        if entry.shape and tuple(entry.shape) != tuple(param_shapes[fqn]):
-            raise ValueError(
-                f"autoshard: plan says '{fqn}' has shape {list(entry.shape)}, the model has "
-                f"{list(param_shapes[fqn])}"
-            )
-        dp = dp_choice(entry.placements)
-        allowed = (shard_on(1 if entry.role == Role.VOCAB_PARALLEL else 0), REPLICATED)
-        if dp not in (None, *allowed):
-            raise ValueError(
-                f"autoshard: plan gives '{fqn}' ({entry.role}) dp placement '{dp}'; expected "
-                f"{' or '.join(repr(str(a)) for a in allowed)}"
-            )
-
-
-def _check_plan_consistent(given: Plan, final: Plan) -> None:
-    """Derived fields of an edited plan must match what its roles imply."""
-    for fqn, want in final.params.items():
-        got = given.params[fqn]
-        if got.role != want.role or got.transposed != want.transposed or dict(got.placements) != dict(
-            want.placements
-        ):
-            raise ValueError(
-                f"autoshard: plan entry for '{fqn}' is inconsistent: it says role={got.role!r}, "
-                f"transposed={got.transposed}, placements={placements_text(got.placements)}; its weight's "
-                f"role implies role={want.role!r}, transposed={want.transposed}, "
-                f"placements={placements_text(want.placements)}"
-            )

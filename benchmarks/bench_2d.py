@@ -101,8 +101,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.comm_stats import CollectiveCounter  # noqa: E402
-from autoshard.launch import spawn  # noqa: E402
+from autoshard.adapters.comm_stats import CollectiveCounter  # noqa: E402
+from autoshard.adapters.launch import spawn  # noqa: E402
 from benchmarks.recipe import compile_recipe_blocks, parallelize_recipe  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
 from tests.parity import held_for_backward  # noqa: E402

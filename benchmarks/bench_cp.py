@@ -59,7 +59,7 @@ def _rank(rank: int, world: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autoshard
-    from autoshard.comm_stats import CollectiveCounter
+    from autoshard.adapters.comm_stats import CollectiveCounter
     from tests.parity import held_for_backward, lm_loss
 
     gen = torch.Generator().manual_seed(0)
@@ -125,9 +125,9 @@ def _batch_loss(loss, context_output) -> float:
 def _attention_work() -> dict:
     import torch
 
-    from autoshard.context_proof import attention_work
     from autoshard.passes.capture import capture
-    from autoshard.passes.context import cut_sequence
+    from autoshard.passes.cut_sequence import cut_sequence
+    from autoshard.proof.context_proof import attention_work
 
     model = _model()
     ids = torch.randint(0, VOCAB, (1, SEQ))
@@ -143,7 +143,7 @@ def _attention_work() -> dict:
 
 
 def main() -> None:
-    from autoshard.launch import spawn
+    from autoshard.adapters.launch import spawn
 
     rows = spawn(_rank, 4)[0]
     one = next(r for r in rows if r["layout"] == "one device")["held_for_backward"]

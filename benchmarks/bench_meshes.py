@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.launch import spawn  # noqa: E402
+from autoshard.adapters.launch import spawn  # noqa: E402
 from examples.models import Llama  # noqa: E402
 from examples.train_llama import CONFIG  # noqa: E402
 

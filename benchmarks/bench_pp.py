@@ -101,8 +101,8 @@ def _rank(rank: int, world: int, vocab: int = VOCAB, with_2d: bool = True) -> di
     from torch.distributed.device_mesh import init_device_mesh
 
     import autoshard
-    from autoshard.stages import equal_split
-    from autoshard.suggest import _measure_flops
+    from autoshard.driver.suggest import _measure_flops
+    from autoshard.plans.stage_costs import equal_split
 
     rate = _measure_flops(torch.device("cpu"))
     batches = _batches(vocab)
@@ -155,7 +155,7 @@ def _rank(rank: int, world: int, vocab: int = VOCAB, with_2d: bool = True) -> di
 
 
 def main() -> None:
-    from autoshard.launch import spawn
+    from autoshard.adapters.launch import spawn
 
     results = spawn(_rank, 4)[0]
     two = spawn(_rank, 2, (VOCAB_PP2, False))[0]

@@ -45,8 +45,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard import BlockQuant  # noqa: E402
-from autoshard.comm_stats import CollectiveCounter  # noqa: E402
-from autoshard.launch import spawn  # noqa: E402
+from autoshard.adapters.comm_stats import CollectiveCounter  # noqa: E402
+from autoshard.adapters.launch import spawn  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
 
 WIDE = LlamaConfig(vocab_size=512, dim=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden=512)

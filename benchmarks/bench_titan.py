@@ -70,7 +70,7 @@ its update. The single-device reference trains the unparallelized model on the g
 the driver process (fp32; a bf16 run's difference to it includes bf16 rounding). After the 10
 steps one more step runs under ``CollectiveLog`` with autograd anomaly mode on (which records
 each backward node's forward stack, used to name the op a backward collective belongs to);
-then ``held_for_backward``. Wire bytes follow ``autoshard.comm_stats`` (ring model, per rank).
+then ``held_for_backward``. Wire bytes follow ``autoshard.adapters.comm_stats`` (ring model, per rank).
 ``CollectiveLog`` defers ops on DTensors to DTensor, so the collectives DTensor issues inside an
 op (torchtitan's activations and gradients are DTensors: the redistributions its sharding rules
 choose in backward, torch's loss parallelism) are counted too; a plain ``CollectiveCounter``
@@ -120,8 +120,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.comm_stats import CollectiveCounter  # noqa: E402
-from autoshard.launch import spawn  # noqa: E402
+from autoshard.adapters.comm_stats import CollectiveCounter  # noqa: E402
+from autoshard.adapters.launch import spawn  # noqa: E402
 from benchmarks.bench_2d import comm_summary, fmt, max_over_ranks, quiet_known_warnings, ratio  # noqa: E402
 from tests.parity import held_for_backward  # noqa: E402
 

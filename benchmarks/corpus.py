@@ -3,7 +3,7 @@
 For each case of ``tests/corpus.py`` (timm, x-transformers, torchtune, peft, torchtitan, litgpt,
 open_clip, diffusers, fair-esm, vit-pytorch; tiny sizes, random weights) the model is built once
 in its own process and, on each run, planned and proven without a process group (the zoo's
-``api.capture_for`` / ``api.prove_on`` pair; ``autoshard.check`` on a ``cp`` mesh):
+``planning.capture_for`` / ``planning.prove_on`` pair; ``autoshard.check`` on a ``cp`` mesh):
 
 * fp32 on 2x2 (``dp=2 x tp=2``) and tp=4;
 * bf16 mixed precision (``param_dtype=bfloat16, reduce_dtype=float32``) on 2x2;
@@ -106,10 +106,10 @@ def run_one(model, case, mesh_name: str, option: str, args: tuple, kwargs: dict,
     import torch
 
     import autoshard
-    from autoshard import api
-    from autoshard.errors import InternalError
+    from autoshard.core.errors import InternalError
+    from autoshard.driver import planning
     from autoshard.passes.capture import CaptureError
-    from autoshard.proof import ProofError
+    from autoshard.proof.proof import ProofError
 
     row = {"mesh": mesh_name, "option": option}
     sizes = MESHES[mesh_name]
@@ -122,13 +122,13 @@ def run_one(model, case, mesh_name: str, option: str, args: tuple, kwargs: dict,
             plan = proof.plan
             row["cp_collectives"] = {k: v[0] for k, v in getattr(proof, "cp_collectives", {}).items()}
         else:
-            axes = api._axes(sizes)
+            axes = planning.mesh_axes(sizes)
             key = (option, axes.has_dp and options.mp_policy is not None)
             if key not in captures:
-                captures[key] = api.capture_for(model, args, kwargs, options.for_tp(axes.has_tp), axes)
+                captures[key] = planning.capture_for(model, args, kwargs, options.for_tp(axes.has_tp), axes)
             if option == "fp32":
                 captures["fp32-captured"] = True
-            proof = api.prove_on(model, axes, args, kwargs, options, captured=captures[key])
+            proof = planning.prove_on(model, axes, args, kwargs, options, captured=captures[key])
             plan = proof.plan
         blocks = [u for u in plan.units if u]
         row |= {

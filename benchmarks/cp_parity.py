@@ -79,7 +79,7 @@ def _rank(rank: int, world: int) -> list[dict]:
 
 
 def main() -> None:
-    from autoshard.launch import spawn
+    from autoshard.adapters.launch import spawn
 
     rows = spawn(_rank, 4)[0]
     print(f"{'model':<18} {'mesh':<10} {'loss (AdamW)':>13} {'params (SGD)':>13}")

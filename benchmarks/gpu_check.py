@@ -50,9 +50,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard import BlockQuant, checkpoint  # noqa: E402
-from autoshard.block_quant import dequantize_blocks, quantize_blocks  # noqa: E402
-from autoshard.launch import spawn  # noqa: E402
+from autoshard import BlockQuant  # noqa: E402
+from autoshard.adapters import checkpoint  # noqa: E402
+from autoshard.adapters.launch import spawn  # noqa: E402
+from autoshard.plans.block_quant import dequantize_blocks, quantize_blocks  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
 
 FP32_TOL = 1e-4  # fp32 against one device: only the order of the sums differs

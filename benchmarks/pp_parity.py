@@ -70,7 +70,7 @@ def _rank(rank: int, world: int) -> list[dict]:
 
 
 def main() -> None:
-    from autoshard.launch import spawn
+    from autoshard.adapters.launch import spawn
 
     rows = spawn(_rank, 8)[0]
     print(f"{'model':<14} {'mesh':<16} {'schedule':<16} {'mb':>3} {'loss (AdamW)':>13} {'params (SGD)':>13}")

@@ -62,7 +62,7 @@ def _options(name: str):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoshard.options import PlanOptions
+    from autoshard.core.options import PlanOptions
 
     if name == "bf16":
         return PlanOptions(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -75,10 +75,10 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
     """One family: captured once per option set, then planned and proven on each mesh."""
     import torch
 
-    from autoshard import api
-    from autoshard.errors import InternalError
+    from autoshard.core.errors import InternalError
+    from autoshard.driver import planning
     from autoshard.passes.capture import CaptureError
-    from autoshard.proof import ProofError
+    from autoshard.proof.proof import ProofError
 
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -95,13 +95,13 @@ def run_family(case, meshes: tuple[str, ...], option_names: tuple[str, ...]) -> 
         names = meshes if option == "fp32" else OPTION_MESHES
         captures = {}
         for mesh_name in names:
-            axes = api._axes(MESHES[mesh_name])
+            axes = planning.mesh_axes(MESHES[mesh_name])
             row = {"mesh": mesh_name, "option": option}
             try:
                 key = axes.has_dp and options.mp_policy is not None
                 if key not in captures:
-                    captures[key] = api.capture_for(model, args, kwargs, options.for_tp(axes.has_tp), axes)
-                proof = api.prove_on(model, axes, args, kwargs, options, captured=captures[key])
+                    captures[key] = planning.capture_for(model, args, kwargs, options.for_tp(axes.has_tp), axes)
+                proof = planning.prove_on(model, axes, args, kwargs, options, captured=captures[key])
                 plan = proof.plan
                 blocks = [u for u in plan.units if u]
                 row |= {

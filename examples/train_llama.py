@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.launch import spawn  # noqa: E402
+from autoshard.adapters.launch import spawn  # noqa: E402
 from examples.models import Llama, LlamaConfig  # noqa: E402
 
 PARITY_TOLERANCE = 1e-4  # max |loss - reference| / |reference| over the run

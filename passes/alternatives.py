@@ -66,16 +66,16 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from autoshard.errors import describe
-from autoshard.mesh import TP, MeshAxes
-from autoshard.options import PlanOptions
+from autoshard.core.errors import describe
+from autoshard.core.mesh import TP, MeshAxes
+from autoshard.core.options import PlanOptions
+from autoshard.core.sharding import Step
 from autoshard.passes.capture import CapturedGraph, copy_graph_module
 from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.partition import owner_block, unit_of_node
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, propagate
-from autoshard.plan import Plan
-from autoshard.sharding import Step
+from autoshard.plans.plan import Plan
 
 # A linear computed whole adds (1 - 1/tp) of its matmul work to every rank; the linears one plan
 # computes whole this way may add at most this share of their block's matmul work per rank (a

@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
-from autoshard.errors import user_frame
+from autoshard.core.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
 from autoshard.passes.partition import callable_blocks
 from autoshard.passes.regions import inline_regions

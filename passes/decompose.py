@@ -100,7 +100,7 @@ def expand_gqa_for_tp(graph: fx.Graph, tp: int) -> list[fx.Node]:
     k/v head over the q heads (Falcon) is the same case with ``kv = 1``. Returns the rewritten
     attention nodes.
     """
-    from autoshard.context_ops import CP_CAUSAL_ATTENTION  # its args: q, k, v, cp, group, scale, enable_gqa
+    from autoshard.runtime.context_ops import CP_CAUSAL_ATTENTION  # its args: q, k, v, cp, group, scale, enable_gqa
 
     rewritten = []
     for node in list(graph.nodes):

@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from autoshard.errors import describe
+from autoshard.core.errors import describe
 from autoshard.passes.experts import ExpertSite, find_expert_sites
 
 aten = torch.ops.aten

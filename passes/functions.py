@@ -23,7 +23,7 @@ import traceback
 import torch
 import torch.utils._pytree as pytree
 
-from autoshard.errors import user_frame
+from autoshard.core.errors import user_frame
 
 TOLERANCE = 1e-4  # max |hand-written - autograd| / max |autograd|, over all input gradients
 

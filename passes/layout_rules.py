@@ -22,8 +22,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autoshard.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER
-from autoshard.section_ops import FUSED_SPLIT
+from autoshard.runtime.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER
+from autoshard.runtime.whole_sections import FUSED_SPLIT
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""Placements: turn roles and layouts into the public :class:`~autoshard.plan.Plan`.
+"""Placements: turn roles and layouts into the public :class:`~autoshard.plans.plan.Plan`.
 
 Every linear weight ends as one clean block, ``(dp: S(0), tp: S(1))`` on its
 stored tensor: colwise weights are stored ``[in, out]`` and rowwise weights
@@ -16,8 +16,22 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autoshard.errors import describe, source_line
-from autoshard.mesh import TP, MeshAxes, dp_choice
+from autoshard.core.errors import describe, source_line
+from autoshard.core.mesh import TP, MeshAxes, dp_choice
+from autoshard.core.sharding import (
+    ALL_REDUCE,
+    BWD,
+    FWD,
+    GATHER_SCATTER,
+    REDUCE_SCATTER,
+    Collective,
+    Indivisible,
+    Role,
+    Step,
+    Why,
+    dp_padding,
+    param_placements,
+)
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
 from autoshard.passes.layout_rules import Convolution
@@ -35,21 +49,7 @@ from autoshard.passes.propagate import (
     grouped_on_cut_input,
     is_sharded,
 )
-from autoshard.plan import ParamSharding, Plan
-from autoshard.sharding import (
-    ALL_REDUCE,
-    BWD,
-    FWD,
-    GATHER_SCATTER,
-    REDUCE_SCATTER,
-    Collective,
-    Indivisible,
-    Role,
-    Step,
-    Why,
-    dp_padding,
-    param_placements,
-)
+from autoshard.plans.plan import ParamSharding, Plan
 
 SHARDED = Role.SHARDED
 

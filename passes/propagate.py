@@ -74,8 +74,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from autoshard.errors import describe
-from autoshard.options import DEFAULT_OPTIONS, PlanOptions
+from autoshard.core.errors import describe
+from autoshard.core.options import DEFAULT_OPTIONS, PlanOptions
+from autoshard.core.sharding import Indivisible, Role, Step
 from autoshard.passes import dtensor_rules, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
@@ -83,8 +84,7 @@ from autoshard.passes.experts import ExpertSite
 from autoshard.passes.layout_rules import Layout, Strided
 from autoshard.passes.partition import unit_of_node
 from autoshard.passes.stamping import Arrival, Copies, Key, Stamper, find_copies
-from autoshard.plan import FusedSections
-from autoshard.sharding import Indivisible, Role, Step
+from autoshard.plans.plan import FusedSections
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
 # A weight tied between the input embedding and the LM head, stored [vocab, dim]

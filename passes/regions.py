@@ -39,7 +39,7 @@ from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.errors import source_line
+from autoshard.core.errors import source_line
 
 aten = torch.ops.aten
 

@@ -6,11 +6,11 @@ a split along them (torchtitan's ``view(b, s, -1, heads_per_kv + 2, head_dim)``)
 ``heads + 2`` and index lists (Falcon's multi-query ``qkv[..., [-2], :]``), an inserted dim
 (GPT-BigCode's ``unsqueeze(1).split(...)``). The layout rules follow the first two while every
 section cuts into whole heads. When one does not (fewer k/v heads than tp ranks, one kv head),
-the fused output is rewritten here into one :data:`~autoshard.section_ops.FUSED_SPLIT` whose
+the fused output is rewritten here into one :data:`~autoshard.runtime.whole_sections.FUSED_SPLIT` whose
 sections are contiguous columns of the projection read in ``runs`` order, each viewed back to
 the shape the model used. The layout rule of ``fused_split`` then cuts the sections with whole
 heads and keeps the others whole; the projection's stored columns follow ``runs`` (see
-:class:`~autoshard.plan.FusedSections`).
+:class:`~autoshard.plans.plan.FusedSections`).
 
 Which columns land in which section is found by running the model's own data movement on a
 tensor of column numbers (a *probe* of the fused dim only, never the activation): views,
@@ -31,7 +31,7 @@ import torch.fx as fx
 from autoshard.passes.discover import Sites
 from autoshard.passes.layout_rules import SPLITS, size_expr
 from autoshard.passes.partition import made_like
-from autoshard.section_ops import FUSED_SPLIT
+from autoshard.runtime.whole_sections import FUSED_SPLIT
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ device (no values to take a branch by), and only when the data-dependent branche
 failed. Each assert's message is rewritten to name the user's line and what to do, since the one
 export writes (``Runtime assertion failed for expression Ne(u0, 1)``) names only a symbol. The
 proof of such a graph runs the example's own inputs when fresh ones take another branch (see
-:func:`autoshard.proof.prove`). Under data parallelism each rank tests its own batch shard, as
+:func:`autoshard.proof.proof.prove`). Under data parallelism each rank tests its own batch shard, as
 the user's model does under FSDP.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autoshard.errors import source_line
+from autoshard.core.errors import source_line
 
 _ASSERT = torch.ops.aten._assert_scalar.default
 

@@ -23,13 +23,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from autoshard import collectives
-from autoshard.errors import describe
+from autoshard.core.errors import describe
+from autoshard.core.sharding import Role
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.partition import made_like
 from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL, LayoutPlan, RowwiseExit
-from autoshard.section_ops import MATMUL_INPUT_GRAD_SCALED
-from autoshard.sharding import Role
+from autoshard.runtime import collectives
+from autoshard.runtime.whole_sections import MATMUL_INPUT_GRAD_SCALED
 
 aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ def _whole_sections_product(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: 
     """A colwise product whose fused sections are partly whole on every rank (k/v heads fewer than tp).
 
     The stored local weight holds, section by section, this rank's share of a cut section or all of
-    a whole one (:class:`~autoshard.plan.FusedSections`). Each run of alike sections is one matmul,
+    a whole one (:class:`~autoshard.plans.plan.FusedSections`). Each run of alike sections is one matmul,
     and the runs are put back side by side. ``x`` enters tp (its gradient is summed over the ranks),
     which is right for the cut sections' partial input-gradient; a whole section's is whole on every
     rank, so it enters that sum as ``1 / tp`` of itself (``matmul_input_grad_scaled``)."""

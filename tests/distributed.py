@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoshard.launch import spawn
+from autoshard.adapters.launch import spawn
 
 
 @dataclasses.dataclass

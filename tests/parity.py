@@ -256,7 +256,7 @@ def train_pipeline_both(build, mesh, loss_fn, *, schedule: str, microbatches: in
     the reference trains on the whole batch. ``accumulate`` steps of the pipeline (dp sync off but
     for the last) make one optimizer step, as ``accumulate`` summed losses do on one device.
     ``clip``: both clip their gradients to that fraction of one device's first norm."""
-    from autoshard.checkpoint import full_state_dict
+    from autoshard.adapters.checkpoint import full_state_dict
 
     torch.manual_seed(0)
     model = build()

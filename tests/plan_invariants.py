@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate
 
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 
 
 def assert_breaks_complete(plan: Plan) -> None:

@@ -11,8 +11,8 @@ import torch.nn as nn
 
 import autoshard
 from autoshard import BlockQuant, Plan
-from autoshard.block_quant import block_amax, dequantize_blocks, quantize_blocks
-from autoshard.quantized_gather import QuantizedGatherWeight, master_values, wrap_for_quantized_gather
+from autoshard.plans.block_quant import block_amax, dequantize_blocks, quantize_blocks
+from autoshard.runtime.quantized_gather import QuantizedGatherWeight, master_values, wrap_for_quantized_gather
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.cases import FEATURES, TOKENS
 

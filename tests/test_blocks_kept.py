@@ -17,7 +17,7 @@ import torch
 import transformers as hf
 
 import autoshard
-from autoshard.sharding import Role
+from autoshard.core.sharding import Role
 from tests.hf_cases import _DECODER, VOCAB
 from tests.pattern_models import DATA_DEPENDENT_ROWS, PATTERNS, block_minimum
 from tests.pattern_models import VOCAB as PATTERN_VOCAB

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import autoshard
-from autoshard import checkpoint
-from autoshard.launch import RankFailed, spawn
+from autoshard.adapters import checkpoint
+from autoshard.adapters.launch import RankFailed, spawn
 from examples.models import Llama, LlamaConfig
 from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.hf_cases import CASES, VOCAB, llama_with_cache

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor, Shard
 
 import autoshard
-from autoshard.backend import default_mesh
+from autoshard.adapters.backend import default_mesh
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests
 from tests.parity import dp_slice, full, lm_loss, mean_over_dp, rel_error

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.comm_stats import CollectiveCounter
-from autoshard.context_ops import local_positions
+from autoshard.adapters.comm_stats import CollectiveCounter
+from autoshard.runtime.context_ops import local_positions
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 from tests.distributed import distributed_tests

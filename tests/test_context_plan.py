@@ -18,10 +18,10 @@ import transformers as hf
 
 import autoshard
 from autoshard import Plan
-from autoshard.context_ops import local_positions, to_global_order, to_rank_order
-from autoshard.context_proof import attention_work
 from autoshard.passes.capture import capture
-from autoshard.passes.context import cut_sequence
+from autoshard.passes.cut_sequence import cut_sequence
+from autoshard.proof.context_proof import attention_work
+from autoshard.runtime.context_ops import local_positions, to_global_order, to_rank_order
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 

@@ -236,7 +236,7 @@ def test_rotary_tables_are_proven_on_cp_meshes(name, mesh):
 
 def test_positions_from_data_are_cut_before_the_table_is_built():
     from autoshard.passes.capture import capture
-    from autoshard.passes.context import cut_sequence
+    from autoshard.passes.cut_sequence import cut_sequence
 
     torch.manual_seed(0)
     captured = capture(DataPositions(), (_tokens(),), {}, None, None, True)
@@ -437,7 +437,7 @@ def test_a_view_the_local_layout_cannot_take_becomes_a_reshape():
     """The attention output's view (export dropped the ``.contiguous()`` before it) is a reshape in the
     cut graph; the views the local layout can take stay views."""
     from autoshard.passes.capture import capture
-    from autoshard.passes.context import cut_sequence
+    from autoshard.passes.cut_sequence import cut_sequence
 
     torch.manual_seed(0)
     captured = capture(_decoder(TorchtuneAttention)(), (_tokens(),), {}, None, None, True)
@@ -457,8 +457,8 @@ def test_errors_leaving_the_cut_are_named():
     """Nothing torch or Python raises leaves the cut unwrapped: an op torch cannot run on the local
     shapes is a ``NotImplementedError`` naming it and its source line; a failure at a node the cut
     inserted, or inside a rule, an ``InternalError`` naming the node."""
-    from autoshard.errors import InternalError
-    from autoshard.passes import context
+    from autoshard.core.errors import InternalError
+    from autoshard.passes import cut_sequence as context
     from autoshard.passes.capture import capture
 
     torch.manual_seed(0)

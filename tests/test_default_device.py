@@ -42,9 +42,12 @@ from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_lo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
-from autoshard import BlockQuant, checkpoint, collectives, launch, suggest
+from autoshard import BlockQuant
+from autoshard.adapters import checkpoint, launch
+from autoshard.driver import suggest
 from autoshard.passes import dtensor_rules
-from autoshard.quantized_gather import QuantizedGatherWeight
+from autoshard.runtime import collectives
+from autoshard.runtime.quantized_gather import QuantizedGatherWeight
 from examples.models import Llama, LlamaConfig
 from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.parity import dp_slice, full, mean_over_dp, rel_error

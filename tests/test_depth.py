@@ -19,7 +19,7 @@ import torch.fx as fx
 import transformers as hf
 
 import autoshard
-from autoshard.options import PlanOptions
+from autoshard.core.options import PlanOptions
 from autoshard.passes import propagate as propagation
 from autoshard.passes.capture import capture, copy_graph_module, find_blocks
 from autoshard.passes.discover import find_sites

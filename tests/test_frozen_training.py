@@ -2,8 +2,8 @@
 
 On 2x2 (dp x tp) and on tp=4, with ``check="auto"`` (the one-process proof runs first and compares
 only the gradients the model computes), against one device: the loss and every trained weight
-after 3 AdamW steps, and every trained weight after 3 SGD steps, within 1e-5, every frozen weight unchanged with no ``.grad``, and
-``clip_grad_norm_(sharded.parameters(), ...)`` the single-device norm. One 4-process gloo
+after 3 AdamW steps, and every trained weight after 3 SGD steps, within 1e-5; every frozen weight
+unchanged with no ``.grad``; ``clip_grad_norm_(sharded.parameters(), ...)`` the single-device norm. One 4-process gloo
 group runs every check of this file.
 """
 

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 import autoshard
 import autoshard.testing
-from autoshard.comm_stats import CollectiveCounter
+from autoshard.adapters.comm_stats import CollectiveCounter
 from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.hf_cases import CASES, VOCAB, llama_4_blocks, llama_4_blocks_tokens, main_output
 from tests.parity import assert_parity, dp_slice, rel_error, train_both

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import autoshard
-from autoshard import checkpoint
-from autoshard.comm_stats import CollectiveCounter
+from autoshard.adapters import checkpoint
+from autoshard.adapters.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests, remove_shared, shared_directory
 from tests.parity import assert_parity, dp_slice, full, lm_loss, mean_over_dp, mse_loss, rel_error, train_both

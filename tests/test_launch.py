@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.launch import RankFailed, spawn
+from autoshard.adapters.launch import RankFailed, spawn
 
 
 def _sum_of_ranks(rank, world_size, offset):

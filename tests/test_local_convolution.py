@@ -11,9 +11,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoshard
+from autoshard.core.sharding import Role
 from autoshard.passes.layout_rules import CONVOLUTIONS
 from autoshard.passes.local_convolution import fold_single_channel_convolutions
-from autoshard.sharding import Role
 from tests.pattern_models import VOCAB as PATTERN_VOCAB
 from tests.pattern_models import Block, Config, ConvSkipAttention, Decoder
 

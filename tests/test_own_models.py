@@ -20,7 +20,13 @@ import autoshard
 from autoshard.passes.capture import capture, find_blocks
 from tests.fingerprint import assert_unchanged, fingerprint
 from tests.pattern_models import (
-    LIBRARY_PATTERNS, VOCAB, AutocastScores, Config, NanoGPT, NoGradRope, PaddingBranchEncoder,
+    LIBRARY_PATTERNS,
+    VOCAB,
+    AutocastScores,
+    Config,
+    NanoGPT,
+    NoGradRope,
+    PaddingBranchEncoder,
 )
 from tests.plan_invariants import assert_breaks_complete
 
@@ -202,7 +208,8 @@ class Float32BufferInBf16(nn.Module):
 
 def test_mixed_precision_on_a_float32_buffer_is_refused_naming_the_buffer_and_the_fix():
     model = Float32BufferInBf16()
-    with pytest.raises((ValueError, NotImplementedError), match=r"keeps table in another dtype\. Cast those buffers to torch\.bfloat16"):
+    refused = r"keeps table in another dtype\. Cast those buffers to torch\.bfloat16"
+    with pytest.raises((ValueError, NotImplementedError), match=refused):
         autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16)
     model.table.data = model.table.data.to(torch.bfloat16)  # the fix it names
     assert autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16).ok
@@ -322,7 +329,7 @@ def test_clip_grad_norm_takes_torchs_arguments():
 
 
 def test_a_plan_names_the_frozen_parameters_and_the_gradients_a_rank_holds():
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
     from tests.pattern_models import FrozenEmbeddingDecoder
 
     model = FrozenEmbeddingDecoder()

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.comm_stats import CollectiveCounter
-from autoshard.sharding import Role
+from autoshard.adapters.comm_stats import CollectiveCounter
+from autoshard.core.sharding import Role
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, lm_loss, train_both
 from tests.pattern_models import DATA_DEPENDENT_ROWS, MINIMUM, PATTERNS, VOCAB, block_minimum

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard import checkpoint
+from autoshard.adapters import checkpoint
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 from tests.distributed import distributed_tests, remove_shared, shared_directory

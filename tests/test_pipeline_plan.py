@@ -14,10 +14,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard import Plan, api
-from autoshard.options import PlanOptions
-from autoshard.pipeline_plan import plan_pipeline
-from autoshard.stages import UnitCost, balance, equal_split, schedule_of
+from autoshard import Plan
+from autoshard.core.options import PlanOptions
+from autoshard.driver import planning
+from autoshard.driver.pipeline_plan import plan_pipeline
+from autoshard.plans.stage_costs import UnitCost, balance, equal_split, schedule_of
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
 from tests.pattern_models import EmbeddingMixDecoder
@@ -33,7 +34,7 @@ def _llama(layers: int = 4, vocab: int = 256) -> Llama:
 def _pplan(model, sizes, inputs=(TOKENS,), kwargs=None, **pipelined):
     options = dict(schedule="1F1B", microbatches=2, stages_per_rank=None, pp_split=None, memory_per_rank=None)
     options |= pipelined
-    return plan_pipeline(model, api._axes(sizes), inputs, kwargs, None, PlanOptions(), tp_group="tp",
+    return plan_pipeline(model, planning.mesh_axes(sizes), inputs, kwargs, None, PlanOptions(), tp_group="tp",
                          keep_reference=True, **options)
 
 
@@ -131,7 +132,7 @@ def test_constants_are_recomputed_by_each_stage_not_sent():
 
 def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     """Hand the last stage its two inputs swapped: the stitched proof fails, naming a node."""
-    from autoshard.pipeline_proof import prove_stages
+    from autoshard.proof.pipeline_proof import prove_stages
 
     torch.manual_seed(0)
     model = EmbeddingMixDecoder(Config2())

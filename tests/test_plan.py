@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
 from autoshard import Plan
-from autoshard.sharding import Collective
+from autoshard.core.sharding import Collective
 from examples.models import CumulativeMLP, Llama, LlamaConfig, MLPStack, RawLinearNet
 from tests.cases import FEATURES, MODELS, TOKENS
 
@@ -392,31 +392,78 @@ def test_retargeting_keeps_inlined_functions_and_breaks():
     assert broken.for_mesh({"dp": 4}).breaks == ()  # no tp, nothing breaks
 
 
-def test_modules_import_each_other_without_cycles():
-    """The sharding vocabulary, the plan, retargeting and the passes form a DAG (module-level
-    imports; type-checking-only imports aside)."""
+def _package_imports() -> dict[str, set[str]]:
+    """Each module of the package (``autoshard`` and ``passes/``, installed as ``autoshard.passes``)
+    -> the package's modules it imports, anywhere in it: at the top, inside functions or methods,
+    ``from autoshard import x`` naming a module; only ``if TYPE_CHECKING:`` blocks are left out."""
     import ast
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    files = {f"autoshard.{p.stem}": p for p in (root / "autoshard").glob("*.py")}
-    files |= {f"autoshard.passes.{p.stem}": p for p in (root / "passes").glob("*.py")}
+    files = {}
+    for base, prefix in ((root / "autoshard", ("autoshard",)), (root / "passes", ("autoshard", "passes"))):
+        for path in base.rglob("*.py"):
+            parts = [*prefix, *path.relative_to(base).with_suffix("").parts]
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     deps = {}
     for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(block.test) for sub in block.body for n in ast.walk(sub)}
         found = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autoshard"):
-                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
-                          for a in node.names}
-        deps[name] = found & files.keys() - {"autoshard.__init__", "autoshard.passes.__init__"}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in files and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in files and target != name and target != "autoshard":
+                    found.add(target)
+        deps[name] = found
+    return deps
+
+
+def test_modules_import_each_other_without_cycles():
+    """The package's modules form a DAG, counting imports inside functions: a layer imports only
+    what lies below it (docs/design.md)."""
+    deps = _package_imports()
+    done: set[str] = set()
 
     def visit(name, path):
-        for dep in deps.get(name, ()):
+        if name in done:
+            return
+        for dep in sorted(deps.get(name, ())):
             assert dep not in path, "import cycle: " + " -> ".join([*path[path.index(dep):], dep])
             visit(dep, [*path, dep])
+        done.add(name)
 
-    for name in deps:
+    for name in sorted(deps):
         visit(name, [name])
+
+
+def test_the_package_is_grouped_by_layer_with_no_clashing_names():
+    """``autoshard/`` holds the public door and one folder per layer; no two modules share a
+    name, and no one-word name is the first word of another (``stages`` and ``stages``,
+    ``layouts`` and ``layout_rules``, ``sections`` and ``section_ops`` read as one name)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "autoshard"
+    top = sorted(p.stem for p in root.glob("*.py"))
+    assert top == ["__init__", "__main__", "api"], top
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == ["adapters", "core", "driver", "plans", "proof", "runtime", "testing"], folders
+    stems = [p.stem for p in (*root.rglob("*.py"), *(root.parent / "passes").glob("*.py")) if p.stem != "__init__"]
+    assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
+    bare = {s.rstrip("s"): s for s in stems if "_" not in s.strip("_")}
+    for stem in stems:
+        word = stem.strip("_").split("_")[0].rstrip("s")
+        assert "_" not in stem.strip("_") or word not in bare, f"{bare[word]} and {stem} read as one name"
 
 
 def test_an_hsdp_plan_shows_the_replicate_axis():
@@ -446,7 +493,7 @@ def test_hsdp_on_a_fake_world_places_replicate_then_shard(fake_world):
 
 def test_the_plan_prints_each_units_predicted_tp_traffic():
     """The per-unit lines add up to predicted_comm's tp totals; 4 collectives per Llama block."""
-    from autoshard.predict import tp_traffic_by_unit
+    from autoshard.plans.predict import tp_traffic_by_unit
 
     plan = autoshard.plan(Llama(LlamaConfig()), {"dp": 2, "tp": 2}, example_inputs=(TOKENS,))
     traffic = tp_traffic_by_unit(plan)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from autoshard.comm_stats import CollectiveCounter
+from autoshard.adapters.comm_stats import CollectiveCounter
 from tests.cases import MODELS
 from tests.distributed import distributed_tests
 from tests.hf_cases import CASES
@@ -97,7 +97,7 @@ def check_hf_moe_and_encoders(ctx):
 
 def check_bf16_sums_on_four_tp_ranks(ctx):
     """On 4 tp ranks a bf16 partial sum added in fp32 runs as an all-to-all and an all-gather
-    (autoshard.collectives), predicted as such: counts and bf16 wire bytes."""
+    (autoshard.runtime.collectives), predicted as such: counts and bf16 wire bytes."""
     mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
     _check_family(ctx, ["llama"], policies=(BF16,), meshes={"1x4": mesh})
     model, ids, _ = _model_and_batch("llama")

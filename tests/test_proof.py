@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from autoshard import api, collectives
-from autoshard.errors import InternalError, in_stage
-from autoshard.options import DEFAULT_OPTIONS, PlanOptions
-from autoshard.proof import prove
+from autoshard.core.errors import InternalError, in_stage
+from autoshard.core.options import DEFAULT_OPTIONS, PlanOptions
+from autoshard.driver import planning
+from autoshard.proof.proof import prove
+from autoshard.runtime import collectives
 from tests.cases import MODELS
 from tests.pattern_models import PATTERNS, VOCAB, Block, Config, Decoder, QKVAttention, VisionTransformer
 
@@ -53,9 +54,9 @@ def test_patterns_are_proven(name, tp):
 
 
 def _emitted(model, inputs, tp=2, options=DEFAULT_OPTIONS, dp=None):
-    axes = api._axes({"tp": tp} if dp is None else {"dp": dp, "tp": tp})
-    planned = api.plan_result(model, axes, inputs, None, None, options, keep_reference=True)
-    return api._emit(planned, axes, "tp", options, keep_planned=True)
+    axes = planning.mesh_axes({"tp": tp} if dp is None else {"dp": dp, "tp": tp})
+    planned = planning.plan_result(model, axes, inputs, None, None, options, keep_reference=True)
+    return planning.emit(planned, axes, "tp", options, keep_planned=True)
 
 
 def _break_first(emitted, target, change) -> None:
@@ -269,7 +270,7 @@ def test_dropped_all_reduce_in_bf16_is_far_beyond_rounding():
 
 def test_internal_errors_name_stage_and_node():
     model, inputs = _llama()
-    planned = api.plan_result(model, api._axes({"tp": 2}), inputs, None, None, PlanOptions())
+    planned = planning.plan_result(model, planning.mesh_axes({"tp": 2}), inputs, None, None, PlanOptions())
     graph = planned.captured.gm.graph
     with pytest.raises(InternalError, match=r"stage 'layouts' at node 'rms_norm' \(rms_norm.default\) at models.py"):
         with in_stage("layouts", graph):
@@ -457,7 +458,7 @@ def test_a_cancelling_sum_of_bf16_partials_is_rounding_only():
     How far the partials cancel depends on the draw and on the CPU's bf16 kernels, so the proof's
     draws (``seed``) are taken in turn until one goes beyond ``FACTOR``: every draw is proven, and
     that one as rounding only."""
-    from autoshard.rounding import FACTOR
+    from autoshard.proof.rounding import FACTOR
     from tests.zoo import ZooCase
 
     case = ZooCase("doge", "decoder", "DogeForCausalLM")  # the zoo's shrunk config, without its survey

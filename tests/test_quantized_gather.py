@@ -15,9 +15,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
 from autoshard import BlockQuant
-from autoshard.block_quant import block_amax, dequantize_blocks, quantize_blocks
-from autoshard.comm_stats import CollectiveCounter
-from autoshard.quantized_gather import QuantizedGatherWeight
+from autoshard.adapters.comm_stats import CollectiveCounter
+from autoshard.plans.block_quant import block_amax, dequantize_blocks, quantize_blocks
+from autoshard.runtime.quantized_gather import QuantizedGatherWeight
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, full, lm_loss, rel_error, train_both

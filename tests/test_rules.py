@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 import autoshard
+from autoshard.core.sharding import Step
 from autoshard.passes import layout_rules
 from autoshard.passes.capture import capture
 from autoshard.passes.discover import Sites
 from autoshard.passes.experts import find_expert_sites
 from autoshard.passes.propagate import Propagation
-from autoshard.sharding import Step
 from tests.pattern_models import PATTERNS
 
 GATHER = "gather"

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import autoshard.testing
-from autoshard import api, collectives
-from autoshard.cli import main
+from autoshard.adapters.cli import main
+from autoshard.driver import planning
+from autoshard.runtime import collectives
 from autoshard.testing.meshes import mesh_id, parse_mesh
 from tests.cases import MODELS
 
@@ -27,7 +28,7 @@ def _llama_report(mesh=None, **options):
 def dropped_all_reduce(monkeypatch):
     """Emission that forgets the first block's first forward all-reduce (a rowwise output
     reaches the residual add as a partial sum)."""
-    emit = api._emit
+    emit = planning.emit
 
     def broken(*args, **kwargs):
         emitted = emit(*args, **kwargs)
@@ -38,7 +39,7 @@ def dropped_all_reduce(monkeypatch):
         block.recompile()
         return emitted
 
-    monkeypatch.setattr(api, "_emit", broken)
+    monkeypatch.setattr(planning, "emit", broken)
 
 
 def test_report_holds_plan_code_prediction_and_proof():

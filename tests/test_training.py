@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from autoshard.comm_stats import CollectiveCounter
+from autoshard.adapters.comm_stats import CollectiveCounter
 from examples.models import Llama, LlamaConfig, MLPStack
 from tests.distributed import distributed_tests
 from tests.parity import assert_parity, dp_slice, full, held_for_backward, lm_loss, rel_error, train_both

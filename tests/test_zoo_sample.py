@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoshard import api
-from autoshard.options import DEFAULT_OPTIONS
+from autoshard.core.options import DEFAULT_OPTIONS
+from autoshard.driver import planning
 from tests.plan_invariants import assert_breaks_complete
 from tests.zoo import ZooCase
 
@@ -49,10 +49,10 @@ def test_zoo_family_is_proven(case):
     args, kwargs = case.inputs()
     captured = None
     for name, sizes in MESHES.items():
-        axes = api._axes(sizes)
+        axes = planning.mesh_axes(sizes)
         if captured is None:
-            captured = api.capture_for(model, args, kwargs, DEFAULT_OPTIONS, axes)
-        proof = api.prove_on(model, axes, args, kwargs, DEFAULT_OPTIONS, captured=captured)
+            captured = planning.capture_for(model, args, kwargs, DEFAULT_OPTIONS, axes)
+        proof = planning.prove_on(model, axes, args, kwargs, DEFAULT_OPTIONS, captured=captured)
         assert proof.ok, f"{case.family} on {name}: {proof}"
         assert proof.tp_collectives == proof.plan.predicted_comm().get("tp", {}), (case.family, name)
         assert_breaks_complete(proof.plan)

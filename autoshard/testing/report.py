@@ -20,11 +20,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autoshard import api
-from autoshard.block_quant import BlockQuant
-from autoshard.options import PlanOptions
-from autoshard.plan import Plan
-from autoshard.proof import Proof, ProofValues
+from autoshard.core.options import PlanOptions
+from autoshard.driver import planning
+from autoshard.plans.block_quant import BlockQuant
+from autoshard.plans.plan import Plan
+from autoshard.proof.proof import Proof, ProofValues
 from autoshard.testing.meshes import mesh_text
 from autoshard.testing.snapshot import snapshot_text
 
@@ -83,7 +83,7 @@ class Report:
 
     def assert_close(self, rtol: float | None = None) -> None:
         """Raise ``AssertionError`` unless the proof holds: every output and parameter gradient of
-        the sharded code within what rounding allows (:mod:`autoshard.rounding`), or, with
+        the sharded code within what rounding allows (:mod:`autoshard.proof.rounding`), or, with
         ``rtol``, within ``rtol`` of the unsharded model's. The message names the worst errors and
         the first diverging node with its source line."""
         failing = self.proof.failures(rtol)
@@ -153,8 +153,8 @@ def check(
         )
     options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
                           all_gather_quant, trace_blocks_once)
-    axes = api._axes(mesh)
-    checked = api.checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol,
+    axes = planning.mesh_axes(mesh)
+    checked = planning.checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol,
                              keep_values=keep_values)
     parts = checked.emitted.parts
     code = (UnitCode.of(ROOT, parts.root), *(UnitCode.of(fqn, block) for fqn, block in parts.blocks.items()))

@@ -1,0 +1,79 @@
+"""Agreement: every rank must have planned the same model for the same inputs.
+
+Each rank captures and plans on its own, with no communication. If one rank's
+model differs (it built a narrower MLP, loaded another config) or it was given
+inputs of another shape, the first collective that follows (the broadcast of
+rank 0's weights, FSDP's first all-gather) gets mismatched sizes: gloo aborts the
+process, NCCL hangs. So before any collective, the ranks exchange a digest of
+their plan and input signature (one ``all_gather_object`` of a few bytes) and,
+when they differ, exchange the summaries behind them; every rank then raises
+the same ``ValueError`` naming the ranks that differ and the first parameter
+or input where they do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch.distributed as dist
+
+from autoshard.core.sharding import placements_text
+from autoshard.passes.capture import InputSignature
+from autoshard.plans.plan import Plan
+
+
+def summary(plan: Plan, inputs: InputSignature) -> dict:
+    """What every rank must agree on: each parameter's role, shape and placements, and
+    each input's name, shape and dtype, in order."""
+    return {
+        "params": [[fqn, str(p.role), list(p.shape), placements_text(p.placements)] for fqn, p in plan.params.items()],
+        "inputs": [[name, [None if n is None else int(n) for n in shape], str(dtype)]
+                   for name, shape, dtype in inputs.tensors],
+    }
+
+
+def check_ranks_agree(plan: Plan, inputs: InputSignature, group=None) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` when their plans or inputs differ."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = summary(plan, inputs)
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+    digests: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)  # a few bytes per rank
+    if len(set(digests)) == 1:
+        return
+    gathered: list = [None] * len(digests)
+    dist.all_gather_object(gathered, (digest, mine), group=group)  # only to name the difference
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
+    reference = max(set(digests), key=lambda d: (digests.count(d), -digests.index(d)))  # most ranks, then lowest
+    same = [r for r, d in zip(ranks, digests, strict=True) if d == reference]
+    first_other = next(i for i, d in enumerate(digests) if d != reference)
+    differ = [r for r, d in zip(ranks, digests, strict=True) if d != reference]
+    where = _first_difference(gathered[digests.index(reference)][1], gathered[first_other][1])
+    raise ValueError(
+        f"autoshard: ranks disagree on the model or its inputs: rank(s) {differ} differ from rank(s) {same}; "
+        f"first difference, rank {same[0]} vs rank {ranks[first_other]}: {where}. Every rank must build the "
+        f"same model and feed example inputs of the same shapes"
+    )
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    for kind, noun in (("params", "parameter"), ("inputs", "input")):
+        left, right = a[kind], b[kind]
+        for x, y in zip(left, right, strict=False):
+            if x != y:
+                return f"{noun} '{x[0]}' is {_describe(x)} vs {_describe(y)}" if x[0] == y[0] else (
+                    f"{noun} '{x[0]}' vs '{y[0]}' at the same position")
+        if len(left) != len(right):
+            extra = (left if len(left) > len(right) else right)[min(len(left), len(right))]
+            return f"{len(left)} vs {len(right)} {noun}s (first unmatched: '{extra[0]}')"
+    return "the plans differ"
+
+
+def _describe(entry: list) -> str:
+    if len(entry) == 4:  # a parameter
+        _, role, shape, placements = entry
+        return f"{role} of shape {shape} placed {placements}"
+    _, shape, dtype = entry
+    return f"of shape {shape} and dtype {dtype}"

@@ -1,0 +1,153 @@
+"""Plan a mesh with a ``pp`` axis: one stage plan, the split, the stage graphs and what crosses.
+
+The stages share one plan: the model is captured at one microbatch's shapes (the dp-local batch
+divided by ``microbatches``: the shapes every stage runs) and planned for the ``dp x tp``
+sub-mesh as any model is; the split into stages comes from that plan's costs
+(:mod:`autoshard.plans.stage_costs`), and the emitted code is cut along it (:mod:`autoshard.passes.stage_graphs`).
+The plan records the pp axis in its mesh and the stages in ``plan.pipeline``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autoshard.core.mesh import PP, MeshAxes
+from autoshard.core.options import PlanOptions
+from autoshard.driver import planning
+from autoshard.passes.stage_graphs import StageSplit, split_stages
+from autoshard.plans.plan import Plan
+from autoshard.plans.stage_costs import (
+    PipelineStages,
+    Schedule,
+    balance,
+    given_split,
+    pipeline_stages,
+    schedule_of,
+    unit_costs,
+)
+from autoshard.runtime.pipeline_stages import Crossing, flat_inputs, local_values
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """Everything a pp mesh's runtime is built from: the plan (with its stages), the planned and
+    emitted stage code, the stage graphs and each crossing value's shape on one rank."""
+
+    plan: Plan
+    planned: planning.PlanResult
+    emitted: planning.Emitted
+    split: StageSplit
+    crossings: dict[str, Crossing]
+    micro_inputs: tuple
+    micro_kwargs: dict
+    flat_inputs: list
+    output_names: tuple[str, ...]
+    costs: tuple  # UnitCost of every block, the split's input
+
+
+def microbatch_of(example_inputs: tuple, example_kwargs: dict | None, microbatches: int) -> tuple[tuple, dict]:
+    """The first microbatch of the example: every tensor with the batch's leading dim cut to
+    ``batch / microbatches`` rows, as the schedule cuts each step's batch."""
+    leaves = [v for v in pytree.tree_leaves((example_inputs, example_kwargs or {})) if isinstance(v, torch.Tensor)]
+    if not leaves or leaves[0].dim() == 0:
+        raise ValueError("autoshard: a pipeline splits the batch into microbatches along dim 0; example_inputs "
+                         "holds no tensor with a batch dim")
+    batch = leaves[0].shape[0]
+    if batch % microbatches:
+        raise ValueError(f"autoshard: the dp-local batch ({batch} rows, dim 0 of example_inputs) does not divide "
+                         f"into microbatches={microbatches}")
+    rows = batch // microbatches
+
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+            return value[:rows]
+        return value
+
+    return pytree.tree_map(cut, example_inputs), pytree.tree_map(cut, dict(example_kwargs or {}))
+
+
+def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
+                  given, options: PlanOptions, *, schedule: str, microbatches: int, stages_per_rank: int | None,
+                  pp_split: Sequence[str] | None, memory_per_rank: int | None, tp_group: str | None,
+                  keep_reference: bool = False) -> PipelinePlan:
+
+    if options.loss_parallel:
+        raise NotImplementedError("autoshard: loss_parallel with a pp axis: the last stage returns whole logits "
+                                  "to the loss; plan without loss_parallel")
+    stage_axes = axes.stage_axes()
+    spec = schedule_of(schedule, microbatches, axes.pp, stages_per_rank, data_parallel=stage_axes.has_dp)
+    micro_inputs, micro_kwargs = microbatch_of(example_inputs, example_kwargs, microbatches)
+    planned = planning.plan_result(model, stage_axes, micro_inputs, micro_kwargs, given, options,
+                              keep_reference=keep_reference)
+    captured = planned.captured
+    blocks = tuple(captured.block_fqns)
+    count = spec.stages(axes.pp)
+    if not blocks:
+        raise ValueError("autoshard: a pp axis cuts the model between blocks, and this model has none "
+                         "(no nn.ModuleList of repeated layers was found)")
+    costs = unit_costs(captured.gm.graph, planned.layout_plan.layouts, planned.plan, stage_axes, blocks)
+    saved = planning.as_plan(given)
+    if pp_split is None and saved is not None and saved.pipeline is not None:
+        pp_split = [stage.units[0] for stage in saved.pipeline.stages[1:]]  # a saved plan's stages, kept
+    if pp_split is not None:
+        runs, chosen = given_split(pp_split, blocks, count), "given"
+    else:
+        runs, chosen = balance(costs, spec, axes.pp, memory_per_rank), "balanced"
+    stages = pipeline_stages(runs, costs, spec, axes.pp, chosen)
+    emitted = planning.emit(planned, stage_axes, tp_group, options, keep_planned=keep_reference)
+    stage_of_block = {unit: stage.index for stage in stages.stages for unit in stage.units}
+    parts = emitted.parts
+    split = split_stages(parts, stage_of_block, count, frozenset(planned.plan.params))
+    flat = flat_inputs(captured, micro_inputs, micro_kwargs)
+    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat)
+    output = next(n for n in parts.root.graph.nodes if n.op == "output")
+    output_names = tuple(n.name for n in pytree.tree_leaves(output.args[0]))
+    root = {fqn for fqn, entry in planned.plan.params.items() if not entry.unit}
+    held = tuple(dataclasses.replace(stage, root_params=tuple(f for f in graph.params if f in root))
+                 for stage, graph in zip(stages.stages, split.stages, strict=True))
+    stages = dataclasses.replace(stages, stages=held, sends=_boundary_bytes(split, crossings))
+    plan = dataclasses.replace(planned.plan, mesh={PP: axes.pp, **planned.plan.mesh}, pipeline=stages)
+    return PipelinePlan(plan, planned, emitted, split, crossings, micro_inputs, micro_kwargs, flat,
+                        output_names, tuple(costs))
+
+
+def _boundary_bytes(split: StageSplit, crossings) -> tuple[tuple[int, int, int, int], ...]:
+    """Per boundary, one microbatch's sends on one rank: forward (every crossing value) and back
+    (the gradients of those a gradient flows through), as (messages, bytes) each: torch's stage
+    sends one message per tensor."""
+    sizes = []
+    for names in split.carried:
+        back = [n for n in names if crossings[n].requires_grad]
+        sizes.append((len(names), sum(_nbytes(crossings[n]) for n in names),
+                      len(back), sum(_nbytes(crossings[n]) for n in back)))
+    return tuple(sizes)
+
+
+def _nbytes(crossing: Crossing) -> int:
+    count = 1
+    for n in crossing.shape:
+        count *= n
+    return count * torch.empty((), dtype=crossing.dtype).element_size()
+
+
+__all__ = ["PipelinePlan", "Schedule", "PipelineStages", "microbatch_of", "plan_pipeline"]
+
+
+def pipeline_plan_for(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, pipelined: dict,
+                   keep_reference: bool = False):
+    if not isinstance(example_inputs, tuple):
+        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
+    per_rank = pipelined["stages_per_rank"]
+    microbatches = pipelined["microbatches"]
+    if microbatches is None:
+        microbatches = axes.pp * (per_rank or (1 if pipelined["schedule"].lower() in ("gpipe", "1f1b") else 2))
+    tp_group = axes.stage_axes().group_name("tp") if axes.has_tp and axes.mesh is not None else "tp"
+    return plan_pipeline(model, axes, example_inputs, example_kwargs, plan, options,
+                         schedule=pipelined["schedule"], microbatches=microbatches, stages_per_rank=per_rank,
+                         pp_split=pipelined["pp_split"], memory_per_rank=pipelined["memory_per_rank"],
+                         tp_group=tp_group if axes.has_tp else None, keep_reference=keep_reference)

@@ -1,0 +1,251 @@
+"""Prove a graph cut over cp in one process: every cp rank run side by side, against the unsharded graph.
+
+The cp ranks run as :class:`~autoshard.proof.simulate.RankSimulator` runs tp ranks: every value is
+one tensor per rank, the cp collectives combine the ranks' values as the real ones do. Each rank is
+given the whole batch (as in a real job) and back-propagates the same output cotangents, so the sum
+over ranks of a parameter's gradients is ``cp`` times the unsharded gradient (FSDP's average over
+``dp x cp`` divides it back, see :mod:`autoshard.runtime.context_ops`). Every output on every rank and every
+parameter gradient (summed over ranks, divided by cp) is compared with the unsharded run.
+
+Weights are the model's own (copies) and the inputs are the example's: the rewrite's correctness
+depends on positions and shapes, not on values, and the model's weights keep its numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autoshard.core.mesh import CP, TP
+from autoshard.plans.predict import Tally
+from autoshard.proof.rounding import Measure
+from autoshard.proof.simulate import PerRank, RankSimulator, widened
+from autoshard.runtime.context_ops import CP_CAUSAL_ATTENTION, local_positions
+
+_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextProof:
+    """Errors of the cp (x tp) ranks against one device (``|a - b| / |b|``): outputs (worst rank) and
+    gradients (summed over cp ranks / cp, worst tp rank); ``cp_collectives`` and ``tp_collectives``:
+    kind -> (count, ring bytes per rank) of what the simulated ranks ran."""
+
+    cp: int
+    tolerance: float
+    outputs: tuple[Measure, ...]
+    gradients: tuple[Measure, ...]
+    seconds: float
+    cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
+    tp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
+    plan: object = dataclasses.field(default=None, compare=False)  # the plan proven (autoshard.Plan)
+
+    @property
+    def ok(self) -> bool:
+        return all(m.ok for m in (*self.outputs, *self.gradients))
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            from autoshard.proof.proof import ProofError
+
+            bad = [f"{m.what}: {m.error:.2e} > {m.allowed:.0e}" for m in (*self.outputs, *self.gradients) if not m.ok]
+            raise ProofError(f"autoshard: the graph cut over cp={self.cp} differs from one device: " + "; ".join(bad))
+
+
+def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, inputs: list, weights: dict,
+                  *, seed: int = 0, rtol: float | None = None, output_cuts: tuple = (), seq: int = 0,
+                  plan=None, tp: int = 1) -> ContextProof:
+    """Run ``cut`` on ``cp`` (x ``tp``) simulated ranks and ``reference`` on one, on flat ``inputs`` and
+    ``weights`` (``get_attr`` target or FQN -> tensor); compare outputs and gradients.
+
+    ``output_cuts``: per output, the dim it leaves cut along (each rank compared with its positions of
+    the reference), or None. With ``plan`` and ``tp``, ``cut`` is the tp code emitted for the graph cut
+    over cp: each rank holds the plan's tp shard of every parameter (rank ``i`` is cp rank ``i // tp``,
+    tp rank ``i % tp``), and a tp rank's gradients summed over cp are held to its shard of the
+    reference's.
+
+    A model computing in bf16 or fp16 is run a second time in float64 (every dtype the code names
+    widened): cutting the sequence reorders sums, which rounds differently in 16 bits, so the plan is
+    judged by the float64 run (``Measure.sharded``, held to 1e-9), its 16-bit error kept beside it."""
+    start = time.perf_counter()
+    floating = [w.dtype for w in weights.values() if w.is_floating_point() and w.requires_grad] or [torch.float32]
+    dtype = min(floating, key=lambda d: torch.finfo(d).bits)  # the narrowest the model computes in
+    tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-5)
+    run = _Ranks(reference, cut, cp, tp, plan, output_cuts, seq)
+    trained = {name for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
+    errors, tally = run.errors(inputs, weights, trained, seed, widen=None)
+    wide = None
+    if rtol is None and torch.finfo(dtype).bits < 32:
+        wide, _ = run.errors(inputs, weights, trained, seed, widen=torch.float64)
+    measures = [Measure(what, error, allowed=tolerance) if wide is None else
+                Measure(what, error, sharded=wide[what], allowed=WIDE_TOLERANCE) for what, error in errors.items()]
+    result = tally.result()
+    return ContextProof(cp, tolerance if wide is None else WIDE_TOLERANCE,
+                        tuple(m for m in measures if m.what.startswith("output")),
+                        tuple(m for m in measures if m.what.startswith("grad")), time.perf_counter() - start,
+                        result.get(CP, {}), result.get(TP, {}))
+
+
+WIDE_TOLERANCE = 1e-9  # a cut computing the model's function agrees with it to float64's rounding
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ranks:
+    """One comparison of the simulated ranks with the unsharded graph (see :func:`prove_context`)."""
+
+    reference: fx.GraphModule
+    cut: fx.GraphModule
+    cp: int
+    tp: int
+    plan: object
+    output_cuts: tuple
+    seq: int
+
+    def per_tp_rank(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
+        from autoshard.proof.proof import stored_shards
+
+        if self.plan is not None and name in self.plan.params:
+            return stored_shards(self.plan.params[name], full, self.tp)
+        return [full] * self.tp
+
+    def errors(self, inputs: list, weights: dict, trained: set, seed: int,
+               widen: torch.dtype | None) -> tuple[dict, Tally]:
+        """``{"output i" / "grad fqn": relative error}`` and the collectives the ranks ran; ``trained``:
+        the weights whose gradients are compared; ``widen``: every float computed in that dtype."""
+        cp, tp = self.cp, self.tp
+        weights = {name: widened(w.detach(), widen) for name, w in weights.items()}
+        ref_params = {name: PerRank([w.clone().requires_grad_(name in trained)]) for name, w in weights.items()}
+        cp_params = {name: PerRank([self.per_tp_rank(name, w)[i % tp].clone().requires_grad_(name in trained)
+                                    for i in range(cp * tp)]) for name, w in weights.items()}
+        inputs = [widened(x, widen) for x in inputs]
+        ref_out = _flat(RankSimulator(self.reference, 1, ref_params.get, widen=widen).run(*inputs))
+        tally = Tally()
+        cut_out = _flat(RankSimulator(self.cut, tp, cp_params.get, tally=tally, widen=widen, cp=cp).run(*inputs))
+        gen = torch.Generator().manual_seed(seed)
+        cotangents = [torch.randn(o.values[0].shape, generator=gen).to(o.values[0].dtype)
+                      if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in ref_out]
+        cuts = list(self.output_cuts) + [None] * (len(ref_out) - len(self.output_cuts))
+        positions = [local_positions(r, cp, self.seq) for r in range(cp)] if any(c is not None for c in cuts) else []
+
+        def on_rank(value, i, rank):  # the part of a whole value simulated rank ``rank`` holds of output ``i``
+            return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank // tp])
+
+        _backward(ref_out, [[c] for c in cotangents])
+        _backward(cut_out, [[on_rank(c, i, r) for r in range(cp * tp)] for i, c in enumerate(cotangents)])
+        errors = {}
+        for i, (ref, got) in enumerate(zip(ref_out, cut_out, strict=True)):
+            if isinstance(ref, PerRank) and isinstance(ref.values[0], torch.Tensor):
+                errors[f"output {i}"] = max(_rel(g.detach(), on_rank(ref.values[0].detach(), i, r))
+                                            for r, g in enumerate(got.values))
+        from autoshard.proof.proof import _typical_rms, rel_error
+
+        # a gradient zero in exact arithmetic (a key bias under softmax) is rounding noise on both sides:
+        # held to a floor of a tenth of the model's typical gradient, as the tp proof does
+        floor = 0.1 * _typical_rms([ref_params[name].values[0].grad for name in trained])
+        for name in sorted(trained, key=list(weights).index):
+            ref_grad = ref_params[name].values[0].grad
+            grads = [p.grad for p in cp_params[name].values]
+            if ref_grad is None and all(g is None for g in grads):
+                continue
+            ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(weights[name])
+            expected = self.per_tp_rank(name, ref_grad)
+            scale = ref_grad.double().norm().item()
+            worst = 0.0
+            for t in range(tp):
+                mine = [g for g in (grads[c * tp + t] for c in range(cp)) if g is not None]
+                total = sum(mine) / cp if mine else torch.zeros_like(expected[t])
+                worst = max(worst, rel_error(total, expected[t], scale, floor))
+            errors[f"grad {name}"] = worst
+        return errors, tally
+
+
+def _flat(out) -> list:
+    return pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, PerRank))
+
+
+def _backward(outputs: list, cotangents: list) -> None:
+    """Back-propagate every rank's outputs against its cotangents (``cotangents[i][rank]``)."""
+    total = None
+    for out, cots in zip(outputs, cotangents, strict=True):
+        if not isinstance(out, PerRank):
+            continue
+        for value, cot in zip(out.values, cots, strict=True):
+            if cot is not None and value.requires_grad:
+                term = (value.float() * cot.float()).sum()
+                total = term if total is None else total + term
+    if total is not None:
+        total.backward()
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
+    scale = expected.double().norm().item() if scale is None else scale
+    diff = (actual.double() - expected.double()).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionWork:
+    """Attention FLOPs each cp rank runs in one forward, read from the emitted code's SDPA calls:
+    ``executed`` counts every (query, key) pair a call computes, ``useful`` only those its mask
+    lets through (``4 * head_dim`` FLOPs per pair and head: scores and the weighted sum)."""
+
+    executed: tuple[float, ...]
+    useful: tuple[float, ...]
+
+    @staticmethod
+    def spread(values) -> float:
+        """Largest deviation from the mean, relative to it."""
+        mean = sum(values) / len(values)
+        return max(abs(v - mean) for v in values) / mean
+
+    @staticmethod
+    def ratio(values) -> float:
+        """Most over least."""
+        return max(values) / min(values)
+
+
+def attention_work(cut: fx.GraphModule, cp: int, inputs: list, weights: dict) -> AttentionWork:
+    """Run ``cut`` on ``cp`` simulated ranks (no gradients) and count each rank's attention FLOPs."""
+    executed, useful = [0.0] * cp, [0.0] * cp
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+
+    class Counting(RankSimulator):
+        def call_function(self, target, args, kwargs):
+            if target is CP_CAUSAL_ATTENTION:  # chunk c reads (c + 1) L keys, the last L causally
+                q = args[0].values[0]
+                chunk, batch_heads = q.shape[-2] // 2, q.numel() // (q.shape[-2] * q.shape[-1])
+                for rank in range(self.ranks):
+                    for c in (rank, 2 * cp - 1 - rank):
+                        executed[rank] += 4 * batch_heads * q.shape[-1] * chunk * (c + 1) * chunk
+                        useful[rank] += 4 * batch_heads * q.shape[-1] * (c * chunk + (chunk + 1) / 2) * chunk
+            if target is sdpa:
+                from autoshard.proof.simulate import on_rank
+
+                for rank in range(self.ranks):
+                    a, k = on_rank(args, rank), on_rank(kwargs, rank)
+                    q, key = a[0], a[1]
+                    mask = a[3] if len(a) > 3 else k.get("attn_mask")
+                    causal = a[5] if len(a) > 5 else k.get("is_causal", False)
+                    pairs = q.shape[-2] * key.shape[-2]
+                    batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
+                    seen = pairs
+                    if mask is not None:
+                        seen = mask.expand(*q.shape[:-1], key.shape[-2]).float().sum().item() / batch_heads
+                        if mask.dtype != torch.bool:
+                            seen = (mask.expand(*q.shape[:-1], key.shape[-2]) > -torch.inf).float().sum().item() \
+                                / batch_heads
+                    elif causal:
+                        seen = torch.ones(q.shape[-2], key.shape[-2]).tril().sum().item()
+                    flops = 4 * batch_heads * q.shape[-1]
+                    executed[rank] += flops * pairs
+                    useful[rank] += flops * seen
+            return super().call_function(target, args, kwargs)
+
+    params = {name: PerRank([w.detach()] * cp) for name, w in weights.items()}
+    with torch.no_grad():
+        Counting(cut, 1, params.get, cp=cp).run(*inputs)
+    return AttentionWork(tuple(executed), tuple(useful))
