@@ -2,7 +2,7 @@
 
 A sharded module stores colwise weights transposed and fused projections
 with their columns permuted per tp size; its ``state_dict()`` already hides
-that (``autoshard/state_dict.py``). This module does the same for the rest of
+that (``autoshard/runtime/state_dict.py``). This module does the same for the rest of
 a training checkpoint, so a checkpoint names and shapes every tensor as the
 single-device model does and loads on any mesh, or on no mesh at all:
 
