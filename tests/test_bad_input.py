@@ -125,17 +125,23 @@ class DataDependent(nn.Module):
         self.b = nn.Linear(32, 32)
 
     def forward(self, x):
-        if x.sum() > 0:  # control flow on a tensor value: not capturable as one graph
+        if x.sum() > 0:  # control flow on a tensor value: captured the way the example goes
             return self.a(x)
         return self.b(x)
 
 
-def test_model_that_cannot_be_captured(mesh_2x2):
+def test_a_branch_on_a_tensor_value_is_captured_as_the_example_goes_and_said_so(mesh_2x2):
     model = DataDependent()
-    with leaves_untouched(model), pytest.raises(ValueError) as err:
-        autoshard.autoshard(model, mesh_2x2, example_inputs=(FEATURES,))
-    assert "could not capture DataDependent" in str(err.value)
-    assert "test_bad_input.py" in str(err.value) or "x.sum() > 0" in str(err.value)
+    example = FEATURES.abs()  # its sum is positive: the branch reads `a`
+    with leaves_untouched(model):
+        plan = autoshard.plan(model, mesh_2x2, example_inputs=(example,))
+    assert len(plan.branches) == 1 and "x.sum() > 0" in plan.branches[0], plan.branches
+    assert "taken as the example input took them" in str(plan)
+    assert "b.weight" in plan.params  # the branch not taken keeps its parameters, unread
+    with pytest.raises(ValueError, match="could not capture DataDependent.*x.sum\\(\\) > 0"):
+        with torch.device("meta"):
+            meta_model = DataDependent()
+        autoshard.plan(meta_model, mesh_2x2, example_inputs=(example,))  # no values to take a branch by
 
 
 def test_example_inputs_must_be_a_tuple(mesh_2x2):

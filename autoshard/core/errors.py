@@ -11,7 +11,8 @@ import torch.fx as fx
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(__import__(pkg).__file__)) + os.sep for pkg in ("torch", "autoshard")
-) + (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes") + os.sep,)
+) + (os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "passes") + os.sep,)
+# (the last: a source checkout's passes/, which an editable install maps to autoshard.passes)
 
 
 def user_frame(frames) -> str:

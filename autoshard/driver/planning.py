@@ -197,6 +197,8 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
         final = with_quantized_gathers(final, axes, options.all_gather_quant)
     if captured.trace_note:
         final = dataclasses.replace(final, trace_note=captured.trace_note)
+    if captured.branches:
+        final = dataclasses.replace(final, branches=captured.branches)
     if context is not None:
         from autoshard.passes.cut_sequence import cp_traffic
 

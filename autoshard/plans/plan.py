@@ -213,6 +213,9 @@ class Plan:
     # parameters the model does not train (requires_grad=False: LoRA's base weights, a frozen embedding):
     # no gradient is made or reduced for them over tp or dp, and the optimizer holds no state for them
     frozen: tuple[str, ...] = ()
+    # lines whose Python branch on a tensor's value was taken as the example took it, checked at run
+    # time (autoshard.passes.specialize)
+    branches: tuple[str, ...] = ()
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -270,7 +273,8 @@ class Plan:
             {"trace_note": self.trace_note} if self.trace_note else {}) | (
             {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}) | (
             {"context": dict(self.context)} if self.context else {}) | (
-            {"frozen": list(self.frozen)} if self.frozen else {})
+            {"frozen": list(self.frozen)} if self.frozen else {}) | (
+            {"branches": list(self.branches)} if self.branches else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -304,6 +308,7 @@ class Plan:
             pipeline=PipelineStages.from_dict(data["pipeline"]) if data.get("pipeline") else None,
             context=dict(data.get("context", {})),
             frozen=tuple(str(f) for f in data.get("frozen", ())),
+            branches=tuple(str(b) for b in data.get("branches", ())),
         )
 
     def __str__(self) -> str:
@@ -364,6 +369,9 @@ class Plan:
             out.append(self.all_gather_quant_line())
         if self.trace_note:
             out.append(f"capture: every block traced (not once for all): {self.trace_note}")
+        if self.branches:
+            out.append("capture: branches on a tensor's value taken as the example input took them, checked at run "
+                       f"time: {'; '.join(self.branches)}")
         if self.frozen:
             out.append(self.frozen_line())
         if "tp" in self.mesh:
