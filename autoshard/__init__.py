@@ -16,6 +16,15 @@ from autoshard.adapters.backend import backend, register_backend_name
 from autoshard.adapters.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.api import autoshard, check, plan
 from autoshard.core.mesh import data_parallel_rank
+from autoshard.core.options import (
+    CaptureOptions,
+    ContextOptions,
+    Options,
+    PipelineOptions,
+    PrecisionOptions,
+    ShardingOptions,
+    TensorOptions,
+)
 from autoshard.driver.suggest import Links, suggest_mesh
 from autoshard.plans.block_quant import BlockQuant
 from autoshard.plans.plan import ParamSharding, Plan
@@ -25,6 +34,7 @@ from autoshard.runtime.clipping import clip_grad_norm_
 
 register_backend_name()  # torch.compile(model, backend="autoshard", options={"mesh": mesh})
 
-__all__ = ["autoshard", "plan", "check", "Proof", "ProofError",
+__all__ = ["autoshard", "plan", "check", "Proof", "ProofError", "Options", "TensorOptions", "ContextOptions",
+           "PipelineOptions", "PrecisionOptions", "CaptureOptions", "ShardingOptions",
            "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
            "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links", "testing", "clip_grad_norm_"]

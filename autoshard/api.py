@@ -15,15 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard.core.mesh import CP, MeshAxes
-from autoshard.core.options import PlanOptions
+from autoshard.core.options import SHARDING_KEYWORDS, Options
 from autoshard.driver.agreement import check_ranks_agree
 from autoshard.driver.pipeline_plan import pipeline_plan_for
 from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_cut, prove_on
 from autoshard.passes.capture import parameters_on_meta
-from autoshard.plans.block_quant import BlockQuant
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof, prove
 from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
@@ -47,19 +45,8 @@ def check(
     plan: Plan | Mapping | None = None,
     seed: int = 0,
     rtol: float | None = None,
-    on_indivisible: str = "replicate",
-    loss_parallel: bool = False,
-    dynamic_shapes=None,
-    sequence_parallel: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    all_gather_quant: BlockQuant | None = None,
-    trace_blocks_once: bool = True,
-    microbatches: int | None = None,
-    schedule: str = "1F1B",
-    stages_per_rank: int | None = None,
-    pp_split=None,
-    memory_per_rank: int | None = None,
-    context_output: str = "whole",
+    options: Options | None = None,
+    **keywords,
 ) -> Proof:
     """Prove the plan for ``model`` on ``mesh`` in this process, without a process group.
 
@@ -77,9 +64,10 @@ def check(
         plan: a saved plan to prove instead of planning.
         seed: seeds the weights, inputs and output gradients.
         rtol: the relative error allowed (default by compute dtype: 1e-4 fp32, 3e-2 bf16).
-        The other options are :func:`autoshard`'s; ``mp_policy`` proves the code as it runs in
-        ``param_dtype``. On a mesh with a ``pp`` axis the stages, called one after another on one
-        microbatch, are proven against the unsharded graph.
+        options: an :class:`~autoshard.core.options.Options`; each of its options may also be given
+            as a keyword (``sequence_parallel=True``), applied over it. ``mp_policy`` proves the code
+            as it runs in ``param_dtype``. On a mesh with a ``pp`` axis the stages, called one after
+            another on one microbatch, are proven against the unsharded graph.
 
     Returns:
         a :class:`~autoshard.proof.proof.Proof`: ``ok``, the error of every output and gradient, the
@@ -90,23 +78,20 @@ def check(
         proof = autoshard.check(model, {"dp": 2, "tp": 4}, example_inputs=(tokens,))
         proof.raise_if_failed()
     """
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once, context_output)
-    axes = mesh_axes(mesh)
-    pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
-                     pp_split=pp_split, memory_per_rank=memory_per_rank)
+    chosen = Options.of(options, caller="check", refused=SHARDING_KEYWORDS, **keywords)
+    plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
     if axes.has_pp:
         from autoshard.proof.pipeline_proof import prove_stages
 
-        pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
-                               keep_reference=True)
+        pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, plan_options,
+                                  chosen.pipeline.as_keywords(), keep_reference=True)
         return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
-    _refuse_pipeline_options(pipelined)
+    _refuse_pipeline_options(chosen)
     if axes.has_cp:
-        planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True)
-        emitted = emit(planned, axes, "tp", options) if axes.has_tp else None
+        planned = plan_result(model, axes, example_inputs, example_kwargs, plan, plan_options, keep_reference=True)
+        emitted = emit(planned, axes, "tp", plan_options) if axes.has_tp else None
         return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
-    return prove_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol)
+    return prove_on(model, axes, example_inputs, example_kwargs, plan_options, plan=plan, seed=seed, rtol=rtol)
 
 
 def plan(
@@ -115,19 +100,8 @@ def plan(
     *,
     example_inputs: tuple,
     example_kwargs: dict | None = None,
-    on_indivisible: str = "replicate",
-    loss_parallel: bool = False,
-    dynamic_shapes=None,
-    sequence_parallel: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    all_gather_quant: BlockQuant | None = None,
-    trace_blocks_once: bool = True,
-    microbatches: int | None = None,
-    schedule: str = "1F1B",
-    stages_per_rank: int | None = None,
-    pp_split=None,
-    memory_per_rank: int | None = None,
-    context_output: str = "whole",
+    options: Options | None = None,
+    **keywords,
 ) -> Plan:
     """Plan how ``model`` is sharded over ``mesh`` without touching any tensor.
 
@@ -140,10 +114,9 @@ def plan(
             to plan for a mesh that does not exist in this process.
 
     Keyword Args:
-        example_inputs, example_kwargs, on_indivisible, loss_parallel, dynamic_shapes,
-        sequence_parallel, mp_policy, all_gather_quant, trace_blocks_once, and on a mesh with a
-        ``pp`` axis microbatches, schedule, stages_per_rank, pp_split, memory_per_rank: as
-        :func:`autoshard`'s.
+        example_inputs, example_kwargs: as :func:`autoshard`'s.
+        options: an :class:`~autoshard.core.options.Options`; each of its planning options may also
+            be given as a keyword (``sequence_parallel=True``, ``microbatches=4``), applied over it.
 
     Returns:
         The :class:`~autoshard.plans.plan.Plan` :func:`autoshard` would apply.
@@ -153,15 +126,13 @@ def plan(
         plan = autoshard.plan(model, {"dp": 2, "tp": 4}, example_inputs=(tokens,))
         print(plan)
     """
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once, context_output)
-    axes = mesh_axes(mesh)
-    pipelined = dict(loss_fn=None, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
-                     pp_split=pp_split, memory_per_rank=memory_per_rank)
+    chosen = Options.of(options, caller="plan", refused=SHARDING_KEYWORDS, **keywords)
+    plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
     if axes.has_pp:
-        return pipeline_plan_for(model, axes, example_inputs, example_kwargs, None, options, pipelined).plan
-    _refuse_pipeline_options(pipelined)
-    return plan_result(model, axes, example_inputs, example_kwargs, None, options).plan
+        return pipeline_plan_for(model, axes, example_inputs, example_kwargs, None, plan_options,
+                                 chosen.pipeline.as_keywords()).plan
+    _refuse_pipeline_options(chosen)
+    return plan_result(model, axes, example_inputs, example_kwargs, None, plan_options).plan
 
 
 def autoshard(
@@ -171,24 +142,8 @@ def autoshard(
     example_inputs: tuple,
     example_kwargs: dict | None = None,
     plan: Plan | Mapping | None = None,
-    sync_module_states: bool = True,
-    reshard_after_forward: bool = True,
-    on_indivisible: str = "replicate",
-    loss_parallel: bool = False,
-    dynamic_shapes=None,
-    sequence_parallel: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    activation_checkpointing: str | None = None,
-    all_gather_quant: BlockQuant | None = None,
-    trace_blocks_once: bool = True,
-    check: bool | str = "auto",
-    loss_fn=None,
-    microbatches: int | None = None,
-    schedule: str = "1F1B",
-    stages_per_rank: int | None = None,
-    pp_split=None,
-    memory_per_rank: int | None = None,
-    context_output: str = "whole",
+    options: Options | None = None,
+    **keywords,
 ):
     """Shard ``model`` over ``mesh`` (axes ``dp`` and/or ``tp``) and return a GraphModule.
 
@@ -214,6 +169,9 @@ def autoshard(
             decoder's KV cache, on by default) and is not given it here runs with
             ``use_cache=False``: the result returns the model's output without the cache.
         plan: a :class:`Plan` or its dict, applied instead of planning.
+        options: an :class:`~autoshard.core.options.Options` (``autoshard.Options``), every keyword
+            below grouped by what it configures (``tensor``, ``context``, ``pipeline``,
+            ``precision``, ``capture``, ``sharding``); keywords given too are applied over it.
         sync_module_states: broadcast rank 0's weights first, so ranks that initialized
             differently still agree.
         reshard_after_forward: FSDP2's: blocks free their gathered parameters after forward.
@@ -279,33 +237,28 @@ def autoshard(
         sharded = autoshard.autoshard(model, mesh, example_inputs=(tokens,))
         optimizer = torch.optim.AdamW(sharded.parameters(), lr=3e-4)
     """
+    chosen = Options.of(options, caller="autoshard", **keywords)
+    plan_options, sharding = chosen.plan_options(), chosen.sharding
     axes = mesh_axes(mesh)
     if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
-    if activation_checkpointing not in (None, *CHECKPOINT_MODES):
-        raise ValueError(
-            f"autoshard: activation_checkpointing must be None, 'full' or 'selective', got {activation_checkpointing!r}"
-        )
-    if mp_policy is not None and not axes.has_dp:
+    if sharding.activation_checkpointing not in (None, *CHECKPOINT_MODES):
+        raise ValueError("autoshard: activation_checkpointing must be None, 'full' or 'selective', got "
+                         f"{sharding.activation_checkpointing!r}")
+    if plan_options.mp_policy is not None and not axes.has_dp:
         raise ValueError(
             "autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none "
             f"({axes.to_dict()}); on a tp-only mesh cast the model (model.to(torch.bfloat16)) instead"
         )
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once, context_output)
-    pipelined = dict(loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
-                     pp_split=pp_split, memory_per_rank=memory_per_rank)
     if axes.has_pp:
-        return _pipeline(model, axes, example_inputs, example_kwargs, plan, options, check, pipelined,
-                         sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
-                         activation_checkpointing=activation_checkpointing)
-    _refuse_pipeline_options(pipelined)
-    proving = _proves(check, model, axes)
-    planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=proving)
+        return _pipeline(model, axes, example_inputs, example_kwargs, plan, chosen)
+    _refuse_pipeline_options(chosen)
+    proving = _proves(sharding.check, model, axes)
+    planned = plan_result(model, axes, example_inputs, example_kwargs, plan, plan_options, keep_reference=proving)
     final_plan, captured = planned.plan, planned.captured
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     tp_group = axes.group_name("tp") if axes.has_tp else None
-    emitted = emit(planned, axes, tp_group, options, keep_planned=proving)
+    emitted = emit(planned, axes, tp_group, plan_options, keep_planned=proving)
     if proving and axes.has_cp:
         prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted=emitted).raise_if_failed()
     elif proving:
@@ -317,11 +270,11 @@ def autoshard(
         final_plan,
         axes,
         captured.aliases,
-        sync_module_states=sync_module_states,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
+        sync_module_states=sharding.sync_module_states,
+        reshard_after_forward=sharding.reshard_after_forward,
+        mp_policy=plan_options.mp_policy,
     )
-    apply_activation_checkpointing(parts.blocks, activation_checkpointing)  # on the final block code
+    apply_activation_checkpointing(parts.blocks, sharding.activation_checkpointing)  # on the final block code
     verify(sharded, final_plan, axes)
     sharded.autoshard_plan = final_plan
     remember_entries(sharded, final_plan)
@@ -334,37 +287,33 @@ def autoshard(
     return sharded
 
 
-_PIPELINE_DEFAULTS = dict(loss_fn=None, microbatches=None, schedule="1F1B", stages_per_rank=None, pp_split=None,
-                          memory_per_rank=None)
-
-
-def _refuse_pipeline_options(pipelined: dict) -> None:
-    given = [k for k, v in pipelined.items() if v != _PIPELINE_DEFAULTS[k]]
+def _refuse_pipeline_options(chosen: Options) -> None:
+    given = chosen.pipeline.configured()
     if given:
         raise ValueError(f"autoshard: {', '.join(given)} configure pipeline stages, and this mesh has no 'pp' axis")
 
 
-def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, check, pipelined: dict, *,
-              sync_module_states, reshard_after_forward, activation_checkpointing):
+def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, chosen: Options):
     """``autoshard()`` on a mesh with a pp axis: the stage plan, proven, and this rank's stages."""
     from autoshard.runtime.pipeline_stages import materialize_pipeline
 
-    if pipelined["loss_fn"] is None:
+    plan_options, sharding, pipelined = chosen.plan_options(), chosen.sharding, chosen.pipeline
+    if pipelined.loss_fn is None:
         raise ValueError("autoshard: a mesh with a 'pp' axis trains through a schedule that runs the loss on the "
                          "last stage: pass loss_fn=(output, target) -> loss")
-    if options.mp_policy is not None and not axes.stage_axes().has_dp:
+    if plan_options.mp_policy is not None and not axes.stage_axes().has_dp:
         raise ValueError("autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none")
-    proving = _proves(check, model, axes)
-    pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, options, pipelined,
-                           keep_reference=proving)
+    proving = _proves(sharding.check, model, axes)
+    pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, plan_options,
+                              pipelined.as_keywords(), keep_reference=proving)
     _check_agreement(pplan.plan, pplan.planned.captured.inputs, axes)
     if proving:
         from autoshard.proof.pipeline_proof import prove_stages
 
         prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs).raise_if_failed()
-    return materialize_pipeline(pplan, model, axes, pipelined["loss_fn"], sync_module_states=sync_module_states,
-                                reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
-                                activation_checkpointing=activation_checkpointing)
+    return materialize_pipeline(pplan, model, axes, pipelined.loss_fn, sync_module_states=sharding.sync_module_states,
+                                reshard_after_forward=sharding.reshard_after_forward, mp_policy=plan_options.mp_policy,
+                                activation_checkpointing=sharding.activation_checkpointing)
 
 
 def _check_agreement(final_plan: Plan, inputs, axes: MeshAxes) -> None:

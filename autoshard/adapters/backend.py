@@ -66,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.adapters.compiled_blocks import compile_blocks
 from autoshard.adapters.handover import Handover, keep_gradients_released, release
+from autoshard.core.options import Options
 from autoshard.plans.plan import Plan
 
 _DYNAMO_SELF = "L['self']"
@@ -244,14 +245,16 @@ class AutoshardBackend:
 
     ``compiler`` compiles each FSDP block of the sharded graph (a dynamo
     backend name: ``"inductor"``, ``"aot_eager"``, ``"eager"``).
-    ``autoshard_options`` are :func:`autoshard.autoshard`'s keywords
-    (``sequence_parallel``, ``on_indivisible``, ``reshard_after_forward``...).
+    ``options`` (an :class:`~autoshard.core.options.Options`) and ``keywords`` are
+    :func:`autoshard.autoshard`'s (``sequence_parallel``, ``on_indivisible``, ``reshard_after_forward``...).
     """
 
-    def __init__(self, mesh: DeviceMesh | None, compiler: str = "inductor", **autoshard_options):
-        if "example_inputs" in autoshard_options or "plan" in autoshard_options:
+    def __init__(self, mesh: DeviceMesh | None, compiler: str = "inductor", options: Options | None = None,
+                 **keywords):
+        if "example_inputs" in keywords or "plan" in keywords:
             raise ValueError("autoshard.backend: example inputs come from dynamo; `plan` is made per graph")
-        if autoshard_options.get("activation_checkpointing"):
+        chosen = Options.of(options, caller="autoshard.backend", **keywords)
+        if chosen.sharding.activation_checkpointing:
             raise NotImplementedError(
                 "autoshard.backend: activation_checkpointing is applied to eager blocks; the backend compiles "
                 "each block's forward instead, so use autoshard.autoshard(..., activation_checkpointing=...) or "
@@ -265,7 +268,7 @@ class AutoshardBackend:
             )
         self.mesh = mesh
         self.compiler = compiler
-        self.options = autoshard_options
+        self.options = chosen
         self.sharded: list[fx.GraphModule] = []
         self.handover = Handover()
 
@@ -281,7 +284,7 @@ class AutoshardBackend:
         _user_fqn_paths(gm)
         as_module = _GraphAsModule(gm, inputs, example_inputs)
         user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
-        sharded = autoshard(as_module, mesh, example_inputs=user_inputs, **self.options)
+        sharded = autoshard(as_module, mesh, example_inputs=user_inputs, options=self.options)
         compile_blocks(sharded, self.compiler)
         self.sharded.append(sharded)
         self.handover.take(sharded, dict(as_module.named_parameters(remove_duplicate=False)), code)
@@ -382,7 +385,8 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", **autoshard_options) -> AutoshardBackend:
+def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", options: Options | None = None,
+            **keywords) -> AutoshardBackend:
     """A backend for ``torch.compile(model, backend=autoshard.backend(mesh))``.
 
     Args:
@@ -391,8 +395,8 @@ def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", **aut
     Keyword Args:
         compiler: the dynamo backend each sharded FSDP block is compiled with
             (``"inductor"``, ``"aot_eager"``, ``"eager"``).
-        autoshard_options: :func:`autoshard.autoshard`'s keywords (not
-            ``example_inputs``, which come from dynamo, nor ``plan``).
+        options: :func:`autoshard.autoshard`'s :class:`~autoshard.core.options.Options`, and its
+            keywords applied over it (not ``example_inputs``, which come from dynamo, nor ``plan``).
 
     Returns:
         The :class:`AutoshardBackend`: after the compiled model's first call it
@@ -405,7 +409,7 @@ def backend(mesh: DeviceMesh | None = None, *, compiler: str = "inductor", **aut
         compiled = torch.compile(model, backend=backend)
         optimizer = backend.attach(torch.optim.AdamW(model.parameters()))
     """
-    return AutoshardBackend(mesh, compiler, **autoshard_options)
+    return AutoshardBackend(mesh, compiler, options, **keywords)
 
 
 _MADE = "_autoshard_backend"  # where the registered name keeps the backend it made, in its options

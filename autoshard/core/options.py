@@ -1,9 +1,12 @@
-"""Planning options: one frozen object handed through capture, propagation and retargeting.
+"""Options: one object, defined once, taken by ``autoshard()``, ``plan()``, ``check()``,
+``autoshard.testing.check()`` and the compile backend.
 
-The public functions (:func:`autoshard.autoshard`, :func:`autoshard.plan`, the
-compile backend) keep plain keyword arguments; they build one
-:class:`PlanOptions`, checked once, and the stages read it instead of taking a
-positional chain of flags.
+:class:`Options` groups every option by the axis or concern it configures (``tensor``,
+``context``, ``pipeline``, ``precision``, ``capture``, ``sharding``). The public functions take
+it as ``options=`` and, as before, each option as a keyword of its own (:data:`KEYWORDS` maps a
+keyword to its group and field); keywords are applied over ``options``. The graph passes read
+:class:`PlanOptions`, the planning subset, one frozen object handed through capture, propagation
+and retargeting instead of a positional chain of flags.
 """
 
 from __future__ import annotations
@@ -63,3 +66,160 @@ class PlanOptions:
 
 
 DEFAULT_OPTIONS = PlanOptions()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOptions:
+    """Tensor parallelism (a ``tp`` axis).
+
+    ``on_indivisible``: a weight whose sharded dim does not divide by tp is replicated over tp and
+    the plan says why (``"replicate"``), or raises a ``ValueError`` naming it (``"error"``).
+    ``loss_parallel``: outputs sharded over their last dim (LM-head logits) are returned as
+    DTensors ``Shard(-1)`` on the tp mesh; compute the loss under torch's ``loss_parallel()``.
+    ``sequence_parallel``: norms, dropout and residual adds run cut over the sequence between
+    blocks (each rowwise all-reduce a reduce-scatter, each colwise group's input an all-gather)."""
+
+    on_indivisible: str = "replicate"
+    loss_parallel: bool = False
+    sequence_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextOptions:
+    """Context parallelism (a ``cp`` axis). ``output``: outputs cut along the sequence come back
+    all-gathered (``"whole"``) or as this rank's positions (``"local"``, listed in the result's
+    ``cp_positions``)."""
+
+    output: str = "whole"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """Pipeline stages (a ``pp`` axis, see ``docs/pipeline.md``).
+
+    ``loss_fn(output, target)`` runs on the last stage per microbatch; ``microbatches`` divides
+    the dp-local batch (default: as many as stages); ``schedule`` is a
+    ``torch.distributed.pipelining`` schedule name, with ``stages_per_rank`` stages per rank for
+    the interleaved ones; ``split`` names the first block of every stage after the first (default:
+    the split that balances the stages' FLOPs); ``memory_per_rank`` (bytes) bounds each stage."""
+
+    loss_fn: object = None
+    microbatches: int | None = None
+    schedule: str = "1F1B"
+    stages_per_rank: int | None = None
+    split: object = None
+    memory_per_rank: int | None = None
+
+    def configured(self) -> list[str]:
+        """The keywords set away from their defaults (each configures stages: a pp axis needs them)."""
+        default = PipelineOptions()
+        return [_PIPELINE_KEYWORD.get(f.name, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)]
+
+    def as_keywords(self) -> dict:
+        """By today's keyword names (``pp_split`` for ``split``), as the pipeline planner reads them."""
+        return {_PIPELINE_KEYWORD.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionOptions:
+    """``mp_policy``: FSDP2's ``MixedPrecisionPolicy``, applied by every FSDP unit and followed by
+    autoshard's tp collectives (activations travel in ``param_dtype``, sums of partial values are
+    taken in ``reduce_dtype``); it needs a dp axis. ``all_gather_quant``: an
+    :class:`autoshard.BlockQuant` for FSDP's all-gathers."""
+
+    mp_policy: object = None
+    all_gather_quant: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """``dynamic_shapes``: ``torch.export``'s spec, those dims captured symbolic (one plan for every
+    batch and sequence length). ``trace_blocks_once``: trace a stack of identical blocks as its
+    first two and write the rest (the same graph, much faster on deep models)."""
+
+    dynamic_shapes: object = None
+    trace_blocks_once: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingOptions:
+    """What ``autoshard()`` does beyond the plan. ``check``: prove the emitted code first
+    (``"auto"``: when it costs little; ``True``; ``False``). ``sync_module_states``: broadcast rank
+    0's weights first. ``reshard_after_forward``: FSDP2's. ``activation_checkpointing``: ``"full"``,
+    ``"selective"`` or ``None``."""
+
+    check: object = "auto"
+    sync_module_states: bool = False
+    reshard_after_forward: bool = True
+    activation_checkpointing: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every option, grouped; see each group's docstring. Build it with keywords
+    (``Options.of(sequence_parallel=True, mp_policy=policy)``) or by group
+    (``Options(tensor=TensorOptions(sequence_parallel=True))``); pass it as ``options=`` to
+    ``autoshard()``, ``plan()``, ``check()`` or ``autoshard.backend()``."""
+
+    tensor: TensorOptions = TensorOptions()
+    context: ContextOptions = ContextOptions()
+    pipeline: PipelineOptions = PipelineOptions()
+    precision: PrecisionOptions = PrecisionOptions()
+    capture: CaptureOptions = CaptureOptions()
+    sharding: ShardingOptions = ShardingOptions()
+
+    @classmethod
+    def of(cls, options: Options | None = None, *, caller: str = "autoshard", refused: tuple[str, ...] = (),
+           **keywords) -> Options:
+        """``options`` (default: all defaults) with each keyword of :data:`KEYWORDS` applied over it;
+        a keyword ``caller`` does not take (``refused``) or that no option has is a ``TypeError``."""
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"{caller}() options must be an autoshard.Options, got {type(options).__name__}")
+        result = options if options is not None else cls()
+        for keyword, value in keywords.items():
+            if keyword not in KEYWORDS or keyword in refused:
+                raise TypeError(f"{caller}() got an unexpected keyword argument {keyword!r}")
+            group, field = KEYWORDS[keyword]
+            grouped = dataclasses.replace(getattr(result, group), **{field: value})
+            result = dataclasses.replace(result, **{group: grouped})
+        return result
+
+    def changed(self) -> dict[str, object]:
+        """The options set away from their defaults, by keyword (what a report lists)."""
+        default = Options()
+        return {keyword: value for keyword, (group, field) in KEYWORDS.items()
+                if (value := getattr(getattr(self, group), field)) is not getattr(getattr(default, group), field)
+                and value != getattr(getattr(default, group), field)}
+
+    def plan_options(self) -> PlanOptions:
+        """The planning subset the graph passes read."""
+        return PlanOptions(self.tensor.on_indivisible, self.tensor.loss_parallel, self.tensor.sequence_parallel,
+                           self.capture.dynamic_shapes, self.precision.mp_policy, self.precision.all_gather_quant,
+                           self.capture.trace_blocks_once, self.context.output)
+
+
+_PIPELINE_KEYWORD = {"split": "pp_split"}
+# keyword -> (group, field): today's keyword names, each one option of one group
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "on_indivisible": ("tensor", "on_indivisible"),
+    "loss_parallel": ("tensor", "loss_parallel"),
+    "sequence_parallel": ("tensor", "sequence_parallel"),
+    "context_output": ("context", "output"),
+    "loss_fn": ("pipeline", "loss_fn"),
+    "microbatches": ("pipeline", "microbatches"),
+    "schedule": ("pipeline", "schedule"),
+    "stages_per_rank": ("pipeline", "stages_per_rank"),
+    "pp_split": ("pipeline", "split"),
+    "memory_per_rank": ("pipeline", "memory_per_rank"),
+    "mp_policy": ("precision", "mp_policy"),
+    "all_gather_quant": ("precision", "all_gather_quant"),
+    "dynamic_shapes": ("capture", "dynamic_shapes"),
+    "trace_blocks_once": ("capture", "trace_blocks_once"),
+    "check": ("sharding", "check"),
+    "sync_module_states": ("sharding", "sync_module_states"),
+    "reshard_after_forward": ("sharding", "reshard_after_forward"),
+    "activation_checkpointing": ("sharding", "activation_checkpointing"),
+}
+# what only autoshard() does with a process group: plan() and check() refuse these keywords
+SHARDING_KEYWORDS = tuple(k for k, (group, _) in KEYWORDS.items() if group == "sharding") + ("loss_fn",)

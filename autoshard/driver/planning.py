@@ -241,7 +241,7 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
     cp x tp rank simulated."""
     from autoshard.plans.context_plan import ContextPlan
     from autoshard.proof.context_proof import prove_context
-    from autoshard.runtime.pipeline import flat_inputs
+    from autoshard.runtime.pipeline_stages import flat_inputs
 
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))

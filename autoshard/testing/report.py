@@ -12,17 +12,14 @@ proof runs every tp rank of that code in this process
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from collections.abc import Mapping
 
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autoshard.core.options import PlanOptions
+from autoshard.core.options import Options
 from autoshard.driver import planning
-from autoshard.plans.block_quant import BlockQuant
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof, ProofValues
 from autoshard.testing.meshes import mesh_text
@@ -122,22 +119,16 @@ def check(
     rtol: float | None = None,
     keep_values: bool = False,
     plan: Plan | Mapping | None = None,
-    reshard_after_forward: bool = True,
-    on_indivisible: str = "replicate",
-    loss_parallel: bool = False,
-    dynamic_shapes=None,
-    sequence_parallel: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    all_gather_quant: BlockQuant | None = None,
-    trace_blocks_once: bool = True,
+    options: Options | None = None,
+    **keywords,
 ) -> Report:
     """Plan ``model`` for ``mesh`` (axis sizes, e.g. ``{"dp": 2, "tp": 4}``), emit its code and
     prove it, in this process: no process group, no GPU.
 
-    The options after ``keep_values`` are :func:`autoshard.autoshard`'s, so the keywords a
-    training script passes can be passed here. ``seed`` and ``rtol`` are the proof's
-    (:func:`autoshard.check`); ``keep_values`` keeps the tensors the proof ran in
-    ``report.values``, to replay them in a real run.
+    ``options`` and the keywords are :func:`autoshard.autoshard`'s (one
+    :class:`~autoshard.core.options.Options`), so what a training script passes can be passed
+    here. ``seed`` and ``rtol`` are the proof's (:func:`autoshard.check`); ``keep_values`` keeps
+    the tensors the proof ran in ``report.values``, to replay them in a real run.
 
     Example::
 
@@ -151,17 +142,12 @@ def check(
             f"autoshard.testing.check: `mesh` is a dict of axis sizes such as {{'dp': 2, 'tp': 4}} (nothing runs "
             f"on a real mesh here), got {type(mesh).__name__}"
         )
-    options = PlanOptions(on_indivisible, loss_parallel, sequence_parallel, dynamic_shapes, mp_policy,
-                          all_gather_quant, trace_blocks_once)
+    chosen = Options.of(options, caller="autoshard.testing.check", **keywords)
     axes = planning.mesh_axes(mesh)
-    checked = planning.checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, seed=seed, rtol=rtol,
-                             keep_values=keep_values)
+    checked = planning.checked_on(model, axes, example_inputs, example_kwargs, chosen.plan_options(), plan=plan,
+                                  seed=seed, rtol=rtol, keep_values=keep_values)
     parts = checked.emitted.parts
     code = (UnitCode.of(ROOT, parts.root), *(UnitCode.of(fqn, block) for fqn, block in parts.blocks.items()))
-    given = {"plan": plan, "reshard_after_forward": reshard_after_forward, "on_indivisible": on_indivisible,
-             "loss_parallel": loss_parallel, "sequence_parallel": sequence_parallel, "mp_policy": mp_policy,
-             "all_gather_quant": all_gather_quant, "trace_blocks_once": trace_blocks_once}
-    defaults = inspect.signature(check).parameters
-    changed = {k: v for k, v in given.items() if v is not defaults[k].default and v != defaults[k].default}
+    changed = ({"plan": plan} if plan is not None else {}) | chosen.changed()
     return Report(type(model).__name__, dict(axes.to_dict()), changed, checked.proof.plan, code, checked.proof,
-                  time.perf_counter() - start, reshard_after_forward)
+                  time.perf_counter() - start, chosen.sharding.reshard_after_forward)
