@@ -41,10 +41,10 @@ def test_keywords_and_the_grouped_object_give_the_same_plan():
 
 def test_check_takes_the_same_object():
     model = Llama(LlamaConfig())
-    proof = autoshard.check(model, {"tp": 2}, example_inputs=(TOKENS,), options=autoshard.Options.of(loss_parallel=True))
+    options = autoshard.Options.of(loss_parallel=True)
+    proof = autoshard.check(model, {"tp": 2}, example_inputs=(TOKENS,), options=options)
     assert proof.ok, str(proof)
-    report = autoshard.testing.check(model, {"tp": 2}, example_inputs=(TOKENS,),
-                                     options=autoshard.Options.of(loss_parallel=True))
+    report = autoshard.testing.check(model, {"tp": 2}, example_inputs=(TOKENS,), options=options)
     assert report.options == {"loss_parallel": True}
 
 
