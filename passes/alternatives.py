@@ -399,6 +399,8 @@ def _gathered(plan: LayoutPlan, sites: Sites) -> dict[str, str | None]:
         if any(other.node in region and plan.roles[other.weight_fqn] != ROWWISE
                for other in sites.linears if other.node is not site.node):
             continue
+        if plan.loss_parallel and any(user.op == "output" for value in region for user in value.users):
+            continue  # the model's output left cut (loss parallelism), through cp's gather or a view
         gathered_for = [consumer for value, consumer in gathers if value in region]
         if gathered_for:
             early = plan.gathered_early.get(site.node) or plan.gathered_early.get(site.output)

@@ -226,6 +226,7 @@ class LayoutPlan:
     # colwise outputs gathered right after the matmul -> where their region would have ended
     gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     sequence_parallel: bool = False
+    loss_parallel: bool = False  # outputs cut on their last dim leave as DTensors
     carries_grad: frozenset[fx.Node] = frozenset()  # values a gradient flows back through
     # parameters that are no linear's weight but are read sharded by one op (a norm's weight over
     # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
@@ -451,6 +452,8 @@ class Revisions:
         position: dict[fx.Node, int] = {}
         for region in _regions(plan, useful):
             region_sources = region & sources
+            if _leaves_cut(plan, region):
+                continue  # the model's output, left cut on purpose (loss parallelism): no region to end
             cost = RegionCost(kept=_exit_cost(plan, region), revised=len(region_sources))
             if not region_sources or not cost.no_dearer:  # a tie gathers early: sharding bought nothing
                 continue
@@ -551,7 +554,8 @@ class Propagation:
         _hoist_enter_tp(self.edges, self.layouts, self.carries_grad)
         return LayoutPlan(
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
-            sequence_parallel=self.options.sequence_parallel, carries_grad=self.carries_grad,
+            sequence_parallel=self.options.sequence_parallel, loss_parallel=self.options.loss_parallel,
+            carries_grad=self.carries_grad,
             sharded_params=self.sharded_params, whole_sequences=self.whole_sequences,
             convolutions=self.convolutions, role_notes=self.role_notes,
         )
@@ -1721,6 +1725,13 @@ def _components(members: set[fx.Node], joined) -> list[set[fx.Node]]:
         seen |= component
         components.append(component)
     return components
+
+
+def _leaves_cut(plan: LayoutPlan, region: set[fx.Node]) -> bool:
+    """Whether the region reaches the model's output and leaves it cut (a DTensor under loss
+    parallelism), through cp's gather or a view on the way."""
+    return any(consumer.op == "output" and any(step.kind == SHARDED_OUTPUT for step in steps)
+               for (value, consumer), steps in plan.edges.items() if value in region)
 
 
 def _gathers(plan: LayoutPlan, value: fx.Node, consumer: fx.Node) -> bool:

@@ -12,6 +12,8 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 import autoshard
 from autoshard.adapters.comm_stats import CollectiveCounter
@@ -29,13 +31,14 @@ def _batch(vocab: int, batch: int = 4, seq: int = 32, seed: int = 0):
     return torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen)
 
 
-def _parity(build, mesh, loss_fn, ids, targets, kwargs=None, optimizers=("adamw", "sgd")):
+def _parity(build, mesh, loss_fn, ids, targets, kwargs=None, optimizers=("adamw", "sgd"), options=None):
     """3 AdamW steps (losses) and 3 SGD steps (losses and every parameter) next to one device; the
-    first build is proven (``check="auto"``) as a user's call is, the second is not proven again."""
+    first build is proven (``check="auto"``) as a user's call is, the second is not proven again.
+    ``options``: autoshard's keywords."""
     for optimizer in optimizers:
         torch.manual_seed(0)
         run = train_both(build(), mesh, ids, targets, loss_fn, optimizer=optimizer, kwargs=kwargs,
-                         shard_kwargs={} if optimizer == optimizers[0] else {"check": False})
+                         shard_kwargs=(options or {}) | ({} if optimizer == optimizers[0] else {"check": False}))
         assert_parity(run, loss_tol=TOL, param_tol=TOL if optimizer == "sgd" else None)
     return run
 
@@ -96,6 +99,45 @@ def check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp(ctx):
     _assert_cp_traffic_as_predicted(run.sharded, mesh, ids, lm_loss, targets)
 
 
+def check_cp2_tp2_with_sequence_parallelism_trains_like_one_device(ctx):
+    """Sequence parallelism inside each cp rank's share of the sequence: between blocks the residual
+    stream is cut over tp too (reduce-scatters and all-gathers on tp), attention over cp as without."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    ids, targets = _batch(hf_cases.VOCAB)
+    run = _parity(hf_cases._llama, mesh, hf_loss, ids, targets, options={"sequence_parallel": True})
+    tp = run.sharded.autoshard_plan.predicted_comm()["tp"]
+    assert tp["reduce_scatter"][0] > 0 and tp["all_gather"][0] > 0, tp
+
+
+def check_cp2_tp2_with_loss_parallelism_trains_like_one_device(ctx):
+    """Loss parallelism over cp: the logits come back gathered over cp and cut over the vocabulary on
+    tp (a DTensor ``Shard(2)``), the loss computed under torch's ``loss_parallel()``; 3 SGD steps, with
+    sequence parallelism as well, match one device (loss and every parameter)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    ids, targets = _batch(256)
+    for options in ({"loss_parallel": True}, {"loss_parallel": True, "sequence_parallel": True}):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig())
+        reference = copy.deepcopy(model)
+        sharded = autoshard.autoshard(model, mesh, example_inputs=(ids,), **options)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, reference)]
+        for _ in range(3):
+            logits = sharded(ids)
+            assert isinstance(logits, DTensor) and tuple(logits.placements) == (Shard(2),), logits
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss.backward()
+            want = lm_loss(reference(ids), targets)
+            want.backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            assert abs(loss.full_tensor().item() - want.item()) <= TOL * abs(want.item()), (options, loss, want)
+        expected = reference.state_dict()
+        for name, value in sharded.state_dict().items():
+            assert rel_error(full(value), expected[name]) <= TOL, (options, name)
+
+
 def check_outputs_left_cut_train_like_one_device_with_a_loss_over_each_ranks_tokens(ctx):
     """``context_output="local"``: each rank's logits at ``cp_positions``, its loss a share of the
     batch's (the sum over its tokens over the whole batch's count); 3 SGD steps match one device."""
@@ -127,6 +169,8 @@ CHECKS = [
     check_cp4_example_llama_trains_like_one_device_and_keeps_a_quarter_of_the_activations,
     check_dp2_cp2_hugging_face_llama_computing_its_own_loss,
     check_cp2_tp2_qwen2_and_a_llama_with_fewer_kv_heads_than_tp,
+    check_cp2_tp2_with_sequence_parallelism_trains_like_one_device,
+    check_cp2_tp2_with_loss_parallelism_trains_like_one_device,
     check_outputs_left_cut_train_like_one_device_with_a_loss_over_each_ranks_tokens,
 ]
 outcomes, test_check = distributed_tests(CHECKS)

@@ -215,14 +215,9 @@ def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions,
     """The captured graph rewritten into one cp rank's code (see :mod:`autoshard.passes.cut_sequence`)."""
     from autoshard.passes.cut_sequence import SEQ_DIM, cut_sequence
 
-    if options.sequence_parallel:
-        raise ValueError("autoshard: sequence_parallel cuts the sequence over tp, and the mesh's cp axis cuts it "
-                         "already: use one of them (cp keeps every activation cut, attention included)")
     if options.dynamic_shapes is not None:
         raise NotImplementedError("autoshard: context parallelism cuts a sequence of fixed length; capture with "
                                   "dynamic_shapes=None")
-    if options.loss_parallel:
-        raise NotImplementedError("autoshard: loss_parallel with a cp axis: the logits come back whole over cp")
     first = example_inputs[0] if example_inputs else None
     if not isinstance(first, torch.Tensor) or first.dim() <= SEQ_DIM:
         what = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__

@@ -131,8 +131,15 @@ class _Ranks:
         cuts = list(self.output_cuts) + [None] * (len(ref_out) - len(self.output_cuts))
         positions = [local_positions(r, cp, self.seq) for r in range(cp)] if any(c is not None for c in cuts) else []
 
+        # an output left cut over tp (loss parallelism): each tp rank holds its chunk of the last dim
+        tp_dims = [o.sharded_dim if isinstance(o, PerRank) else None for o in cut_out]
+
         def on_rank(value, i, rank):  # the part of a whole value simulated rank ``rank`` holds of output ``i``
-            return value if cuts[i] is None or value is None else value.index_select(cuts[i], positions[rank // tp])
+            if value is None:
+                return None
+            if cuts[i] is not None:
+                value = value.index_select(cuts[i], positions[rank // tp])
+            return value if tp_dims[i] is None else value.chunk(tp, dim=tp_dims[i])[rank % tp]
 
         _backward(ref_out, [[c] for c in cotangents])
         _backward(cut_out, [[on_rank(c, i, r) for r in range(cp * tp)] for i, c in enumerate(cotangents)])
