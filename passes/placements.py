@@ -389,8 +389,8 @@ class _Records:
             steps = self.lp.edges.get((group[0].input, group[0].node), ())
             if any(step.kind is Step.GATHER_FOR_COLWISE for step in steps):
                 first = Collective(GATHER_SCATTER, FWD, "input", over_sequence=True, shared_by=names)
-            elif group[0].input not in self.lp.carries_grad:
-                continue  # an input no gradient reaches (the model's own input): nothing to all-reduce
+            elif group[0].input not in self.lp.carries_grad or not any(s.node in self.lp.carries_grad for s in group):
+                continue  # no gradient reaches the input (the model's own), or none leaves the group (no-grad)
             elif not any(step.kind is Step.ENTER_TP for step in steps):
                 continue  # entered higher up, with other views of one value (recorded at that edge)
             else:

@@ -1744,9 +1744,9 @@ def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
     carries a gradient: a backward all-gather), and the partial sums it makes by contracting its
     cut dim (a sum over heads, not a rowwise linear's: those regions are useful), each reduced."""
     gathered = {v for (v, c), steps in plan.edges.items() if v in region and _gathers(plan, v, c)}
-    entered = {
+    entered = {  # only where a gradient flows back through the reader (not into a no-grad region)
         v for (v, c), steps in plan.edges.items()
-        if c in region and any(step.kind == ENTER_TP for step in steps)
+        if c in region and c in plan.carries_grad and any(step.kind == ENTER_TP for step in steps)
     }
     taken = {
         v for (v, c), steps in plan.edges.items()
