@@ -58,6 +58,9 @@ def test_example_llama_is_proven_on_every_cp_mesh(mesh):
     model = Llama(LlamaConfig(max_seq_len=64, num_heads=8))  # 8 heads over 2 kv heads: fewer kv heads than tp
     proof = _proven(model, mesh, _ids(256))
     plan = proof.plan
+    # one result type on every axis: the cp ranks are counted beside the tp ones
+    assert isinstance(proof, autoshard.Proof) and (proof.cp, proof.tp) == (mesh["cp"], mesh.get("tp", 1))
+    assert str(proof).startswith(f"autoshard proof on cp={mesh['cp']} x tp={mesh.get('tp', 1)}: proven")
     assert plan.context["cp"] == mesh["cp"] and len(plan.context["attention"]) == 2
     predicted = plan.predicted_comm()
     assert predicted["cp"] == proof.cp_collectives  # what the simulated ranks ran, cp x tp ones included

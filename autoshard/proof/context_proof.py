@@ -22,43 +22,15 @@ import torch.utils._pytree as pytree
 
 from autoshard.core.mesh import CP, TP
 from autoshard.plans.predict import Tally
+from autoshard.proof.proof import TOLERANCE, Proof, _typical_rms, rel_error, stored_shards
 from autoshard.proof.rounding import Measure
 from autoshard.proof.simulate import PerRank, RankSimulator, widened
 from autoshard.runtime.context_ops import CP_CAUSAL_ATTENTION, local_positions
 
-_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextProof:
-    """Errors of the cp (x tp) ranks against one device (``|a - b| / |b|``): outputs (worst rank) and
-    gradients (summed over cp ranks / cp, worst tp rank); ``cp_collectives`` and ``tp_collectives``:
-    kind -> (count, ring bytes per rank) of what the simulated ranks ran."""
-
-    cp: int
-    tolerance: float
-    outputs: tuple[Measure, ...]
-    gradients: tuple[Measure, ...]
-    seconds: float
-    cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
-    tp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
-    plan: object = dataclasses.field(default=None, compare=False)  # the plan proven (autoshard.Plan)
-
-    @property
-    def ok(self) -> bool:
-        return all(m.ok for m in (*self.outputs, *self.gradients))
-
-    def raise_if_failed(self) -> None:
-        if not self.ok:
-            from autoshard.proof.proof import ProofError
-
-            bad = [f"{m.what}: {m.error:.2e} > {m.allowed:.0e}" for m in (*self.outputs, *self.gradients) if not m.ok]
-            raise ProofError(f"autoshard: the graph cut over cp={self.cp} differs from one device: " + "; ".join(bad))
-
 
 def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, inputs: list, weights: dict,
                   *, seed: int = 0, rtol: float | None = None, output_cuts: tuple = (), seq: int = 0,
-                  plan=None, tp: int = 1) -> ContextProof:
+                  plan=None, tp: int = 1) -> Proof:
     """Run ``cut`` on ``cp`` (x ``tp``) simulated ranks and ``reference`` on one, on flat ``inputs`` and
     ``weights`` (``get_attr`` target or FQN -> tensor); compare outputs and gradients.
 
@@ -74,7 +46,7 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     start = time.perf_counter()
     floating = [w.dtype for w in weights.values() if w.is_floating_point() and w.requires_grad] or [torch.float32]
     dtype = min(floating, key=lambda d: torch.finfo(d).bits)  # the narrowest the model computes in
-    tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-5)
+    tolerance = rtol if rtol is not None else TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     run = _Ranks(reference, cut, cp, tp, plan, output_cuts, seq)
     trained = {name for name, w in weights.items() if w.is_floating_point() and w.requires_grad}
     errors, tally = run.errors(inputs, weights, trained, seed, widen=None)
@@ -84,10 +56,11 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     measures = [Measure(what, error, allowed=tolerance) if wide is None else
                 Measure(what, error, sharded=wide[what], allowed=WIDE_TOLERANCE) for what, error in errors.items()]
     result = tally.result()
-    return ContextProof(cp, tolerance if wide is None else WIDE_TOLERANCE,
-                        tuple(m for m in measures if m.what.startswith("output")),
-                        tuple(m for m in measures if m.what.startswith("grad")), time.perf_counter() - start,
-                        result.get(CP, {}), result.get(TP, {}))
+    return Proof(tp, tolerance if wide is None else WIDE_TOLERANCE,
+                 tuple(m for m in measures if m.what.startswith("output")),
+                 tuple(m for m in measures if m.what.startswith("grad")), None, time.perf_counter() - start,
+                 result.get(TP, {}), exact="float64" if wide is not None else "", cp=cp,
+                 cp_collectives=result.get(CP, {}))
 
 
 WIDE_TOLERANCE = 1e-9  # a cut computing the model's function agrees with it to float64's rounding
@@ -106,8 +79,6 @@ class _Ranks:
     seq: int
 
     def per_tp_rank(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
-        from autoshard.proof.proof import stored_shards
-
         if self.plan is not None and name in self.plan.params:
             return stored_shards(self.plan.params[name], full, self.tp)
         return [full] * self.tp
@@ -148,8 +119,6 @@ class _Ranks:
             if isinstance(ref, PerRank) and isinstance(ref.values[0], torch.Tensor):
                 errors[f"output {i}"] = max(_rel(g.detach(), on_rank(ref.values[0].detach(), i, r))
                                             for r, g in enumerate(got.values))
-        from autoshard.proof.proof import _typical_rms, rel_error
-
         # a gradient zero in exact arithmetic (a key bias under softmax) is rounding noise on both sides:
         # held to a floor of a tenth of the model's typical gradient, as the tp proof does
         floor = 0.1 * _typical_rms([ref_params[name].values[0].grad for name in trained])

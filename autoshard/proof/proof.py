@@ -48,7 +48,9 @@ from autoshard.proof.rounding import Measure, judge
 from autoshard.proof.simulate import EmittedCodeError, PerRank, RankSimulator, widened
 
 _ATEN = torch.ops.aten
-_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# the relative error a sharded run is held to by the dtype it computes in, on every axis (tp, cp and
+# both): one table for the tp proof and the cp proof
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 _VIEW_LIKE = {_ATEN.view.default, _ATEN.reshape.default, _ATEN.flatten.using_ints, _ATEN.clone.default,
               _ATEN.contiguous.default, _ATEN._to_copy.default, _ATEN.to.dtype, _ATEN.unsqueeze.default,
               _ATEN.squeeze.dim, _ATEN.expand.default, _ATEN.slice.Tensor, _ATEN.select.int}
@@ -83,6 +85,9 @@ class Proof:
     # the first emitted node computing in another dtype than the model's code (autoshard.proof.precision)
     precision_change: str | None = None
     inputs: str = "fresh"  # which inputs it ran: fresh ones, or the example's (see passes/specialize)
+    # on a mesh with a cp axis: the cp ranks simulated beside the tp ones, and the cp collectives they ran
+    cp: int = 1
+    cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -118,7 +123,8 @@ class Proof:
         factor = self.worst_factor
         against = (f"sharding costs at most x{factor:.2g} one device's error against float64"
                    if factor is not None else f"tolerance {self.tolerance:.0e}")
-        head = (f"autoshard proof on tp={self.tp}: {verdict} ({len(self.outputs)} outputs max error "
+        ranks = f"cp={self.cp} x tp={self.tp}" if self.cp > 1 else f"tp={self.tp}"
+        head = (f"autoshard proof on {ranks}: {verdict} ({len(self.outputs)} outputs max error "
                 f"{self.max_output_error:.1e}, {len(self.gradients)} gradients max error "
                 f"{self.max_gradient_error:.1e}, {against}, {self.seconds:.2f} s)")
         if self.inputs != "fresh":
@@ -217,7 +223,7 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
                 f"autoshard: the model as captured does not run on these inputs and options, unsharded: {first}{hint}"
             ) from err
         dtype = _compute_dtype(weights, subject.reference)
-        tolerance = rtol if rtol is not None else _TOLERANCE.get(dtype, 1e-4)
+        tolerance = rtol if rtol is not None else TOLERANCE.get(dtype, TOLERANCE[torch.float32])
         try:
             sim = _run_emitted(subject.root, subject, inputs, weights, buffers, ref.cotangents)
         except EmittedCodeError as err:
