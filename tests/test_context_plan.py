@@ -265,3 +265,33 @@ def test_causal_attention_work_is_balanced_over_ranks():
     assert work[True].spread(work[True].executed) <= 0.05
     assert work[False].ratio(work[False].useful) > 6.5  # 1/2 : 3/2 : 5/2 : 7/2 of the diagonal blocks
     assert sum(work[True].executed) < 0.8 * sum(work[False].executed)  # the first chunk reads half the keys
+
+
+def test_a_broken_cp_gather_is_caught_at_the_node_it_feeds(monkeypatch):
+    """A plan broken on purpose: the first gather of keys over cp hands each rank its own part
+    repeated instead of every rank's. The proof fails and names the first node whose value differs
+    from one device's at the rank's positions, with its source line."""
+    from autoshard.driver import planning
+    from autoshard.runtime.context_ops import CP_GATHER
+
+    cut = planning._cut_sequence
+
+    def broken(captured, axes, options, example_inputs):
+        plan = cut(captured, axes, options, example_inputs)
+        graph = captured.gm.graph
+        gather = next(n for n in graph.nodes if n.target is CP_GATHER)
+        x, dim, cp = gather.args[:3]
+        with graph.inserting_after(gather):
+            repeated = graph.call_function(torch.ops.aten.cat.default, ([x] * cp, dim))
+        gather.replace_all_uses_with(repeated, delete_user_cb=lambda user: user is not repeated)
+        repeated.meta = dict(gather.meta)
+        graph.erase_node(gather)
+        captured.gm.recompile()
+        return plan
+
+    monkeypatch.setattr(planning, "_cut_sequence", broken)
+    torch.manual_seed(0)
+    proof = autoshard.check(hf_cases._llama(), {"cp": 2}, example_inputs=(_ids(hf_cases.VOCAB, seq=16),))
+    assert not proof.ok
+    assert proof.first_divergence and "modeling_llama.py" in proof.first_divergence, proof.first_divergence
+    assert "cp rank 1" in proof.first_divergence or "cp rank 0" in proof.first_divergence

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autoshard.core.errors import describe
 from autoshard.core.mesh import CP, TP
 from autoshard.plans.predict import Tally
 from autoshard.proof.proof import TOLERANCE, Proof, _typical_rms, rel_error, stored_shards
@@ -56,9 +57,10 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     measures = [Measure(what, error, allowed=tolerance) if wide is None else
                 Measure(what, error, sharded=wide[what], allowed=WIDE_TOLERANCE) for what, error in errors.items()]
     result = tally.result()
+    first = None if all(m.ok for m in measures) else run.first_divergence(tolerance)
     return Proof(tp, tolerance if wide is None else WIDE_TOLERANCE,
                  tuple(m for m in measures if m.what.startswith("output")),
-                 tuple(m for m in measures if m.what.startswith("grad")), None, time.perf_counter() - start,
+                 tuple(m for m in measures if m.what.startswith("grad")), first, time.perf_counter() - start,
                  result.get(TP, {}), exact="float64" if wide is not None else "", cp=cp,
                  cp_collectives=result.get(CP, {}))
 
@@ -77,11 +79,15 @@ class _Ranks:
     plan: object
     output_cuts: tuple
     seq: int
+    values: dict = dataclasses.field(default_factory=dict)  # each simulator's node values, by name, once run
 
     def per_tp_rank(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
         if self.plan is not None and name in self.plan.params:
             return stored_shards(self.plan.params[name], full, self.tp)
         return [full] * self.tp
+
+    def first_divergence(self, tolerance: float) -> str | None:
+        return _first_divergence(self, tolerance)
 
     def errors(self, inputs: list, weights: dict, trained: set, seed: int,
                widen: torch.dtype | None) -> tuple[dict, Tally]:
@@ -93,9 +99,12 @@ class _Ranks:
         cp_params = {name: PerRank([self.per_tp_rank(name, w)[i % tp].clone().requires_grad_(name in trained)
                                     for i in range(cp * tp)]) for name, w in weights.items()}
         inputs = [widened(x, widen) for x in inputs]
-        ref_out = _flat(RankSimulator(self.reference, 1, ref_params.get, widen=widen).run(*inputs))
+        ref_sim = RankSimulator(self.reference, 1, ref_params.get, widen=widen)
+        ref_out = _flat(ref_sim.run(*inputs))
         tally = Tally()
-        cut_out = _flat(RankSimulator(self.cut, tp, cp_params.get, tally=tally, widen=widen, cp=cp).run(*inputs))
+        cut_sim = RankSimulator(self.cut, tp, cp_params.get, tally=tally, widen=widen, cp=cp)
+        cut_out = _flat(cut_sim.run(*inputs))
+        self.values["reference"], self.values["cut"] = ref_sim.values, cut_sim.values
         gen = torch.Generator().manual_seed(seed)
         cotangents = [torch.randn(o.values[0].shape, generator=gen).to(o.values[0].dtype)
                       if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in ref_out]
@@ -137,6 +146,43 @@ class _Ranks:
                 worst = max(worst, rel_error(total, expected[t], scale, floor))
             errors[f"grad {name}"] = worst
         return errors, tally
+
+
+def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:
+    """The first node of the cut graph, in its order, whose value on some rank differs from the
+    reference's at that rank's positions by more than ``tolerance`` (a node kept whole: from its whole
+    value): where a broken cut (a dropped gather) first shows. Values cut over tp as well are skipped."""
+    reference, cut = ranks.values.get("reference", {}), ranks.values.get("cut", {})
+    for node in ranks.cut.graph.nodes:
+        got, want = cut.get(node.name), reference.get(node.name)
+        if got is None or want is None or not isinstance(want.values[0], torch.Tensor):
+            continue
+        whole = want.values[0].detach()
+        if not whole.is_floating_point():
+            continue
+        for rank, value in enumerate(got.values):
+            if not isinstance(value, torch.Tensor):
+                break
+            expected = _at_positions(whole, value.shape, rank // ranks.tp, ranks.cp)
+            if expected is None:
+                break  # cut some other way (over tp): not compared
+            if _rel(value.detach(), expected) > tolerance:
+                return (f"{describe(node)}: its value on cp rank {rank // ranks.tp} differs from the reference's "
+                        f"at that rank's positions (relative error {_rel(value.detach(), expected):.1e})")
+    return None
+
+
+def _at_positions(whole: torch.Tensor, shape, cp_rank: int, cp: int) -> torch.Tensor | None:
+    """``whole`` as cp rank ``cp_rank`` holds it: itself when the shapes agree, its positions along the
+    one dim ``cp`` times shorter (the sequence); None when the shapes differ otherwise."""
+    if tuple(whole.shape) == tuple(shape):
+        return whole
+    if whole.dim() != len(shape):
+        return None
+    dims = [d for d in range(whole.dim()) if whole.shape[d] != shape[d]]
+    if len(dims) != 1 or whole.shape[dims[0]] != shape[dims[0]] * cp:
+        return None
+    return whole.index_select(dims[0], local_positions(cp_rank, cp, whole.shape[dims[0]]))
 
 
 def _flat(out) -> list:
