@@ -254,3 +254,11 @@ def test_mixed_precision_needs_a_dp_axis(fake_world):
 def test_the_compile_backend_refuses_activation_checkpointing():
     with pytest.raises(NotImplementedError, match="activation_checkpointing is applied to eager blocks"):
         autoshard.backend(None, activation_checkpointing="full")
+
+
+def test_the_compile_backend_refuses_a_pipeline_mesh_by_name(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    with pytest.raises(NotImplementedError, match=r"pipeline stages \(a 'pp' axis\).*autoshard.autoshard\("):
+        autoshard.backend(mesh)

@@ -260,6 +260,12 @@ class AutoshardBackend:
                 "each block's forward instead, so use autoshard.autoshard(..., activation_checkpointing=...) or "
                 "compile without it"
             )
+        if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
+            raise NotImplementedError(
+                "autoshard.backend: pipeline stages (a 'pp' axis) cut the whole model into stages a schedule "
+                "runs, and dynamo hands the backend one graph per break; shard the model with "
+                "autoshard.autoshard(model, mesh, example_inputs=..., loss_fn=...) instead"
+            )
         if mesh is not None and "cp" in (mesh.mesh_dim_names or ()):
             raise NotImplementedError(
                 "autoshard.backend: context parallelism (a 'cp' axis) cuts the sequence of the whole model, and "
