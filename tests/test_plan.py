@@ -645,3 +645,20 @@ def test_a_vocabulary_parallel_head_keeps_its_bias_a_colwise_bias():
     bias = plan.params["head.bias"]
     assert (bias.role, bias.placements) == ("colwise_bias", {"dp": Replicate(), "tp": Shard(0)})
     assert plan.predicted_comm()["tp"]  # sized on every entry's rank shape
+
+
+def test_the_accepted_mesh_shapes_follow_from_the_axis_order():
+    """Any axes in the order pp, dp_replicate, dp_shard, dp, cp, tp (one data-parallel form) make a
+    mesh; a combination not built yet is refused by name and reason, never by a list's omission."""
+    from autoshard.core.mesh import _ORDER, MESH_SHAPES, NOT_YET, accepted, axes_from_sizes
+
+    assert ("pp", "dp", "cp", "tp") in MESH_SHAPES and ("dp_replicate", "dp_shard", "cp", "tp") in MESH_SHAPES
+    assert not accepted(("tp", "dp")) and not accepted(("dp", "dp_shard")) and not accepted(("dp_replicate", "tp"))
+    for shape in MESH_SHAPES:
+        sizes = dict.fromkeys(shape, 2)
+        if any(axes <= set(shape) for axes in NOT_YET):
+            with pytest.raises(NotImplementedError):
+                axes_from_sizes(sizes)
+        else:
+            assert axes_from_sizes(sizes).names == shape
+    assert len(MESH_SHAPES) == 23 and all(a in _ORDER for s in MESH_SHAPES for a in s)
