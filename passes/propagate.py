@@ -459,9 +459,11 @@ class Revisions:
                 continue
             exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
             contractions = _contractions(plan, region)
-            if contractions and not exits and not cost.cheaper and not region & plan.carries_grad:
+            if (contractions and not exits and not cost.cheaper and not region & plan.carries_grad
+                    and not any(source in self.narrowing for source in region_sources)):
                 # a tie, where a region without gradients (a no-grad indexer's scores) ends only in
-                # sums over its cut dim: kept cut, its work shared and its reduced sum no break
+                # sums over its cut dim: kept cut, its work shared and its reduced sum no break (a
+                # narrowing linear, a few outputs per token, is computed whole instead, as on any tie)
                 continue
             exits += contractions
             if exits and not position:

@@ -114,4 +114,4 @@ def test_loss_parallel_returns_vocab_sharded_logits(fake_world):
     # the embedding output is still gathered; the head's logits leave the graph sharded
     FileCheck().check_count("autoshard.gather_shards", 1, exactly=True).run(code)
     FileCheck().check("aten.matmul.default").check(
-        "autoshard_collectives_as_sharded_dtensor(").check("tree_unflatten").run(code)
+        "autoshard_runtime_collectives_as_sharded_dtensor(").check("tree_unflatten").run(code)

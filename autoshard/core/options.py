@@ -150,7 +150,7 @@ class ShardingOptions:
     ``"selective"`` or ``None``."""
 
     check: object = "auto"
-    sync_module_states: bool = False
+    sync_module_states: bool = True
     reshard_after_forward: bool = True
     activation_checkpointing: str | None = None
 
