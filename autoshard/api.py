@@ -192,6 +192,9 @@ def autoshard(
             in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``). autoshard's tp
             collectives follow it: activations travel in ``param_dtype`` and every sum of partial
             values is taken in ``reduce_dtype``. Needs a dp axis, since FSDP2 applies the casts.
+        buffer_dtype: under ``mp_policy``, the floating buffers held and computed in this dtype, as
+            FSDP1's ``MixedPrecision(buffer_dtype=...)`` did (FSDP2 leaves them as they are): for a
+            model whose float32 buffer (a rotary table) meets bf16 math in its own forward.
         activation_checkpointing: ``"full"`` recomputes each block in backward (its forward tp
             collectives included); ``"selective"`` keeps the outputs of matmuls, attention and
             tp collectives and recomputes the rest (no extra tp collective); ``None`` keeps

@@ -64,8 +64,9 @@ def _options(name: str):
 
     from autoshard.core.options import PlanOptions
 
-    if name == "bf16":
-        return PlanOptions(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if name in ("bf16", "bf16_buffers"):  # bf16_buffers: with the buffers in bf16 too, as the error's fix names
+        return PlanOptions(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                           buffer_dtype=torch.bfloat16 if name == "bf16_buffers" else None)
     if name == "sequence_parallel":
         return PlanOptions(sequence_parallel=True)
     return PlanOptions()

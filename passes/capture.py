@@ -153,7 +153,7 @@ class CaptureError(ValueError):
 
 def capture(
     model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None, compute_dtype=None,
-    trace_blocks_once: bool = True,
+    trace_blocks_once: bool = True, buffer_dtype=None,
 ) -> CapturedGraph:
     """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``.
 
@@ -172,7 +172,8 @@ def capture(
     kwargs = kwargs or {}
     set_for_training = training_keywords(model, kwargs)
     run_kwargs = {**kwargs, **set_for_training}
-    traced, traced_args, traced_kwargs = _traced_twin(model, tuple(args), run_kwargs, blocks, compute_dtype)
+    traced, traced_args, traced_kwargs = _traced_twin(model, tuple(args), run_kwargs, blocks, compute_dtype,
+                                                      buffer_dtype)
     stack, trace_note = find_stack(model, blocks) if trace_blocks_once and dynamic_shapes is None else (None, "")
     exported_module = traced
     if stack is not None:
@@ -191,7 +192,8 @@ def capture(
     if stack is not None:
         full_graph, why = synthesize(graph, stack)
         if full_graph is None:  # not a plain stack after all: trace every block
-            full = capture(model, args, kwargs, dynamic_shapes, compute_dtype, trace_blocks_once=False)
+            full = capture(model, args, kwargs, dynamic_shapes, compute_dtype, trace_blocks_once=False,
+                           buffer_dtype=buffer_dtype)
             return dataclasses.replace(full, trace_note=why)
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     gm = graph_module(attributes, graph, type(model).__name__)
@@ -264,16 +266,19 @@ def _drop_keyword_inputs(graph: fx.Graph, in_spec, added: dict):
     return spec
 
 
-def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype):
+def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype, buffer_dtype=None):
     """The module export traces and its inputs: always a twin (:func:`_twin`), so that what the
     forward writes to its modules while traced (a buffer registered on first call, a cached
     table, a counter) lands on the twin and the user's model is left as it was. Under mixed
     precision its floating parameters and inputs are in ``compute_dtype`` (see
-    :func:`_parameters_as`); a model on meta gets a twin with its buffers on meta too."""
+    :func:`_parameters_as`), and its floating buffers in ``buffer_dtype`` when one is given; a model
+    on meta gets a twin with its buffers on meta too."""
     if compute_dtype is not None:
         on_meta = parameters_on_meta(model)
         move = _to_meta if on_meta else _unchanged
-        traced = _twin(model, move, _parameters_as(compute_dtype, on_meta))
+        buffers = move if buffer_dtype is None else (
+            lambda b: move(b).to(buffer_dtype) if b.is_floating_point() else move(b))
+        traced = _twin(model, buffers, _parameters_as(compute_dtype, on_meta))
         _cast_unit_inputs(traced, blocks, compute_dtype)
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: move(t).to(compute_dtype) if t.is_floating_point() else move(t), (args, kwargs),
@@ -338,8 +343,9 @@ def buffer_dtype_hint(model: nn.Module, compute_dtype) -> str:
         return ""
     shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
     return (f". Under mp_policy the parameters and inputs compute in {compute_dtype} and the buffers stay as "
-            f"they are, as FSDP2 runs them; this model keeps {shown} in another dtype. Cast those buffers to "
-            f"{compute_dtype} before sharding, or compute where they are read in an autocast(enabled=False) region")
+            f"they are, as FSDP2 runs them; this model keeps {shown} in another dtype. Pass "
+            f"buffer_dtype={compute_dtype} (as FSDP1's MixedPrecision did), or compute where they are read in an "
+            f"autocast(enabled=False) region")
 
 
 def _cache_in_output(err: Exception) -> str | None:

@@ -75,3 +75,19 @@ def test_the_compile_backend_takes_the_object():
     with pytest.raises(NotImplementedError, match="activation_checkpointing"):
         autoshard.backend(None, options=autoshard.Options(sharding=autoshard.ShardingOptions(
             activation_checkpointing="full")))
+
+
+def test_buffer_dtype_holds_the_sharded_modules_buffers_in_that_dtype(fake_world):
+    """``buffer_dtype`` under ``mp_policy`` (FSDP1's ``MixedPrecision.buffer_dtype``): the sharded
+    module's floating buffers are held in it; the user's model keeps its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_own_models import Float32BufferInBf16
+
+    model = Float32BufferInBf16()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    sharded = autoshard.autoshard(model, mesh, example_inputs=(torch.randn(4, 16),), mp_policy=BF16,
+                                  buffer_dtype=torch.bfloat16, check=False)
+    assert sharded.get_buffer("table").dtype == torch.bfloat16
+    assert model.table.dtype == torch.float32
+    assert autoshard.Options.of(buffer_dtype=torch.bfloat16).precision.buffer_dtype == torch.bfloat16

@@ -208,11 +208,18 @@ class Float32BufferInBf16(nn.Module):
 
 def test_mixed_precision_on_a_float32_buffer_is_refused_naming_the_buffer_and_the_fix():
     model = Float32BufferInBf16()
-    refused = r"keeps table in another dtype\. Cast those buffers to torch\.bfloat16"
+    refused = r"keeps table in another dtype\. Pass buffer_dtype=torch\.bfloat16"
     with pytest.raises((ValueError, NotImplementedError), match=refused):
         autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16)
-    model.table.data = model.table.data.to(torch.bfloat16)  # the fix it names
+    # the fix it names: the buffers held and computed in bf16, as FSDP1's buffer_dtype did
+    proof = autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16,
+                            buffer_dtype=torch.bfloat16)
+    assert proof.ok, str(proof)
+    assert model.table.dtype == torch.float32  # the user's model keeps its own
+    model.table.data = model.table.data.to(torch.bfloat16)  # or cast by hand
     assert autoshard.check(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), mp_policy=BF16).ok
+    with pytest.raises(ValueError, match="buffer_dtype casts buffers under mixed precision; pass mp_policy"):
+        autoshard.plan(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), buffer_dtype=torch.bfloat16)
 
 
 # --- blocks --------------------------------------------------------------------------------------

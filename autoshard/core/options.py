@@ -40,6 +40,7 @@ class PlanOptions:
     all_gather_quant: object = None  # autoshard.BlockQuant
     trace_blocks_once: bool = True
     context_output: str = "whole"  # on a cp axis: outputs gathered whole, or "local": left cut
+    buffer_dtype: object = None  # under mp_policy: floating buffers computed in this dtype (FSDP1's buffer_dtype)
 
     def __post_init__(self) -> None:
         if self.context_output not in CONTEXT_OUTPUTS:
@@ -48,6 +49,8 @@ class PlanOptions:
             raise ValueError(
                 f"autoshard: on_indivisible must be 'replicate' or 'error', got {self.on_indivisible!r}"
             )
+        if self.buffer_dtype is not None and self.mp_policy is None:
+            raise ValueError("autoshard: buffer_dtype casts buffers under mixed precision; pass mp_policy too")
         if self.all_gather_quant is not None and not isinstance(self.all_gather_quant, BlockQuant):
             raise ValueError(
                 "autoshard: all_gather_quant must be an autoshard.BlockQuant (e.g. "
@@ -126,10 +129,14 @@ class PrecisionOptions:
     """``mp_policy``: FSDP2's ``MixedPrecisionPolicy``, applied by every FSDP unit and followed by
     autoshard's tp collectives (activations travel in ``param_dtype``, sums of partial values are
     taken in ``reduce_dtype``); it needs a dp axis. ``all_gather_quant``: an
-    :class:`autoshard.BlockQuant` for FSDP's all-gathers."""
+    :class:`autoshard.BlockQuant` for FSDP's all-gathers. ``buffer_dtype``: under ``mp_policy``,
+    the floating buffers (a rotary table, a mask) held and computed in this dtype, as FSDP1's
+    ``MixedPrecision(buffer_dtype=...)`` did; by default they stay as they are, as FSDP2 leaves
+    them. A model whose float32 buffer meets bf16 math in its own forward needs it."""
 
     mp_policy: object = None
     all_gather_quant: object = None
+    buffer_dtype: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +203,7 @@ class Options:
         """The planning subset the graph passes read."""
         return PlanOptions(self.tensor.on_indivisible, self.tensor.loss_parallel, self.tensor.sequence_parallel,
                            self.capture.dynamic_shapes, self.precision.mp_policy, self.precision.all_gather_quant,
-                           self.capture.trace_blocks_once, self.context.output)
+                           self.capture.trace_blocks_once, self.context.output, self.precision.buffer_dtype)
 
 
 _PIPELINE_KEYWORD = {"split": "pp_split"}
@@ -214,6 +221,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "memory_per_rank": ("pipeline", "memory_per_rank"),
     "mp_policy": ("precision", "mp_policy"),
     "all_gather_quant": ("precision", "all_gather_quant"),
+    "buffer_dtype": ("precision", "buffer_dtype"),
     "dynamic_shapes": ("capture", "dynamic_shapes"),
     "trace_blocks_once": ("capture", "trace_blocks_once"),
     "check": ("sharding", "check"),

@@ -71,8 +71,9 @@ def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | 
                 options: PlanOptions, axes: MeshAxes) -> CapturedGraph:
     """The capture :func:`_plan` makes for ``axes`` (mixed precision captures in ``param_dtype``
     only with a dp axis), to plan on several meshes from one trace."""
-    return capture(model, example_inputs, example_kwargs, options.dynamic_shapes,
-                   _compute_dtype(model, axes, options), options.trace_blocks_once)
+    compute_dtype = _compute_dtype(model, axes, options)
+    return capture(model, example_inputs, example_kwargs, options.dynamic_shapes, compute_dtype,
+                   options.trace_blocks_once, options.buffer_dtype if compute_dtype is not None else None)
 
 
 def _compute_dtype(model: nn.Module, axes: MeshAxes, options: PlanOptions):
@@ -247,8 +248,11 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
             dtype = read.dtype if isinstance(read, torch.Tensor) else None
             weights[node.target] = params[node.target].detach().cpu().to(dtype).clone().requires_grad_(
                 params[node.target].requires_grad)
-        elif node.op == "get_attr" and node.target in buffers:
-            weights[node.target] = buffers[node.target].detach().cpu().clone()
+        elif node.op == "get_attr" and node.target in buffers:  # in the dtype the graph reads it (buffer_dtype)
+            read = node.meta.get("val")
+            buffer = buffers[node.target].detach().cpu().clone()
+            floating = isinstance(read, torch.Tensor) and read.is_floating_point() and buffer.is_floating_point()
+            weights[node.target] = buffer.to(read.dtype) if floating else buffer
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
     if axes.has_tp:

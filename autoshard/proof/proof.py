@@ -204,7 +204,8 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         weights = random_weights(subject.reference, subject.plan, model, gen)
         # the model's own (a twin captured on meta has none), on the CPU where the proof runs
         # (copies: a training-mode batch norm writes its running statistics, and the user's stay untouched)
-        buffers = {fqn: b.detach().cpu().clone() for fqn, b in model.named_buffers()}
+        read = {n.target: n.meta.get("val") for n in subject.reference.graph.nodes if n.op == "get_attr"}
+        buffers = {fqn: _as_read(b.detach().cpu().clone(), read.get(fqn)) for fqn, b in model.named_buffers()}
         inputs_used = "fresh"
         try:
             try:
@@ -402,6 +403,13 @@ def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generat
             value = value.to(traced.dtype)  # under mixed precision the root's inputs are cast, as FSDP2 casts them
         new.append(_fresh(node.name, value, subject, gen) if fresh else value)
     return new
+
+
+def _as_read(buffer: torch.Tensor, read) -> torch.Tensor:
+    """A floating buffer in the dtype the graph reads it in (``buffer_dtype`` under mixed precision)."""
+    if isinstance(read, torch.Tensor) and buffer.is_floating_point() and read.is_floating_point():
+        return buffer.to(read.dtype)
+    return buffer
 
 
 def _branches_on_data(graph: fx.GraphModule) -> bool:

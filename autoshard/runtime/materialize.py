@@ -183,7 +183,9 @@ def _copy_buffers(root: nn.Module, model: nn.Module, device, sync: bool, axes: M
         if buffer.is_meta:
             value = torch.empty_like(buffer, device=device)
         else:
-            value = buffer.detach().to(device=device, copy=True)
+            own = root.get_buffer(fqn)  # as the graph reads it: floating buffers in buffer_dtype, if given
+            dtype = own.dtype if own.is_floating_point() and buffer.is_floating_point() else buffer.dtype
+            value = buffer.detach().to(device=device, dtype=dtype, copy=True)
             if sync and value.is_floating_point():
                 _broadcast_from_first_rank(value, axes)
         owner.register_buffer(name, value, persistent=fqn in persistent)
