@@ -38,7 +38,7 @@ from autoshard.passes.transpose import rewrite_linears
 from autoshard.plans.block_quant import with_quantized_gathers
 from autoshard.plans.plan import Plan, mixed_precision_of
 from autoshard.plans.retarget import retarget
-from autoshard.proof.proof import Proof, Subject, prove, vocabularies
+from autoshard.proof.proof import Proof, Subject, as_read, prove, vocabularies
 
 
 def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
@@ -248,11 +248,8 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
             dtype = read.dtype if isinstance(read, torch.Tensor) else None
             weights[node.target] = params[node.target].detach().cpu().to(dtype).clone().requires_grad_(
                 params[node.target].requires_grad)
-        elif node.op == "get_attr" and node.target in buffers:  # in the dtype the graph reads it (buffer_dtype)
-            read = node.meta.get("val")
-            buffer = buffers[node.target].detach().cpu().clone()
-            floating = isinstance(read, torch.Tensor) and read.is_floating_point() and buffer.is_floating_point()
-            weights[node.target] = buffer.to(read.dtype) if floating else buffer
+        elif node.op == "get_attr" and node.target in buffers:
+            weights[node.target] = as_read(buffers[node.target].detach().cpu().clone(), node.meta.get("val"))
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
     if axes.has_tp:

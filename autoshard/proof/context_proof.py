@@ -57,7 +57,7 @@ def prove_context(reference: fx.GraphModule, cut: fx.GraphModule, cp: int, input
     measures = [Measure(what, error, allowed=tolerance) if wide is None else
                 Measure(what, error, sharded=wide[what], allowed=WIDE_TOLERANCE) for what, error in errors.items()]
     result = tally.result()
-    first = None if all(m.ok for m in measures) else run.first_divergence(tolerance)
+    first = None if all(m.ok for m in measures) else _first_divergence(run, tolerance)
     return Proof(tp, tolerance if wide is None else WIDE_TOLERANCE,
                  tuple(m for m in measures if m.what.startswith("output")),
                  tuple(m for m in measures if m.what.startswith("grad")), first, time.perf_counter() - start,
@@ -85,9 +85,6 @@ class _Ranks:
         if self.plan is not None and name in self.plan.params:
             return stored_shards(self.plan.params[name], full, self.tp)
         return [full] * self.tp
-
-    def first_divergence(self, tolerance: float) -> str | None:
-        return _first_divergence(self, tolerance)
 
     def errors(self, inputs: list, weights: dict, trained: set, seed: int,
                widen: torch.dtype | None) -> tuple[dict, Tally]:

@@ -205,7 +205,7 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
         # the model's own (a twin captured on meta has none), on the CPU where the proof runs
         # (copies: a training-mode batch norm writes its running statistics, and the user's stay untouched)
         read = {n.target: n.meta.get("val") for n in subject.reference.graph.nodes if n.op == "get_attr"}
-        buffers = {fqn: _as_read(b.detach().cpu().clone(), read.get(fqn)) for fqn, b in model.named_buffers()}
+        buffers = {fqn: as_read(b.detach().cpu().clone(), read.get(fqn)) for fqn, b in model.named_buffers()}
         inputs_used = "fresh"
         try:
             try:
@@ -405,8 +405,9 @@ def fresh_inputs(subject: Subject, args: tuple, kwargs: dict, gen: torch.Generat
     return new
 
 
-def _as_read(buffer: torch.Tensor, read) -> torch.Tensor:
-    """A floating buffer in the dtype the graph reads it in (``buffer_dtype`` under mixed precision)."""
+def as_read(buffer: torch.Tensor, read) -> torch.Tensor:
+    """A floating buffer in the dtype the graph reads it in (``read``: its ``get_attr``'s value;
+    ``buffer_dtype`` under mixed precision). The tp and the cp proof read buffers alike."""
     if isinstance(read, torch.Tensor) and buffer.is_floating_point() and read.is_floating_point():
         return buffer.to(read.dtype)
     return buffer
