@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.zoo import _UNSHARDED_FAILS_TEXT, UNSHARDED_FAILS, _options, block_cells, block_minimum  # noqa: E402
+from benchmarks.zoo import _UNSHARDED_FAILS_TEXT, UNSHARDED_FAILS, _options, block_cells, block_minimum, named_fix  # noqa: E402
 
 MESHES = {"2x2": {"dp": 2, "tp": 2}, "tp4": {"tp": 4}, "cp2": {"cp": 2}}
 # (mesh, option) runs of every case; cp runs only for decoders
@@ -151,14 +151,14 @@ def run_one(model, case, mesh_name: str, option: str, args: tuple, kwargs: dict,
         status = UNSHARDED_FAILS if option != "fp32" and captures.get("fp32-captured") else "not captured"
         row |= {"status": status, "detail": _first_line(err), "raised_at": _autoshard_frame(err),
                 "cause": _first_line(err.__cause__) if err.__cause__ else "",
-                "names_buffer_dtype": "buffer_dtype=" in str(err)}
+                "names_fix": named_fix(str(err))}
     except (InternalError, ProofError) as err:
         row |= {"status": "INTERNAL", "detail": f"{type(err).__name__}: {_first_line(err)}",
                 "raised_at": _autoshard_frame(err), "deepest": _deepest_frame(err)}
     except (ValueError, NotImplementedError) as err:
         if str(err).startswith(_UNSHARDED_FAILS_TEXT):
             status = UNSHARDED_FAILS
-            row["names_buffer_dtype"] = "buffer_dtype=" in str(err)
+            row["names_fix"] = named_fix(str(err))
         elif str(err).startswith("autoshard"):
             status = "refused"
         else:  # torch's own error escaping a pass (a rewritten graph torch cannot run): not a refusal
@@ -208,10 +208,10 @@ def _child(case_id: str, conn) -> None:
             difference = f"fingerprint failed after the run: {type(err).__name__}: {_first_line(err)}"
         row["changed"] = difference is not None
         row["change"] = difference or ""
-        if row["status"] == UNSHARDED_FAILS and row.get("names_buffer_dtype"):
+        if row["status"] == UNSHARDED_FAILS and row.get("names_fix"):
             # the model's own forward fails under FSDP2's policy: run again with the fix the error names
-            fixed = run_one(model, case, mesh_name, "bf16_buffers", args, kwargs, captures)
-            row["with_buffer_dtype"] = fixed["status"]
+            fixed = run_one(model, case, mesh_name, row["names_fix"], args, kwargs, captures)
+            row["with_named_fix"] = fixed["status"]
             row["changed"] = row["changed"] or first_difference(before, fingerprint(model)) is not None
         conn.send(("row", row))
     conn.send(("done", None))
@@ -326,8 +326,9 @@ def _summary(results: list[dict]) -> list[str]:
                      + (f", timed out {counts['TIMEOUT']}" if counts["TIMEOUT"] else "")
                      + (f", crashed {counts['CRASH']}" if counts["CRASH"] else "") + "; "
                      f"models changed {changed}" + (f"; no tp break {unbroken}" if title != "cp2" else "")
-                     + (f"; of those failing unsharded, proven with buffer_dtype (the fix the error names) {fixed}"
-                        if (fixed := sum(row.get("with_buffer_dtype") == "proven" for row in rows)) else ""))
+                     + (f"; of those failing unsharded, proven with the fix the error names (buffer_dtype or "
+                        f"output_dtype) {fixed}"
+                        if (fixed := sum(row.get("with_named_fix") == "proven" for row in rows)) else ""))
     lines.append("by library (proven / internal / changed / no tp break, of runs):")
     for library in sorted({r["library"] for r in results}):
         mine = [r for r in results if r["library"] == library]

@@ -58,15 +58,27 @@ _UNSHARDED_FAILS_TEXT = "autoshard: the model as captured does not run on these 
 DENSE_BLOCK_MINIMUM = 4
 
 
+# the option an error on mixed dtypes names (its text) -> the run with it set
+MIXED_DTYPE_FIXES = {"buffer_dtype=": "bf16_buffers", "output_dtype=": "bf16_outputs"}
+
+
+def named_fix(message: str) -> str | None:
+    """The run with the fix ``message`` (an error on mixed dtypes) names, if it names one."""
+    return next((run for text, run in MIXED_DTYPE_FIXES.items() if text in message), None)
+
+
 def _options(name: str):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from autoshard.core.options import PlanOptions
 
-    if name in ("bf16", "bf16_buffers"):  # bf16_buffers: with the buffers in bf16 too, as the error's fix names
-        return PlanOptions(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                           buffer_dtype=torch.bfloat16 if name == "bf16_buffers" else None)
+    if name in ("bf16", *MIXED_DTYPE_FIXES.values()):
+        # bf16_buffers, bf16_outputs: with the buffers, or each block's outputs, in bf16 too (the fix an
+        # error on mixed dtypes names)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      output_dtype=torch.bfloat16 if name == "bf16_outputs" else None)
+        return PlanOptions(mp_policy=policy, buffer_dtype=torch.bfloat16 if name == "bf16_buffers" else None)
     if name == "sequence_parallel":
         return PlanOptions(sequence_parallel=True)
     return PlanOptions()

@@ -48,6 +48,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from autoshard.core.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
 from autoshard.passes.partition import callable_blocks
+from autoshard.passes.mixed_dtypes import buffer_dtype_hint
 from autoshard.passes.regions import inline_regions
 from autoshard.passes.reuse_blocks import find_stack, synthesize, with_two_blocks
 from autoshard.passes.specialize import export_specialized, guards_on_data, name_branches, unreported_data_guards
@@ -153,7 +154,7 @@ class CaptureError(ValueError):
 
 def capture(
     model: nn.Module, args: tuple, kwargs: dict | None = None, dynamic_shapes=None, compute_dtype=None,
-    trace_blocks_once: bool = True, buffer_dtype=None,
+    trace_blocks_once: bool = True, buffer_dtype=None, output_dtype=None, cast_inputs: bool = True,
 ) -> CapturedGraph:
     """``dynamic_shapes`` is ``torch.export``'s: e.g. ``({0: Dim("batch"), 1: Dim("seq")},)``.
 
@@ -173,7 +174,7 @@ def capture(
     set_for_training = training_keywords(model, kwargs)
     run_kwargs = {**kwargs, **set_for_training}
     traced, traced_args, traced_kwargs = _traced_twin(model, tuple(args), run_kwargs, blocks, compute_dtype,
-                                                      buffer_dtype)
+                                                      buffer_dtype, output_dtype, cast_inputs)
     stack, trace_note = find_stack(model, blocks) if trace_blocks_once and dynamic_shapes is None else (None, "")
     exported_module = traced
     if stack is not None:
@@ -193,7 +194,7 @@ def capture(
         full_graph, why = synthesize(graph, stack)
         if full_graph is None:  # not a plain stack after all: trace every block
             full = capture(model, args, kwargs, dynamic_shapes, compute_dtype, trace_blocks_once=False,
-                           buffer_dtype=buffer_dtype)
+                           buffer_dtype=buffer_dtype, output_dtype=output_dtype, cast_inputs=cast_inputs)
             return dataclasses.replace(full, trace_note=why)
         graph, attributes = full_graph, _attributes(full_graph, unlifted, traced)
     gm = graph_module(attributes, graph, type(model).__name__)
@@ -201,6 +202,8 @@ def capture(
     branches = name_branches(gm.graph, type(model).__name__)
     aliases = _tied_aliases(model)
     _clean(graph, aliases)
+    if compute_dtype is not None and output_dtype is not None:
+        _cast_outputs(graph, output_dtype)
     in_spec = _drop_keyword_inputs(graph, unlifted._in_spec, set_for_training)
     gm._in_spec, gm._out_spec = in_spec, unlifted._out_spec  # read by the pytree calling convention of the code
     param_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -266,22 +269,27 @@ def _drop_keyword_inputs(graph: fx.Graph, in_spec, added: dict):
     return spec
 
 
-def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype, buffer_dtype=None):
+def _traced_twin(model: nn.Module, args: tuple, kwargs: dict, blocks, compute_dtype, buffer_dtype=None,
+                 output_dtype=None, cast_inputs: bool = True):
     """The module export traces and its inputs: always a twin (:func:`_twin`), so that what the
     forward writes to its modules while traced (a buffer registered on first call, a cached
     table, a counter) lands on the twin and the user's model is left as it was. Under mixed
     precision its floating parameters and inputs are in ``compute_dtype`` (see
-    :func:`_parameters_as`), and its floating buffers in ``buffer_dtype`` when one is given; a model
-    on meta gets a twin with its buffers on meta too."""
+    :func:`_parameters_as`), and its floating buffers in ``buffer_dtype`` when one is given; each
+    FSDP unit casts as the policy says (:func:`_cast_units`). A model on meta gets a twin with its
+    buffers on meta too."""
     if compute_dtype is not None:
         on_meta = parameters_on_meta(model)
         move = _to_meta if on_meta else _unchanged
         buffers = move if buffer_dtype is None else (
             lambda b: move(b).to(buffer_dtype) if b.is_floating_point() else move(b))
         traced = _twin(model, buffers, _parameters_as(compute_dtype, on_meta))
-        _cast_unit_inputs(traced, blocks, compute_dtype)
+        inputs_to = compute_dtype if cast_inputs else None
+        _cast_units(traced, blocks, inputs_to, output_dtype)
+        # the model's own FSDP unit casts its inputs before export sees them, and its outputs in
+        # the graph (:func:`_cast_outputs`): export runs the root's forward, not its hooks
         args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: move(t).to(compute_dtype) if t.is_floating_point() else move(t), (args, kwargs),
+            torch.Tensor, lambda t: _floating_to(move(t), inputs_to), (args, kwargs),
         )
         return traced, args, kwargs
     if parameters_on_meta(model):
@@ -330,22 +338,6 @@ def _export(model, traced, exported_module, args, kwargs, dynamic_shapes, traced
 def _with_buffer_hint(err: CaptureError, model: nn.Module, compute_dtype) -> CaptureError:
     hint = buffer_dtype_hint(model, compute_dtype) if "dtype" in str(err) else ""
     return CaptureError(f"{err}{hint}") if hint else err
-
-
-def buffer_dtype_hint(model: nn.Module, compute_dtype) -> str:
-    """For an error on mixed dtypes under mixed precision: the floating buffers kept in another
-    dtype, and what to do. FSDP2 casts parameters and inputs to ``param_dtype`` and leaves buffers
-    as they are, so a float32 buffer (a rotary or scale table) turns bf16 math float32 part-way."""
-    if compute_dtype is None or compute_dtype == torch.float32:
-        return ""
-    kept = [name for name, b in model.named_buffers() if b.is_floating_point() and b.dtype != compute_dtype]
-    if not kept:
-        return ""
-    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
-    return (f". Under mp_policy the parameters and inputs compute in {compute_dtype} and the buffers stay as "
-            f"they are, as FSDP2 runs them; this model keeps {shown} in another dtype. Pass "
-            f"buffer_dtype={compute_dtype} (as FSDP1's MixedPrecision did), or compute where they are read in an "
-            f"autocast(enabled=False) region")
 
 
 def _cache_in_output(err: Exception) -> str | None:
@@ -445,21 +437,50 @@ def _parameters_as(dtype: torch.dtype, on_meta: bool):
     return convert
 
 
-def _cast_unit_inputs(twin: nn.Module, blocks: tuple[str, ...], dtype: torch.dtype) -> None:
-    """Cast each block's floating inputs to ``dtype`` as FSDP2's mixed precision does at every
-    FSDP unit (rotary tables passed into a block arrive in ``param_dtype``). The hooks go on
-    the twin's own hook dicts, never the user's modules'."""
+def _floating_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
-    def cast(module, args, kwargs):
-        to = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-        return pytree.tree_map_only(torch.Tensor, to, (args, kwargs))
+
+def _cast_outputs(graph: fx.Graph, dtype: torch.dtype) -> None:
+    """Cast the graph's floating outputs to ``dtype``: the model's own FSDP unit's ``output_dtype``."""
+    output = graph.output_node()
+
+    def cast(value):
+        val = value.meta.get("val") if isinstance(value, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == dtype:
+            return value
+        with graph.inserting_before(output):
+            node = graph.call_function(torch.ops.aten.to.dtype, (value, dtype))  # as export records `.to`
+        node.meta.update({k: v for k, v in value.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        node.meta["val"] = val.to(dtype)
+        return node
+
+    output.args = fx.node.map_aggregate(output.args, cast)
+
+
+def _cast_units(twin: nn.Module, blocks: tuple[str, ...], inputs_to: torch.dtype | None,
+                outputs_to: torch.dtype | None) -> None:
+    """Cast each block's floating inputs to ``inputs_to`` and its floating outputs to
+    ``outputs_to``, as FSDP2's mixed precision does at every FSDP unit (rotary tables passed into
+    a block arrive in ``param_dtype``; a block that returns float32 hands on ``output_dtype``).
+    The hooks go on the twin's own hook dicts, never the user's modules'."""
+
+    def cast_inputs(module, args, kwargs):
+        return pytree.tree_map_only(torch.Tensor, lambda t: _floating_to(t, inputs_to), (args, kwargs))
+
+    def cast_outputs(module, args, output):
+        return pytree.tree_map_only(torch.Tensor, lambda t: _floating_to(t, outputs_to), output)
 
     for fqn in blocks:
         block = twin.get_submodule(fqn)
-        for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called"):
+        for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called",
+                     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
             if name in block.__dict__:
                 setattr(block, name, type(block.__dict__[name])(block.__dict__[name]))
-        block.register_forward_pre_hook(cast, with_kwargs=True)
+        if inputs_to is not None:
+            block.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+        if outputs_to is not None:
+            block.register_forward_hook(cast_outputs)
 
 
 _CONTAINERS = (dict, list, set, collections.OrderedDict)

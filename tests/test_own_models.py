@@ -222,6 +222,73 @@ def test_mixed_precision_on_a_float32_buffer_is_refused_naming_the_buffer_and_th
         autoshard.plan(model, MESHES["2x2"], example_inputs=(torch.randn(4, 16),), buffer_dtype=torch.bfloat16)
 
 
+class MaskedZeroBlock(nn.Module):
+    """x-transformers' attention ends with ``einx.where('b n, b n d, -> b n d', mask, out, 0.)``,
+    which makes the ``0.`` a float32 tensor of shape (1, 1, 1): under bf16 parameters the block
+    returns float32 (a dimensioned float32 operand wins type promotion)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x, mask):
+        out = self.down(torch.relu(self.up(x)))
+        return x + torch.where(mask[..., None], out, torch.zeros(1, 1, 1))
+
+
+class MaskedZeroEncoder(nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList([MaskedZeroBlock(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, 32)
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(x)
+
+
+def test_a_block_returning_float32_under_bf16_is_refused_naming_the_op_and_output_dtype():
+    model = MaskedZeroEncoder()
+    x, mask = torch.randn(4, 8, 16), torch.rand(4, 8) > 0.3
+    refused = (r"node 'linear_4' .* fails in the captured graph.*Its float32 operand is made float32 by node "
+               r"'where_1' .*test_own_models\.py:\d+ `return x \+ torch\.where.*\(in block 'layers\.1'\).*"
+               r"output_dtype=torch\.bfloat16")
+    with pytest.raises(NotImplementedError, match=refused):
+        autoshard.check(model, MESHES["2x2"], example_inputs=(x, mask), mp_policy=BF16)
+    # the fix it names: FSDP2 casts each unit's outputs, and capture casts them where FSDP2 does
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+    proof = autoshard.check(model, MESHES["2x2"], example_inputs=(x, mask), mp_policy=policy)
+    assert proof.ok, str(proof)
+    # the input enters tp at the up projection, its gradient summed back (none for the user's input), and
+    # the down projection's partial sums are reduced once
+    assert not proof.plan.breaks and [proof.plan.num_tp_collectives(f"layers.{i}") for i in (0, 1)] == [1, 2]
+    assert proof.plan.mixed_precision["output_dtype"] == "bfloat16"
+    graph = capture(model, (x, mask), compute_dtype=torch.bfloat16, output_dtype=torch.bfloat16).gm.graph
+    narrowed = [n for n in graph.nodes if n.target is torch.ops.aten.to.dtype
+                and n.args[0].meta["val"].dtype == torch.float32 and n.args[1] == torch.bfloat16]
+    assert len(narrowed) == 2, graph  # each block's float32 output
+    # and the model's own unit: its outputs handed on in float32 (a loss computed wide)
+    head = nn.Linear(16, 8)
+    (logits,) = capture(head, (x,), compute_dtype=torch.bfloat16, output_dtype=torch.float32).gm.graph.output_node().args[0]
+    assert logits.target is torch.ops.aten.to.dtype and logits.meta["val"].dtype == torch.float32
+
+
+def test_cast_forward_inputs_false_leaves_each_blocks_inputs_as_they_come():
+    model = MaskedZeroEncoder()
+    x, mask = torch.randn(4, 8, 16), torch.rand(4, 8) > 0.3
+
+    def casts(cast_inputs: bool) -> int:
+        gm = capture(model, (x, mask), compute_dtype=torch.bfloat16, cast_inputs=cast_inputs).gm
+        return sum(n.target is torch.ops.aten.to.dtype and n.args[0].op == "placeholder" for n in gm.graph.nodes)
+
+    assert casts(True) >= 1  # the float32 input cast on its way into the first block
+    assert casts(False) == 0  # FSDP2 with cast_forward_inputs=False: the float32 input meets bf16 as it is
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    with pytest.raises(NotImplementedError, match="does not run on these inputs and options, unsharded"):
+        autoshard.check(model, MESHES["2x2"], example_inputs=(x, mask), mp_policy=policy)
+
+
 # --- blocks --------------------------------------------------------------------------------------
 
 

@@ -72,8 +72,12 @@ def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | 
     """The capture :func:`_plan` makes for ``axes`` (mixed precision captures in ``param_dtype``
     only with a dp axis), to plan on several meshes from one trace."""
     compute_dtype = _compute_dtype(model, axes, options)
+    if compute_dtype is None:
+        return capture(model, example_inputs, example_kwargs, options.dynamic_shapes, None, options.trace_blocks_once)
+    policy = options.mp_policy
     return capture(model, example_inputs, example_kwargs, options.dynamic_shapes, compute_dtype,
-                   options.trace_blocks_once, options.buffer_dtype if compute_dtype is not None else None)
+                   options.trace_blocks_once, options.buffer_dtype, output_dtype=policy.output_dtype,
+                   cast_inputs=policy.cast_forward_inputs)
 
 
 def _compute_dtype(model: nn.Module, axes: MeshAxes, options: PlanOptions):

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.core.errors import describe
 from autoshard.core.sharding import REPLICATED, shard_on
-from autoshard.passes.capture import buffer_dtype_hint
+from autoshard.passes.mixed_dtypes import buffer_dtype_hint, widened_value_hint
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
 from autoshard.passes.placements import multiplies
 from autoshard.plans.plan import Plan
@@ -219,7 +219,8 @@ def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, examp
                 ref = _run_reference(subject.reference, inputs, weights, buffers, gen)
         except EmittedCodeError as err:  # the unsharded graph itself: nothing autoshard emitted
             first = str(err).splitlines()[0].replace("in the emitted code", "in the captured graph")
-            hint = buffer_dtype_hint(model, _compute_dtype(weights, subject.reference)) if "dtype" in first else ""
+            hint = _mixed_dtype_hint(err, model, subject, _compute_dtype(weights, subject.reference)) \
+                if "dtype" in first else ""
             raise NotImplementedError(
                 f"autoshard: the model as captured does not run on these inputs and options, unsharded: {first}{hint}"
             ) from err
@@ -477,6 +478,12 @@ def stored_shards(entry, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
     if dim is None:
         return [stored.contiguous() for _ in range(tp)]
     return [c.contiguous() for c in torch.chunk(stored, tp, dim=dim)]
+
+
+def _mixed_dtype_hint(err: EmittedCodeError, model: torch.nn.Module, subject: Subject, compute_dtype) -> str:
+    """A buffer kept wide, else the wide value the forward makes: what the user can change."""
+    return buffer_dtype_hint(model, compute_dtype) or widened_value_hint(
+        err.node, compute_dtype, tuple(u for u in subject.plan.units if u))
 
 
 def _compute_dtype(weights: dict[str, torch.Tensor], graph: fx.GraphModule) -> torch.dtype:

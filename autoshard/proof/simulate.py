@@ -46,7 +46,11 @@ aten = torch.ops.aten
 
 class EmittedCodeError(RuntimeError):
     """An op of the emitted code raised on some tp rank (a view whose local strides no longer
-    allow it, a shape argument left global): names the node and its source line."""
+    allow it, a shape argument left global): names the node and its source line; ``node`` is it."""
+
+    def __init__(self, message: str, node: fx.Node | None = None):
+        super().__init__(message)
+        self.node = node
 
 
 class PerRank:
@@ -362,7 +366,7 @@ class RankSimulator(fx.Interpreter):
             raise
         except Exception as err:
             raise EmittedCodeError(f"{describe(n)} fails in the emitted code: {type(err).__name__}: "
-                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}", n) from err
         if isinstance(result, PerRank):
             self.values[self.prefix + n.name] = result
         return result
