@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard.core.mesh import CP, MeshAxes
 from autoshard.core.options import SHARDING_KEYWORDS, Options
 from autoshard.driver.agreement import check_ranks_agree
-from autoshard.driver.pipeline_plan import pipeline_plan_for
+from autoshard.driver.pipeline_plan import pipeline_plan_for, prove_pipeline
 from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_cut, prove_on
 from autoshard.passes.capture import parameters_on_meta
 from autoshard.plans.plan import Plan
@@ -81,11 +81,9 @@ def check(
     chosen = Options.of(options, caller="check", refused=SHARDING_KEYWORDS, **keywords)
     plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
     if axes.has_pp:
-        from autoshard.proof.pipeline_proof import prove_stages
-
         pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, plan_options,
                                   chosen.pipeline.as_keywords(), keep_reference=True)
-        return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
+        return prove_pipeline(pplan, model, axes, seed=seed, rtol=rtol)
     _refuse_pipeline_options(chosen)
     if axes.has_cp:
         planned = plan_result(model, axes, example_inputs, example_kwargs, plan, plan_options, keep_reference=True)
@@ -311,9 +309,7 @@ def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, chose
                               pipelined.as_keywords(), keep_reference=proving)
     _check_agreement(pplan.plan, pplan.planned.captured.inputs, axes)
     if proving:
-        from autoshard.proof.pipeline_proof import prove_stages
-
-        prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs).raise_if_failed()
+        prove_pipeline(pplan, model, axes).raise_if_failed()
     return materialize_pipeline(pplan, model, axes, pipelined.loss_fn, sync_module_states=sharding.sync_module_states,
                                 reshard_after_forward=sharding.reshard_after_forward, mp_policy=plan_options.mp_policy,
                                 activation_checkpointing=sharding.activation_checkpointing)

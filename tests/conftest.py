@@ -40,6 +40,8 @@ LONG = (
     "tests/test_predicted_comm.py::test_check",
     # HSDP on 8 gloo ranks (its placements and plans are checked in one process in test_plan)
     "tests/test_hsdp.py::test_check",
+    # pp x cp trained on 8 gloo ranks (proven in one process in tests/test_pipeline_plan.py)
+    "tests/test_pipeline_context.py::test_check",
     # FSDP's block-quantized all-gather on 4 gloo ranks (its format, bound and plan are checked in one
     # process in tests/test_block_quant.py)
     "tests/test_quantized_gather.py::test_check",

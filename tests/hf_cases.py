@@ -140,6 +140,11 @@ def qwen2_4_blocks() -> hf.Qwen2ForCausalLM:
     return hf.Qwen2ForCausalLM(hf.Qwen2Config(**{**_DECODER, "num_hidden_layers": 4}))
 
 
+def small_llama_4_blocks() -> hf.LlamaForCausalLM:
+    """The llama case with 4 blocks (2 kv heads of 4): two pipeline stages of two blocks each."""
+    return hf.LlamaForCausalLM(hf.LlamaConfig(**{**_DECODER, "num_hidden_layers": 4}))
+
+
 def llama_4_blocks() -> hf.LlamaForCausalLM:
     """A 4-block Llama at a Llama-2 vocabulary (32000), hidden 256, 8 heads of which 4 are kv
     heads: the model ``autoshard.testing.check`` is measured on (``benchmarks/bench_check.py``)."""

@@ -235,8 +235,9 @@ def test_bad_input_is_refused_with_a_clear_error():
         autoshard.plan(model, {"cp": 4}, example_inputs=(_ids(256, seq=20),))
     with pytest.raises(NotImplementedError, match=r"no rule for node 'cummax' .* at test_context_plan.py:\d+"):
         autoshard.plan(RunningMax(), {"cp": 2}, example_inputs=(_ids(64, seq=16),))
-    with pytest.raises(NotImplementedError, match=r"pipeline stages with context parallelism .* not the cp x tp grid"):
-        autoshard.plan(model, {"cp": 2, "pp": 2}, example_inputs=(_ids(256, seq=16),))
+    with pytest.raises(NotImplementedError, match=r"context_output='local' with a pp axis: torch's schedule hands"):
+        autoshard.plan(model, {"pp": 2, "cp": 2}, example_inputs=(torch.cat([_ids(256, seq=16)] * 2),),
+                       context_output="local")
 
 
 def test_hsdp_with_cp_shards_parameters_over_dp_shard_and_cp():

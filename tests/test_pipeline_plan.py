@@ -7,6 +7,7 @@ Training on real ranks (schedules, parity, checkpoints, measured sends) is in
 from __future__ import annotations
 
 import dataclasses
+import re
 import itertools
 
 import pytest
@@ -151,6 +152,53 @@ def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     last.module.recompile()
     proof = prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs)
     assert not proof.ok and "node" in str(proof)
+
+
+@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 2, "cp": 2}, {"pp": 2, "cp": 4}],
+                         ids=["pp2xcp2xtp2", "pp2xdp2xcp2", "pp2xcp4"])
+def test_pipeline_stages_with_context_parallelism_are_proven_on_the_cp_grid(sizes):
+    """Each stage is the stage mesh's cp code: the first keeps its cp rank's positions of the
+    whole microbatch, the hidden states cross at their cp-local length, the last gathers the logits
+    whole. The stages called in order are proven on every cp x tp rank, the loss's gradients
+    summed over cp as FSDP's average over dp x cp takes them."""
+    torch.manual_seed(0)
+    model = hf_cases.small_llama_4_blocks()
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    proof = autoshard.check(model, sizes, example_inputs=(tokens,), microbatches=2)
+    assert proof.ok, str(proof)
+    assert (proof.cp, proof.tp) == (sizes["cp"], sizes.get("tp", 1)) and proof.cp_collectives
+    plan = proof.plan
+    assert dict(plan.mesh) == sizes and plan.context["seq"] == 16 and len(plan.pipeline.stages) == 2
+    # one microbatch of 2 rows: the hidden states' gradient sent back at 16 / cp positions, 64 wide
+    (_, _, back_messages, back_bytes), = plan.pipeline.sends
+    assert (back_messages, back_bytes) == (1, 2 * (16 // sizes["cp"]) * 64 * 4), plan.pipeline.sends
+
+
+def test_swapped_stage_values_under_context_parallelism_are_caught_at_a_node():
+    """The last stage handed two of its float inputs swapped, on pp2 x cp2 x tp2: the cp grid's proof
+    of the stitched stages fails and names the first node whose value differs."""
+    from autoshard.driver.pipeline_plan import prove_pipeline
+
+    torch.manual_seed(0)
+    model = EmbeddingMixDecoder(Config2())
+    tokens = torch.randint(1, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    sizes = {"pp": 2, "cp": 2, "tp": 2}
+    pplan = _pplan(model, sizes, inputs=(tokens,), microbatches=2)
+    assert prove_pipeline(pplan, model, planning.mesh_axes(sizes)).ok
+    last = pplan.split.stages[-1]
+    floats = [n for n in last.module.graph.nodes
+              if n.op == "placeholder" and pplan.crossings[n.name].dtype == torch.float32]
+    a, b = floats[:2]
+    a_users, b_users = list(a.users), list(b.users)
+    for user in a_users:
+        user.replace_input_with(a, b)
+    for user in b_users:
+        user.replace_input_with(b, a)
+    last.module.recompile()
+    proof = prove_pipeline(pplan, model, planning.mesh_axes(sizes))
+    assert not proof.ok
+    assert re.match(r"node '\w+' \(.*\) at pattern_models\.py:\d+ .*differs from the reference's", proof.first_divergence or ""), \
+        str(proof)
 
 
 def Config2():

@@ -48,12 +48,9 @@ def _subsequences(order):
 
 MESH_SHAPES = tuple(s for s in _subsequences(_ORDER) if accepted(s))
 
-# axes the order allows together that are not built yet, and why (docs/limits.md lists them)
-NOT_YET = {
-    frozenset({PP, CP}): "pipeline stages with context parallelism (a 'pp' and a 'cp' axis): the pipeline's proof "
-                         "and its stage shapes run the tp ranks' simulator, not the cp x tp grid; use 'pp' with "
-                         "'dp'/'tp', or 'cp' with 'dp'/'tp'",
-}
+# axes the order allows together that are not built yet, and why (docs/limits.md lists them); every
+# combination the order allows is built today, so a new axis adds its gaps here until it composes
+NOT_YET: dict[frozenset, str] = {}
 
 
 def refuse_not_yet(names) -> None:

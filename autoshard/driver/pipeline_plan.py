@@ -19,7 +19,9 @@ import torch.utils._pytree as pytree
 from autoshard.core.mesh import PP, MeshAxes
 from autoshard.core.options import PlanOptions
 from autoshard.driver import planning
-from autoshard.passes.stage_graphs import StageSplit, split_stages
+from autoshard.proof.pipeline_proof import prove_stages
+from autoshard.proof.proof import Proof
+from autoshard.passes.stage_graphs import StageSplit, split_stages, stitched
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_costs import (
     PipelineStages,
@@ -79,6 +81,10 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     if options.loss_parallel:
         raise NotImplementedError("autoshard: loss_parallel with a pp axis: the last stage returns whole logits "
                                   "to the loss; plan without loss_parallel")
+    if options.context_output != "whole" and axes.has_cp:
+        raise NotImplementedError("autoshard: context_output='local' with a pp axis: torch's schedule hands the "
+                                  "last stage's output and the whole microbatch's targets to loss_fn; plan with "
+                                  "context_output='whole'")
     stage_axes = axes.stage_axes()
     spec = schedule_of(schedule, microbatches, axes.pp, stages_per_rank, data_parallel=stage_axes.has_dp)
     micro_inputs, micro_kwargs = microbatch_of(example_inputs, example_kwargs, microbatches)
@@ -104,7 +110,7 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     parts = emitted.parts
     split = split_stages(parts, stage_of_block, count, frozenset(planned.plan.params))
     flat = flat_inputs(captured, micro_inputs, micro_kwargs)
-    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat)
+    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat, stage_axes.cp)
     output = next(n for n in parts.root.graph.nodes if n.op == "output")
     output_names = tuple(n.name for n in pytree.tree_leaves(output.args[0]))
     root = {fqn for fqn, entry in planned.plan.params.items() if not entry.unit}
@@ -135,7 +141,21 @@ def _nbytes(crossing: Crossing) -> int:
     return count * torch.empty((), dtype=crossing.dtype).element_size()
 
 
-__all__ = ["PipelinePlan", "Schedule", "PipelineStages", "microbatch_of", "plan_pipeline"]
+def prove_pipeline(pplan: PipelinePlan, model: nn.Module, axes: MeshAxes, *, seed: int = 0,
+                   rtol: float | None = None) -> Proof:
+    """``pplan``'s stages called in order, against the unsharded graph, at one microbatch's shapes: proven
+    as the stage mesh's code is, on its tp ranks (:func:`~autoshard.proof.pipeline_proof.prove_stages`)
+    or, with a cp axis, on its cp x tp grid (:func:`~autoshard.driver.planning.prove_cut`)."""
+    stage_axes = axes.stage_axes()
+    if not stage_axes.has_cp:
+        return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
+    parts = dataclasses.replace(pplan.emitted.parts, root=stitched(pplan.split, pplan.emitted.parts.root))
+    proof = planning.prove_cut(pplan.planned, model, pplan.micro_inputs, pplan.micro_kwargs, stage_axes, rtol=rtol,
+                               emitted=dataclasses.replace(pplan.emitted, parts=parts))
+    return dataclasses.replace(proof, plan=pplan.plan)
+
+
+__all__ = ["PipelinePlan", "Schedule", "PipelineStages", "microbatch_of", "plan_pipeline", "prove_pipeline"]
 
 
 def pipeline_plan_for(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, pipelined: dict,

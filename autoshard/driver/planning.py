@@ -237,8 +237,8 @@ def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions,
 def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
               axes: MeshAxes, rtol: float | None = None, emitted: Emitted | None = None):
     """The graph cut over cp, every cp rank simulated, against the unsharded graph
-    (see :mod:`autoshard.proof.context_proof`); on a mesh with tp, the tp code ``emitted`` for it, every
-    cp x tp rank simulated."""
+    (see :mod:`autoshard.proof.context_proof`): the code ``emitted`` for it when given (the tp code,
+    or a pipeline's stages called in order), every cp x tp rank simulated; else the cut graph itself."""
     from autoshard.plans.context_plan import ContextPlan
     from autoshard.proof.context_proof import prove_context
     from autoshard.runtime.pipeline_stages import flat_inputs
@@ -256,7 +256,7 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
             weights[node.target] = as_read(buffers[node.target].detach().cpu().clone(), node.meta.get("val"))
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
-    if axes.has_tp:
+    if emitted is not None:
         proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
                               output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
     else:

@@ -146,21 +146,25 @@ class _Ranks:
 
 
 def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:
-    """The first node of the cut graph, in its order, whose value on some rank differs from the
-    reference's at that rank's positions by more than ``tolerance`` (a node kept whole: from its whole
-    value): where a broken cut (a dropped gather) first shows. Values cut over tp as well are skipped."""
+    """The first value the cut code computes, in the order it ran, whose value on some rank differs
+    from the reference's at that rank's positions by more than ``tolerance`` (a node kept whole: from
+    its whole value): where a broken cut (a dropped gather, two stage values swapped) first shows.
+    Values inside the code's submodules (blocks, pipeline stages) are named by their node; values cut
+    over tp as well are skipped."""
     reference, cut = ranks.values.get("reference", {}), ranks.values.get("cut", {})
-    for node in ranks.cut.graph.nodes:
-        got, want = cut.get(node.name), reference.get(node.name)
-        if got is None or want is None or not isinstance(want.values[0], torch.Tensor):
-            continue
+    nodes = _computing_nodes(ranks.cut)
+    for key, got in cut.items():
+        name = key.rsplit(".", 1)[-1]
+        want, node = reference.get(name), nodes.get(name)
+        if want is None or node is None or node.op == "get_attr" or not isinstance(want.values[0], torch.Tensor):
+            continue  # a parameter is never cut over the sequence, and a tp shard of one is not compared
         whole = want.values[0].detach()
         if not whole.is_floating_point():
             continue
         for rank, value in enumerate(got.values):
             if not isinstance(value, torch.Tensor):
                 break
-            expected = _at_positions(whole, value.shape, rank // ranks.tp, ranks.cp)
+            expected = _at_positions(whole, value.shape, rank // ranks.tp, ranks.cp, ranks.seq)
             if expected is None:
                 break  # cut some other way (over tp): not compared
             if _rel(value.detach(), expected) > tolerance:
@@ -169,17 +173,30 @@ def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:
     return None
 
 
-def _at_positions(whole: torch.Tensor, shape, cp_rank: int, cp: int) -> torch.Tensor | None:
+def _computing_nodes(code: fx.GraphModule) -> dict[str, fx.Node]:
+    """Every node that computes a value in ``code`` and the graphs it calls, by name (a value handed
+    into a submodule is its placeholder there, and named by the node computing it)."""
+    nodes: dict[str, fx.Node] = {}
+    for module in code.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op in ("call_function", "call_method") or node.name not in nodes:
+                    nodes[node.name] = node
+    return nodes
+
+
+def _at_positions(whole: torch.Tensor, shape, cp_rank: int, cp: int, seq: int) -> torch.Tensor | None:
     """``whole`` as cp rank ``cp_rank`` holds it: itself when the shapes agree, its positions along the
-    one dim ``cp`` times shorter (the sequence); None when the shapes differ otherwise."""
+    one dim of ``seq`` entries ``cp`` times shorter (the sequence); None when the shapes differ
+    otherwise (a tp shard, which may be ``cp`` times shorter too: tp and cp of one size)."""
     if tuple(whole.shape) == tuple(shape):
         return whole
     if whole.dim() != len(shape):
         return None
     dims = [d for d in range(whole.dim()) if whole.shape[d] != shape[d]]
-    if len(dims) != 1 or whole.shape[dims[0]] != shape[dims[0]] * cp:
+    if len(dims) != 1 or whole.shape[dims[0]] != seq or seq != shape[dims[0]] * cp:
         return None
-    return whole.index_select(dims[0], local_positions(cp_rank, cp, whole.shape[dims[0]]))
+    return whole.index_select(dims[0], local_positions(cp_rank, cp, seq))
 
 
 def _flat(out) -> list:

@@ -54,9 +54,14 @@ class Crossing:
         return torch.empty(self.shape, dtype=self.dtype, device=device, requires_grad=self.requires_grad)
 
 
-def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -> dict[str, Crossing]:
-    """Every root value as one tp rank holds it, from running the emitted code on fake tensors
-    (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run)."""
+def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, cp: int = 1) -> dict[str, Crossing]:
+    """Every root value as one rank holds it, from running the emitted code on fake tensors
+    (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run).
+
+    Every rank of the stage's ``cp x tp`` grid is simulated (rank ``i`` is cp rank ``i // tp``, tp rank
+    ``i % tp``, as :mod:`autoshard.proof.context_proof` lays them out); all take the whole inputs, and a
+    value cut over the sequence crosses a boundary at its cp-local length. Rank 0's shapes are every
+    rank's: tp shards and the balanced sequence chunks are equal."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -67,9 +72,11 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list) -
         weights = {}
         for fqn, entry in plan.params.items():
             full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
-            weights[fqn] = PerRank([s.requires_grad_(True) for s in stored_shards(entry, full, tp)])
-        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * tp) for v in flat_inputs]
-        simulator = RankSimulator(root, tp, weights.get)
+            shards = [s.requires_grad_(True) for s in stored_shards(entry, full, tp)]
+            weights[fqn] = PerRank([shards[i % tp] for i in range(cp * tp)])
+        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * (cp * tp))
+                  for v in flat_inputs]
+        simulator = RankSimulator(root, tp, weights.get, cp=cp)
         simulator.run(*inputs)
     crossings = {}
     for name, value in simulator.values.items():
