@@ -6,17 +6,40 @@ import torch.fx as fx
 from torch._dynamo.backends.registry import lookup_backend
 
 
-def compile_blocks(sharded: fx.GraphModule, compiler: str) -> None:
+def compile_blocks(sharded: fx.GraphModule, compiler: str, activation_checkpointing: str | None = None) -> None:
     """Compile each FSDP block's computation; FSDP2's hooks stay around it, eager.
 
     The compiled function sees plain tensors only: each parameter's
     ``to_local()`` runs eagerly before it (dynamo cannot trace DTensor's
     ``to_local`` backward), and its local tensors are passed in as inputs.
+    With ``activation_checkpointing`` ("full" or "selective", as
+    :mod:`autoshard.runtime.activation_checkpointing` runs eager blocks) the
+    compiled function runs under ``torch.utils.checkpoint``: compiled once, at
+    the first call and outside it, then recomputed in backward (the selective
+    policy keeps the outputs of the matmuls and collectives it runs).
     """
+    from autoshard.runtime.activation_checkpointing import checkpointed
+
     for fqn in sharded.autoshard_plan.units:
         if fqn:
             block = sharded.get_submodule(fqn)
-            block.forward = _LocalCompiled(block, compiler)
+            compiled = _LocalCompiled(block, compiler)
+            block.forward = compiled if activation_checkpointing is None else _FirstCallOutside(
+                compiled, checkpointed(compiled, activation_checkpointing))
+
+
+class _FirstCallOutside:
+    """``wrapped`` from the second call on; the first call runs ``compiled`` itself, so that the
+    compiler traces outside checkpointing's modes (and its first forward is an ordinary one)."""
+
+    def __init__(self, compiled: "_LocalCompiled", wrapped):
+        self.compiled, self.wrapped = compiled, wrapped
+
+    def __call__(self, *args):
+        if self.compiled.ready:
+            return self.wrapped(*args)
+        self.compiled.compile(*args)
+        return self.wrapped(*args)
 
 
 class _LocalCompiled:
@@ -47,6 +70,15 @@ class _LocalCompiled:
         self._local_graph = fx.GraphModule(block, graph)
         self._compiler = compiler
         self._compiled = None
+
+    @property
+    def ready(self) -> bool:
+        return self._compiled is not None
+
+    def compile(self, *args) -> None:
+        """Compile for these inputs' metadata (the block's first call)."""
+        inputs = [*(self._block.get_parameter(name).to_local() for name in self._param_names), *args]
+        self._compiled = lookup_backend(self._compiler)(self._local_graph, inputs)
 
     def __call__(self, *args):
         block = self._block

@@ -81,8 +81,7 @@ def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | 
 
 
 def _compute_dtype(model: nn.Module, axes: MeshAxes, options: PlanOptions):
-    if getattr(model, "replays_graph", False):
-        return None  # a dynamo graph replayed node by node: its blocks' input casts never run
+    # a dynamo graph replayed node by node (the compile backend) holds FSDP2's casts in the graph itself
     return options.mp_policy.param_dtype if options.mp_policy is not None and axes.has_dp else None
 
 

@@ -119,6 +119,9 @@ class Measure:
     def __str__(self) -> str:
         if self.sharded is None:
             return f"{self.what}: {self.error:.2e} against one device (allowed {self.allowed:.0e})"
+        if self.one_device is None:  # the cp proof: the code in float64 against the model in float64
+            return (f"{self.what}: {self.sharded:.2e} in float64 (allowed {self.allowed:.0e}), {self.error:.2e} in "
+                    f"the model's dtype")
         text = (f"{self.what}: {self.sharded:.2e} from float64 sharded, {self.one_device:.2e} on one device "
                 f"(x{self.factor:.2g}; allowed {self.allowed:.2e}), {self.error:.2e} between them")
         if self.wide_sharded is not None:

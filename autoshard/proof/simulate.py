@@ -387,12 +387,11 @@ class RankSimulator(fx.Interpreter):
             rest, kw = map_aggregate((on_rank(rest, 0), on_rank(kw, 0)), lambda a: _as_simulated(a, self.widen))
             return self._grouped(target in _CP_COLLECTIVES, [x],
                                  lambda tally, xs: _TENSOR_COLLECTIVES[target](tally, xs[0].values, *rest, **kw))
-        if target is collectives.TAKE_SHARDS:
-            return self._grouped(False, list(args[0]),
-                                 lambda tally, xs: _take_shards(tally, xs, *on_rank(args[1:], 0)))
-        if target is collectives.ENTER_TPS:
-            return self._grouped(False, list(args[0]),
-                                 lambda tally, xs: _enter_tps(tally, xs, *on_rank(args[1:], 0)))
+        if target in (collectives.TAKE_SHARDS, collectives.ENTER_TPS):
+            # a reduce_dtype among the arguments is widened like any dtype the code names
+            rest = map_aggregate(on_rank(args[1:], 0), lambda a: _as_simulated(a, self.widen))
+            grouped = _take_shards if target is collectives.TAKE_SHARDS else _enter_tps
+            return self._grouped(False, list(args[0]), lambda tally, xs: grouped(tally, xs, *rest))
         if target is context_ops.CP_POSITIONS:
             return _cp_positions(args[0], *on_rank(args[1:], 0), tp=self.tp)
         if target is context_ops.CP_CAUSAL_ATTENTION:

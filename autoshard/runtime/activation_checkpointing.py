@@ -59,10 +59,16 @@ def apply_activation_checkpointing(blocks: dict[str, fx.GraphModule], mode: str 
     """Run every block's forward under checkpointing (``mode`` "full" or "selective")."""
     if mode is None:
         return
+    for gm in blocks.values():
+        gm.forward = checkpointed(gm.forward, mode)
+
+
+def checkpointed(forward, mode: str):
+    """``forward`` run under checkpointing (``mode`` "full" or "selective"): a compiled block's
+    function as well as a GraphModule's (the selective policy reads the ops it runs)."""
     assert mode in MODES, mode
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    for gm in blocks.values():
-        gm.forward = functools.partial(_checkpointed, gm.forward, extra)
+    return functools.partial(_checkpointed, forward, extra)
 
 
 def _checkpointed(forward, extra: dict, *args, **kwargs):
