@@ -251,9 +251,9 @@ def test_mixed_precision_needs_a_dp_axis(fake_world):
                             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
-def test_the_compile_backend_refuses_activation_checkpointing():
-    with pytest.raises(NotImplementedError, match="activation_checkpointing is applied to eager blocks"):
-        autoshard.backend(None, activation_checkpointing="full")
+def test_the_compile_backend_refuses_an_unknown_checkpointing_mode_when_made():
+    with pytest.raises(ValueError, match="activation_checkpointing must be None, 'full' or 'selective', got 'all'"):
+        autoshard.backend(None, activation_checkpointing="all")
 
 
 def test_the_compile_backend_refuses_a_pipeline_mesh_by_name(fake_world):

@@ -68,6 +68,7 @@ from autoshard.adapters.compiled_blocks import compile_blocks
 from autoshard.adapters.handover import Handover, keep_gradients_released, release
 from autoshard.core.options import Options
 from autoshard.plans.plan import Plan
+from autoshard.runtime.activation_checkpointing import MODES
 
 _DYNAMO_SELF = "L['self']"
 
@@ -345,6 +346,9 @@ class AutoshardBackend:
         if "example_inputs" in keywords or "plan" in keywords:
             raise ValueError("autoshard.backend: example inputs come from dynamo; `plan` is made per graph")
         chosen = Options.of(options, caller="autoshard.backend", **keywords)
+        if chosen.sharding.activation_checkpointing not in (None, *MODES):
+            raise ValueError("autoshard.backend: activation_checkpointing must be None, 'full' or 'selective', got "
+                             f"{chosen.sharding.activation_checkpointing!r}")
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
             raise NotImplementedError(
                 "autoshard.backend: pipeline stages (a 'pp' axis) cut the whole model into stages a schedule "
