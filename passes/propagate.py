@@ -18,7 +18,7 @@ replicated value, a norm over the sharded dim, the graph output) is gathered
 once, and every consumer that needs it full reads the gathered copy.
 
 Each place where a consumer needs another layout than its producer gives is an
-*edge* with a :class:`Redistribute`; :mod:`passes.layouts` turns edges into
+*edge* with a :class:`Redistribute`; :mod:`autoshard.passes.redistribute` turns edges into
 collective nodes. Replicated inputs of colwise linears get ``enter_tp`` edges:
 one per value, so linears sharing an input (q/k/v, gate/up) add their partial
 input-gradients locally and all-reduce once.

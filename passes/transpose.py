@@ -44,7 +44,7 @@ def rewrite_linears(
 ) -> None:
     """Each rowwise output leaves as ``layout_plan.rowwise_exit`` says: all-reduced,
     reduce-scattered over the sequence (sequence parallelism), or a partial sum reduced where a
-    consumer needs the total (the ``reduce`` edges of :mod:`passes.layouts`, so two of them
+    consumer needs the total (the ``reduce`` edges of :mod:`autoshard.passes.redistribute`, so two of them
     may share one all-reduce). ``reduce_dtype``: the dtype every sum of partial values is
     taken in (mixed precision)."""
     roles = layout_plan.roles

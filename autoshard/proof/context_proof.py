@@ -24,6 +24,7 @@ from autoshard.core.errors import describe
 from autoshard.core.mesh import CP, TP
 from autoshard.plans.predict import Tally
 from autoshard.proof.proof import TOLERANCE, Proof, _typical_rms, rel_error, stored_shards
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.rounding import Measure
 from autoshard.proof.simulate import PerRank, RankSimulator, widened
 from autoshard.runtime.context_ops import CP_CAUSAL_ATTENTION, local_positions
@@ -93,8 +94,9 @@ class _Ranks:
         cp, tp = self.cp, self.tp
         weights = {name: widened(w.detach(), widen) for name, w in weights.items()}
         ref_params = {name: PerRank([w.clone().requires_grad_(name in trained)]) for name, w in weights.items()}
-        cp_params = {name: PerRank([self.per_tp_rank(name, w)[i % tp].clone().requires_grad_(name in trained)
-                                    for i in range(cp * tp)]) for name, w in weights.items()}
+        grid = RankGrid.of(cp=cp, tp=tp)
+        cp_params = {name: PerRank([self.per_tp_rank(name, w)[grid.coordinate(i, TP)].clone()
+                                    .requires_grad_(name in trained) for i in grid]) for name, w in weights.items()}
         inputs = [widened(x, widen) for x in inputs]
         ref_sim = RankSimulator(self.reference, 1, ref_params.get, widen=widen)
         ref_out = _flat(ref_sim.run(*inputs))
@@ -115,8 +117,8 @@ class _Ranks:
             if value is None:
                 return None
             if cuts[i] is not None:
-                value = value.index_select(cuts[i], positions[rank // tp])
-            return value if tp_dims[i] is None else value.chunk(tp, dim=tp_dims[i])[rank % tp]
+                value = value.index_select(cuts[i], positions[grid.coordinate(rank, CP)])
+            return value if tp_dims[i] is None else value.chunk(tp, dim=tp_dims[i])[grid.coordinate(rank, TP)]
 
         _backward(ref_out, [[c] for c in cotangents])
         _backward(cut_out, [[on_rank(c, i, r) for r in range(cp * tp)] for i, c in enumerate(cotangents)])
@@ -138,7 +140,7 @@ class _Ranks:
             scale = ref_grad.double().norm().item()
             worst = 0.0
             for t in range(tp):
-                mine = [g for g in (grads[c * tp + t] for c in range(cp)) if g is not None]
+                mine = [g for g in (grads[r] for r in grid.ranks_where(tp=t)) if g is not None]
                 total = sum(mine) / cp if mine else torch.zeros_like(expected[t])
                 worst = max(worst, rel_error(total, expected[t], scale, floor))
             errors[f"grad {name}"] = worst
@@ -164,11 +166,12 @@ def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:
         for rank, value in enumerate(got.values):
             if not isinstance(value, torch.Tensor):
                 break
-            expected = _at_positions(whole, value.shape, rank // ranks.tp, ranks.cp, ranks.seq)
+            cp_rank = RankGrid.of(cp=ranks.cp, tp=ranks.tp).coordinate(rank, CP)
+            expected = _at_positions(whole, value.shape, cp_rank, ranks.cp, ranks.seq)
             if expected is None:
                 break  # cut some other way (over tp): not compared
             if _rel(value.detach(), expected) > tolerance:
-                return (f"{describe(node)}: its value on cp rank {rank // ranks.tp} differs from the reference's "
+                return (f"{describe(node)}: its value on cp rank {cp_rank} differs from the reference's "
                         f"at that rank's positions (relative error {_rel(value.detach(), expected):.1e})")
     return None
 

@@ -38,6 +38,7 @@ from autoshard.core.errors import describe
 from autoshard.core.mesh import CP, TP
 from autoshard.core.sharding import Wire, sum_on_wire, widens
 from autoshard.plans.predict import Tally
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.runtime import collectives, context_ops, whole_sections
 from autoshard.runtime.whole_sections import section_order
 
@@ -203,10 +204,10 @@ def _gather_for_colwise(tally, xs, dim, group_name, reduce_dtype=None):
                    lambda g: _chunks(_summed(tally, g, reduce_dtype, scattered=True), tp, dim), xs)
 
 
-def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name, *, tp: int) -> PerRank:
+def _vocab_shard_ids(ids: PerRank, rows_per_rank, group_name, *, grid: RankGrid) -> PerRank:
     out = []
-    for i, x in enumerate(ids.values):  # simulated rank i is tp rank i % tp
-        local = x - (i % tp) * rows_per_rank
+    for i, x in enumerate(ids.values):
+        local = x - grid.coordinate(i, TP) * rows_per_rank
         in_shard = (local >= 0) & (local < rows_per_rank)
         out.append((torch.where(in_shard, local, 0), in_shard.unsqueeze(-1)))
     return PerRank(out)
@@ -216,8 +217,9 @@ def _as_sharded_dtensor(xs: PerRank, dim, group_name) -> PerRank:
     return PerRank(xs.values, sharded_dim=dim)
 
 
-def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True, *, tp: int) -> PerRank:
-    return PerRank([context_ops.local_positions(i // tp, cp, seq, x.device, balanced) for i, x in enumerate(xs.values)])
+def _cp_positions(xs: PerRank, seq, cp, group_name, balanced=True, *, grid: RankGrid) -> PerRank:
+    return PerRank([context_ops.local_positions(grid.coordinate(i, CP), cp, seq, x.device, balanced)
+                    for i, x in enumerate(xs.values)])
 
 
 def _cp_gather(tally, xs, dim, cp, group_name, regather: bool = False):
@@ -337,7 +339,8 @@ def widened(value, dtype: torch.dtype | None):
 
 
 class RankSimulator(fx.Interpreter):
-    """Runs ``gm`` for ``tp`` ranks at once; every value is a :class:`PerRank`.
+    """Runs ``gm`` for every rank of its :class:`~autoshard.proof.rank_grid.RankGrid` at once (the tp
+    ranks, or the cp x tp grid with ``cp``); every value is a :class:`PerRank`, indexed by grid rank.
 
     ``param(fqn)`` returns the per-rank local tensors of a parameter (or None for
     what is no parameter: buffers and constants are read from ``gm`` and are alike
@@ -351,8 +354,9 @@ class RankSimulator(fx.Interpreter):
                  widen: torch.dtype | None = None, cp: int = 1):
         super().__init__(gm, garbage_collect_values=False)
         self.tp = tp
-        self.cp = cp  # with a cp axis, rank i is cp rank i // tp, tp rank i % tp
-        self.ranks = tp * cp
+        self.cp = cp
+        self.grid = RankGrid.of(cp=cp, tp=tp)  # rank i is cp rank i // tp, tp rank i % tp
+        self.ranks = self.grid.ranks
         self.widen = widen  # run every float op in this dtype (a proof's exact reference); None: as written
         self.tally = tally if tally is not None else Tally()  # the tp collectives run, forward and backward
         self.param = param
@@ -393,16 +397,17 @@ class RankSimulator(fx.Interpreter):
             grouped = _take_shards if target is collectives.TAKE_SHARDS else _enter_tps
             return self._grouped(False, list(args[0]), lambda tally, xs: grouped(tally, xs, *rest))
         if target is context_ops.CP_POSITIONS:
-            return _cp_positions(args[0], *on_rank(args[1:], 0), tp=self.tp)
+            return _cp_positions(args[0], *on_rank(args[1:], 0), grid=self.grid)
         if target is context_ops.CP_CAUSAL_ATTENTION:
             return self._cp_causal_attention(args, kwargs)
         if target is whole_sections.TAKE_SECTIONS:
             x, (dim, runs, sizes, whole, _) = args[0], on_rank(args[1:], 0)
             values = x.values if isinstance(x, PerRank) else [x] * self.ranks
-            return PerRank([v.index_select(dim, section_order(runs, sizes, whole, self.tp, i % self.tp).to(v.device))
+            return PerRank([v.index_select(dim, section_order(runs, sizes, whole, self.tp,
+                                                              self.grid.coordinate(i, TP)).to(v.device))
                             for i, v in enumerate(values)])
         if target is collectives.VOCAB_SHARD_IDS:
-            return _vocab_shard_ids(args[0], *on_rank(args[1:], 0), tp=self.tp)
+            return _vocab_shard_ids(args[0], *on_rank(args[1:], 0), grid=self.grid)
         if target is collectives.as_sharded_dtensor:
             return _as_sharded_dtensor(args[0], *on_rank(args[1:], 0))
         if target is operator.getitem and isinstance(args[0], PerRank) and args[0].sharded_dim is not None:
@@ -411,9 +416,7 @@ class RankSimulator(fx.Interpreter):
 
     def _groups(self, over_cp: bool) -> list[list[int]]:
         """The simulated ranks of each process group of the tp axis, or of the cp axis."""
-        if over_cp:
-            return [[c * self.tp + t for c in range(self.cp)] for t in range(self.tp)]
-        return [[c * self.tp + t for t in range(self.tp)] for c in range(self.cp)]
+        return self.grid.groups(CP if over_cp else TP)
 
     def _grouped(self, over_cp: bool, values: list[PerRank], collective) -> PerRank:
         """``collective(tally, values)`` run within each group of the axis, on its ranks' values; the
@@ -438,7 +441,8 @@ class RankSimulator(fx.Interpreter):
         def one(rank):
             local = map_aggregate(on_rank((q, keys, values, rest, kwargs), rank),
                                   lambda a: _as_simulated(a, self.widen))
-            return context_ops.causal_chunks_attention(*local[:3], rank // self.tp, cp, *local[3], **local[4])
+            return context_ops.causal_chunks_attention(*local[:3], self.grid.coordinate(rank, CP), cp, *local[3],
+                                                       **local[4])
 
         return PerRank([one(rank) for rank in range(self.ranks)])
 

@@ -335,11 +335,12 @@ def _average_grads_over_dp(root: nn.Module, replicated_dp: set[str], axes: MeshA
     """Gradients of the parameters FSDP2 ignores (dp placement ``R``), averaged as FSDP2's.
 
     Under HSDP the sum runs over ``dp_shard`` and then ``dp_replicate``, the
-    order FSDP2 reduces its own gradients in, and is divided by both sizes.
+    order FSDP2 reduces its own gradients in, and is divided by both sizes. A
+    frozen parameter (a LoRA base's colwise bias) has no gradient to average.
     """
     groups = axes.dp_groups()
     params = dict(root.named_parameters())
-    for param in {params[f] for f in replicated_dp if f in params}:
+    for param in {params[f] for f in replicated_dp if f in params and params[f].requires_grad}:
         param.register_post_accumulate_grad_hook(lambda p, groups=groups: _average_grad(p, groups))
 
 

@@ -34,11 +34,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from autoshard.core.mesh import PP, MeshAxes
+from autoshard.core.mesh import PP, TP, MeshAxes
 from autoshard.passes.partition import Partitioned
 from autoshard.passes.stage_graphs import StageGraph, StageSplit
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import stored_shards
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.simulate import PerRank, RankSimulator
 
 
@@ -58,8 +59,8 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
     """Every root value as one rank holds it, from running the emitted code on fake tensors
     (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run).
 
-    Every rank of the stage's ``cp x tp`` grid is simulated (rank ``i`` is cp rank ``i // tp``, tp rank
-    ``i % tp``, as :mod:`autoshard.proof.context_proof` lays them out); all take the whole inputs, and a
+    Every rank of the stage's ``cp x tp`` grid is simulated (:class:`~autoshard.proof.rank_grid.RankGrid`,
+    as the proof lays them out); all take the whole inputs, and a
     value cut over the sequence crosses a boundary at its cp-local length. Rank 0's shapes are every
     rank's: tp shards and the balanced sequence chunks are equal."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -68,13 +69,14 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
     # where the example lives (never the default device, which training code may point elsewhere)
     device = next((v.device for v in flat_inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
     dtypes = _param_dtypes(root)
+    grid = RankGrid.of(cp=cp, tp=tp)
     with mode, torch.enable_grad():
         weights = {}
         for fqn, entry in plan.params.items():
             full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
             shards = [s.requires_grad_(True) for s in stored_shards(entry, full, tp)]
-            weights[fqn] = PerRank([shards[i % tp] for i in range(cp * tp)])
-        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * (cp * tp))
+            weights[fqn] = PerRank([shards[grid.coordinate(i, TP)] for i in grid])
+        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * grid.ranks)
                   for v in flat_inputs]
         simulator = RankSimulator(root, tp, weights.get, cp=cp)
         simulator.run(*inputs)
