@@ -249,13 +249,15 @@ class PipelineRun:
 
 def train_pipeline_both(build, mesh, loss_fn, *, schedule: str, microbatches: int, optimizer: str,
                         steps: int = 3, batch: int = 8, seq: int = 16, padding_mask: bool = False,
-                        clip: float | None = None, accumulate: int = 1, check: bool = False) -> PipelineRun:
+                        clip: float | None = None, accumulate: int = 1, check: bool = False,
+                        shard_kwargs: dict | None = None) -> PipelineRun:
     """Train ``build()`` through :func:`autoshard.autoshard` on a pp ``mesh`` and on one device.
 
     Every rank draws the same global batches (``batch`` rows per dp rank) and trains on its dp slice;
     the reference trains on the whole batch. ``accumulate`` steps of the pipeline (dp sync off but
     for the last) make one optimizer step, as ``accumulate`` summed losses do on one device.
-    ``clip``: both clip their gradients to that fraction of one device's first norm."""
+    ``clip``: both clip their gradients to that fraction of one device's first norm; ``shard_kwargs``
+    go to ``autoshard`` too (``loss_parallel=True``)."""
     from autoshard.adapters.checkpoint import full_state_dict
 
     torch.manual_seed(0)
@@ -277,7 +279,8 @@ def train_pipeline_both(build, mesh, loss_fn, *, schedule: str, microbatches: in
         return {"attention_mask": global_mask} if padding_mask else {}
 
     pipe = autoshard.autoshard(model, mesh, example_inputs=(local(batches[0][0]),), example_kwargs=kwargs(local(mask)),
-                               loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, check=check)
+                               loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, check=check,
+                               **(shard_kwargs or {}))
 
     def make(params):
         if optimizer in ("sgd", "sgd-momentum"):

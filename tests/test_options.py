@@ -72,9 +72,12 @@ def test_the_compile_backend_takes_the_object():
     backend = autoshard.backend(None, compiler="eager", options=autoshard.Options.of(sequence_parallel=True),
                                 reshard_after_forward=False)
     assert backend.options.tensor.sequence_parallel and not backend.options.sharding.reshard_after_forward
-    with pytest.raises(NotImplementedError, match="activation_checkpointing"):
+    grouped = autoshard.backend(None, options=autoshard.Options(sharding=autoshard.ShardingOptions(
+        activation_checkpointing="selective")))
+    assert grouped.options.sharding.activation_checkpointing == "selective"
+    with pytest.raises(ValueError, match="activation_checkpointing must be None, 'full' or 'selective'"):
         autoshard.backend(None, options=autoshard.Options(sharding=autoshard.ShardingOptions(
-            activation_checkpointing="full")))
+            activation_checkpointing="blocks")))
 
 
 def test_buffer_dtype_holds_the_sharded_modules_buffers_in_that_dtype(fake_world):

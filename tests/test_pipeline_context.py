@@ -1,6 +1,7 @@
-"""Pipeline stages with context parallelism on 8 gloo ranks: torch's 1F1B against one device.
+"""Pipeline stages with context and loss parallelism on 8 gloo ranks: torch's 1F1B against one device.
 
-Hugging Face Llama (4 blocks, 2 kv heads) on ``pp2 x cp2 x tp2`` and ``pp2 x dp2 x cp2``. Each
+Hugging Face Llama (4 blocks, 2 kv heads) on ``pp2 x cp2 x tp2`` and ``pp2 x dp2 x cp2``, and loss
+parallelism through the schedule on ``pp2 x dp2 x tp2``. Each
 stage runs the stage mesh's code: the first stage takes the whole microbatch and keeps its cp
 rank's positions, the hidden states cross the stage boundary at their cp-local length, and the
 last stage gathers the logits whole for the loss. Three AdamW steps hold the loss within 1e-5 of
@@ -40,6 +41,25 @@ def _check(shape: tuple[int, int, int], names: tuple[str, str, str]):
     return check
 
 
-CHECKS = [_check((2, 2, 2), ("pp", "cp", "tp")), _check((2, 2, 2), ("pp", "dp", "cp"))]
+def check_pp2_dp2_tp2_with_loss_parallelism(ctx):
+    """The logits leave the last stage cut over tp (a DTensor ``Shard(2)``) and the schedule runs the
+    loss and its backward under ``loss_parallel()``: 3 SGD steps hold the loss and every parameter
+    within 1e-5 of one device."""
+    from examples.models import Llama, LlamaConfig
+    from tests.parity import lm_loss
+
+    def build():
+        torch.manual_seed(0)
+        return Llama(LlamaConfig(num_layers=4))
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    run = train_pipeline_both(build, mesh, lm_loss, schedule="1F1B", microbatches=4, optimizer="sgd", seq=SEQ,
+                              shard_kwargs={"loss_parallel": True})
+    run.assert_parity(loss_tol=1e-5, param_tol=1e-5)
+    assert run.pipeline.loss_parallel
+
+
+CHECKS = [_check((2, 2, 2), ("pp", "cp", "tp")), _check((2, 2, 2), ("pp", "dp", "cp")),
+          check_pp2_dp2_tp2_with_loss_parallelism]
 
 outcomes, test_check = distributed_tests(CHECKS, world_size=8)

@@ -32,11 +32,11 @@ def _llama(layers: int = 4, vocab: int = 256) -> Llama:
     return Llama(LlamaConfig(num_layers=layers, vocab_size=vocab))
 
 
-def _pplan(model, sizes, inputs=(TOKENS,), kwargs=None, **pipelined):
+def _pplan(model, sizes, inputs=(TOKENS,), kwargs=None, loss_parallel=False, **pipelined):
     options = dict(schedule="1F1B", microbatches=2, stages_per_rank=None, pp_split=None, memory_per_rank=None)
     options |= pipelined
-    return plan_pipeline(model, planning.mesh_axes(sizes), inputs, kwargs, None, PlanOptions(), tp_group="tp",
-                         keep_reference=True, **options)
+    return plan_pipeline(model, planning.mesh_axes(sizes), inputs, kwargs, None,
+                         PlanOptions(loss_parallel=loss_parallel), tp_group="tp", keep_reference=True, **options)
 
 
 def test_plan_lists_the_stages_and_survives_a_round_trip():
@@ -131,6 +131,20 @@ def test_constants_are_recomputed_by_each_stage_not_sent():
     assert not set(first.params) & set(last.params)
 
 
+def _swap_two_float_inputs_of_the_last_stage(pplan) -> None:
+    """Break the cut on purpose: the last stage reads its first two float inputs the other way round."""
+    last = pplan.split.stages[-1]
+    floats = [n for n in last.module.graph.nodes
+              if n.op == "placeholder" and pplan.crossings[n.name].dtype == torch.float32]
+    a, b = floats[:2]
+    a_users, b_users = list(a.users), list(b.users)
+    for user in a_users:
+        user.replace_input_with(a, b)
+    for user in b_users:
+        user.replace_input_with(b, a)
+    last.module.recompile()
+
+
 def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     """Hand the last stage its two inputs swapped: the stitched proof fails, naming a node."""
     from autoshard.proof.pipeline_proof import prove_stages
@@ -139,17 +153,7 @@ def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     model = EmbeddingMixDecoder(Config2())
     tokens = torch.randint(1, 128, (4, 16))
     pplan = _pplan(model, {"pp": 2, "tp": 2}, inputs=(tokens,), microbatches=2)
-    last = pplan.split.stages[-1]
-    graph = last.module.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    floats = [n for n in placeholders if pplan.crossings[n.name].dtype == torch.float32]
-    a, b = floats[:2]
-    a_users, b_users = list(a.users), list(b.users)
-    for user in a_users:
-        user.replace_input_with(a, b)
-    for user in b_users:
-        user.replace_input_with(b, a)
-    last.module.recompile()
+    _swap_two_float_inputs_of_the_last_stage(pplan)
     proof = prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs)
     assert not proof.ok and "node" in str(proof)
 
@@ -174,6 +178,20 @@ def test_pipeline_stages_with_context_parallelism_are_proven_on_the_cp_grid(size
     assert (back_messages, back_bytes) == (1, 2 * (16 // sizes["cp"]) * 64 * 4), plan.pipeline.sends
 
 
+@pytest.mark.parametrize("sizes", [{"pp": 2, "tp": 2}, {"pp": 2, "cp": 2, "tp": 2}], ids=["pp2xtp2", "pp2xcp2xtp2"])
+def test_loss_parallelism_through_the_stages_leaves_the_logits_cut_over_tp(sizes):
+    """With loss_parallel the last stage returns the logits cut over tp, as without pp: the proof
+    compares each tp rank's chunk of the vocabulary, and the last stage's code ends in the DTensor."""
+    from autoshard.runtime.collectives import as_sharded_dtensor
+
+    torch.manual_seed(0)
+    proof = autoshard.check(_llama(), sizes, example_inputs=(TOKENS,), microbatches=2, loss_parallel=True)
+    assert proof.ok, str(proof)
+    pplan = _pplan(_llama(), sizes, inputs=(TOKENS,), microbatches=2, loss_parallel=True)
+    (logits,) = pplan.split.stages[-1].module.graph.output_node().args[0]
+    assert logits.target is as_sharded_dtensor and logits.args[1] == 2
+
+
 def test_swapped_stage_values_under_context_parallelism_are_caught_at_a_node():
     """The last stage handed two of its float inputs swapped, on pp2 x cp2 x tp2: the cp grid's proof
     of the stitched stages fails and names the first node whose value differs."""
@@ -185,16 +203,7 @@ def test_swapped_stage_values_under_context_parallelism_are_caught_at_a_node():
     sizes = {"pp": 2, "cp": 2, "tp": 2}
     pplan = _pplan(model, sizes, inputs=(tokens,), microbatches=2)
     assert prove_pipeline(pplan, model, planning.mesh_axes(sizes)).ok
-    last = pplan.split.stages[-1]
-    floats = [n for n in last.module.graph.nodes
-              if n.op == "placeholder" and pplan.crossings[n.name].dtype == torch.float32]
-    a, b = floats[:2]
-    a_users, b_users = list(a.users), list(b.users)
-    for user in a_users:
-        user.replace_input_with(a, b)
-    for user in b_users:
-        user.replace_input_with(b, a)
-    last.module.recompile()
+    _swap_two_float_inputs_of_the_last_stage(pplan)
     proof = prove_pipeline(pplan, model, planning.mesh_axes(sizes))
     assert not proof.ok
     assert re.match(r"node '\w+' \(.*\) at pattern_models\.py:\d+ .*differs from the reference's", proof.first_divergence or ""), \

@@ -78,9 +78,6 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
                   pp_split: Sequence[str] | None, memory_per_rank: int | None, tp_group: str | None,
                   keep_reference: bool = False) -> PipelinePlan:
 
-    if options.loss_parallel:
-        raise NotImplementedError("autoshard: loss_parallel with a pp axis: the last stage returns whole logits "
-                                  "to the loss; plan without loss_parallel")
     if options.context_output != "whole" and axes.has_cp:
         raise NotImplementedError("autoshard: context_output='local' with a pp axis: torch's schedule hands the "
                                   "last stage's output and the whole microbatch's targets to loss_fn; plan with "

@@ -412,6 +412,8 @@ class RankSimulator(fx.Interpreter):
             return _as_sharded_dtensor(args[0], *on_rank(args[1:], 0))
         if target is operator.getitem and isinstance(args[0], PerRank) and args[0].sharded_dim is not None:
             raise NotImplementedError("autoshard: indexing into a loss-parallel output")
+        if target is operator.getitem and isinstance(args[0], (tuple, list)) and isinstance(args[1], int):
+            return args[0][args[1]]  # an entry of what a nested graph returned: the value itself, as it is
         return self._per_rank(lambda a, k: self._call(target, a, k), args, kwargs)
 
     def _groups(self, over_cp: bool) -> list[list[int]]:

@@ -41,6 +41,7 @@ from autoshard.plans.plan import Plan
 from autoshard.proof.proof import stored_shards
 from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.simulate import PerRank, RankSimulator
+from autoshard.runtime import collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,9 @@ class Pipeline:
         self.count = len(split.stages)
         self.has_first = 0 in self.indices
         self.has_last = self.count - 1 in self.indices
+        # the logits leave the last stage cut over tp: the schedule runs the loss under loss_parallel()
+        self.loss_parallel = any(n.op == "call_function" and n.target is collectives.as_sharded_dtensor
+                                 for g in split.stages[-1:] for n in g.module.graph.nodes)
 
     # --- training ---------------------------------------------------------------------------
 
@@ -142,11 +146,22 @@ class Pipeline:
         flat = flat_inputs(self.captured, args, dict(kwargs or {})) if self.has_first else []
         losses: list = []
         call = dict(target=targets, losses=losses) if self.has_last else {}
-        self.schedule.step(*flat, **call)
+        with self._loss_context():
+            self.schedule.step(*flat, **call)
         # each microbatch's loss was divided by the microbatches (see build_schedule): their sum is the mean
+        losses = [loss.to_local() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
         loss = (torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last
                 else torch.zeros((), device=self._device))
         return self._shared_loss(loss)
+
+    def _loss_context(self):
+        """torch's ``loss_parallel()`` around the schedule, whose last stage computes the loss and runs
+        backward from it, when the logits come out cut over tp (a DTensor ``Shard(-1)``)."""
+        import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's mean loss averaged over the dp ranks, on every rank of the pp group."""
@@ -243,8 +258,10 @@ def build_schedule(stage_modules: list[tuple[StageGraph, nn.Module]], crossings:
             inputs = tuple(_example_input(v, device) for v in flat_inputs)
         else:
             inputs = tuple(crossings[name].example(device) for name in graph.receives)
-        names = output_names if graph.index == count - 1 else graph.sends
-        outputs = tuple(crossings[name].example(device) for name in names)
+        if graph.index == count - 1:
+            outputs = tuple(_output_example(graph, name, crossings[name], device) for name in output_names)
+        else:
+            outputs = tuple(crossings[name].example(device) for name in graph.sends)
         stage = _Stage(module, graph.index, count, device, input_args=inputs, output_args=outputs, group=group)
         stage.example_args = inputs  # shapes and dtypes of what it takes (values uninitialized)
         stages.append(stage)
@@ -288,6 +305,19 @@ class _Stage(PipelineStage):
                 group.post_backward()
         state._root_post_backward_final_callback()
         return None
+
+
+def _output_example(graph: StageGraph, name: str, crossing: Crossing, device) -> torch.Tensor:
+    """What the last stage returns as ``name``: a tensor of the crossing's shape, or for an output
+    left cut over tp (loss parallelism) the DTensor ``as_sharded_dtensor`` makes of that shard, as
+    the stage's output metadata must describe it."""
+    from autoshard.runtime.collectives import as_sharded_dtensor
+
+    node = next((n for n in graph.module.graph.nodes if n.name == name), None)
+    local = crossing.example(device)
+    if node is not None and node.op == "call_function" and node.target is as_sharded_dtensor:
+        return as_sharded_dtensor(local.detach(), *node.args[1:]).requires_grad_(crossing.requires_grad)
+    return local
 
 
 def _example_input(value, device) -> torch.Tensor:
