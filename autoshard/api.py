@@ -20,10 +20,10 @@ from autoshard.core.mesh import CP, MeshAxes
 from autoshard.core.options import SHARDING_KEYWORDS, Options
 from autoshard.driver.agreement import check_ranks_agree
 from autoshard.driver.pipeline_plan import pipeline_plan_for, prove_pipeline
-from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_cut, prove_on
+from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_emitted, prove_on
 from autoshard.passes.capture import parameters_on_meta
 from autoshard.plans.plan import Plan
-from autoshard.proof.proof import Proof, prove
+from autoshard.proof.proof import Proof
 from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.runtime.activation_checkpointing import apply_activation_checkpointing
 from autoshard.runtime.clipping import remember_entries
@@ -85,10 +85,6 @@ def check(
                                   chosen.pipeline.as_keywords(), keep_reference=True)
         return prove_pipeline(pplan, model, axes, seed=seed, rtol=rtol)
     _refuse_pipeline_options(chosen)
-    if axes.has_cp:
-        planned = plan_result(model, axes, example_inputs, example_kwargs, plan, plan_options, keep_reference=True)
-        emitted = emit(planned, axes, "tp", plan_options) if axes.has_tp else None
-        return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
     return prove_on(model, axes, example_inputs, example_kwargs, plan_options, plan=plan, seed=seed, rtol=rtol)
 
 
@@ -260,10 +256,8 @@ def autoshard(
     _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     tp_group = axes.group_name("tp") if axes.has_tp else None
     emitted = emit(planned, axes, tp_group, plan_options, keep_planned=proving)
-    if proving and axes.has_cp:
-        prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted=emitted).raise_if_failed()
-    elif proving:
-        prove(emitted.subject, model, example_inputs, example_kwargs).raise_if_failed()
+    if proving:
+        prove_emitted(planned, emitted, model, example_inputs, example_kwargs, axes).raise_if_failed()
     parts = emitted.parts
     sharded = materialize(
         parts,

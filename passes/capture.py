@@ -47,8 +47,8 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from autoshard.core.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
-from autoshard.passes.partition import callable_blocks
 from autoshard.passes.mixed_dtypes import buffer_dtype_hint
+from autoshard.passes.partition import callable_blocks
 from autoshard.passes.regions import inline_regions
 from autoshard.passes.reuse_blocks import find_stack, synthesize, with_two_blocks
 from autoshard.passes.specialize import export_specialized, guards_on_data, name_branches, unreported_data_guards

@@ -390,7 +390,8 @@ def check_backend_on_cp2_tp2_trains_like_one_device(ctx):
         reference = copy.deepcopy(model)
         backend = autoshard.backend(mesh, compiler="aot_eager", activation_checkpointing=checkpointing)
         compiled = torch.compile(model, backend=backend)
-        optimizer, ref_optimizer = backend.attach(optimizer_of(model.parameters())), optimizer_of(reference.parameters())
+        optimizer = backend.attach(optimizer_of(model.parameters()))
+        ref_optimizer = optimizer_of(reference.parameters())
         for _ in range(3):
             loss, ref_loss = lm_loss(compiled(tokens), targets), lm_loss(reference(tokens), targets)
             loss.backward()

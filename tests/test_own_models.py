@@ -270,7 +270,8 @@ def test_a_block_returning_float32_under_bf16_is_refused_naming_the_op_and_outpu
     assert len(narrowed) == 2, graph  # each block's float32 output
     # and the model's own unit: its outputs handed on in float32 (a loss computed wide)
     head = nn.Linear(16, 8)
-    (logits,) = capture(head, (x,), compute_dtype=torch.bfloat16, output_dtype=torch.float32).gm.graph.output_node().args[0]
+    graph = capture(head, (x,), compute_dtype=torch.bfloat16, output_dtype=torch.float32).gm.graph
+    (logits,) = graph.output_node().args[0]
     assert logits.target is torch.ops.aten.to.dtype and logits.meta["val"].dtype == torch.float32
 
 

@@ -7,8 +7,8 @@ Training on real ranks (schedules, parity, checkpoints, measured sends) is in
 from __future__ import annotations
 
 import dataclasses
-import re
 import itertools
+import re
 
 import pytest
 import torch
@@ -147,14 +147,14 @@ def _swap_two_float_inputs_of_the_last_stage(pplan) -> None:
 
 def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     """Hand the last stage its two inputs swapped: the stitched proof fails, naming a node."""
-    from autoshard.proof.pipeline_proof import prove_stages
+    from autoshard.driver.pipeline_plan import prove_pipeline
 
     torch.manual_seed(0)
     model = EmbeddingMixDecoder(Config2())
     tokens = torch.randint(1, 128, (4, 16))
     pplan = _pplan(model, {"pp": 2, "tp": 2}, inputs=(tokens,), microbatches=2)
     _swap_two_float_inputs_of_the_last_stage(pplan)
-    proof = prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs)
+    proof = prove_pipeline(pplan, model, planning.mesh_axes({"pp": 2, "tp": 2}))
     assert not proof.ok and "node" in str(proof)
 
 
@@ -206,7 +206,8 @@ def test_swapped_stage_values_under_context_parallelism_are_caught_at_a_node():
     _swap_two_float_inputs_of_the_last_stage(pplan)
     proof = prove_pipeline(pplan, model, planning.mesh_axes(sizes))
     assert not proof.ok
-    assert re.match(r"node '\w+' \(.*\) at pattern_models\.py:\d+ .*differs from the reference's", proof.first_divergence or ""), \
+    divergence = proof.first_divergence or ""
+    assert re.match(r"node '\w+' \(.*\) at pattern_models\.py:\d+ .*differs from the reference's", divergence), \
         str(proof)
 
 

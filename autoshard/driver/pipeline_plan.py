@@ -19,8 +19,6 @@ import torch.utils._pytree as pytree
 from autoshard.core.mesh import PP, MeshAxes
 from autoshard.core.options import PlanOptions
 from autoshard.driver import planning
-from autoshard.proof.pipeline_proof import prove_stages
-from autoshard.proof.proof import Proof
 from autoshard.passes.stage_graphs import StageSplit, split_stages, stitched
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_costs import (
@@ -32,6 +30,7 @@ from autoshard.plans.stage_costs import (
     schedule_of,
     unit_costs,
 )
+from autoshard.proof.proof import Proof
 from autoshard.runtime.pipeline_stages import Crossing, flat_inputs, local_values
 
 
@@ -140,15 +139,17 @@ def _nbytes(crossing: Crossing) -> int:
 
 def prove_pipeline(pplan: PipelinePlan, model: nn.Module, axes: MeshAxes, *, seed: int = 0,
                    rtol: float | None = None) -> Proof:
-    """``pplan``'s stages called in order, against the unsharded graph, at one microbatch's shapes: proven
-    as the stage mesh's code is, on its tp ranks (:func:`~autoshard.proof.pipeline_proof.prove_stages`)
-    or, with a cp axis, on its cp x tp grid (:func:`~autoshard.driver.planning.prove_cut`)."""
-    stage_axes = axes.stage_axes()
-    if not stage_axes.has_cp:
-        return prove_stages(pplan, model, pplan.micro_inputs, pplan.micro_kwargs, seed=seed, rtol=rtol)
-    parts = dataclasses.replace(pplan.emitted.parts, root=stitched(pplan.split, pplan.emitted.parts.root))
-    proof = planning.prove_cut(pplan.planned, model, pplan.micro_inputs, pplan.micro_kwargs, stage_axes, rtol=rtol,
-                               emitted=dataclasses.replace(pplan.emitted, parts=parts))
+    """``pplan``'s stages called in order (:func:`~autoshard.passes.stage_graphs.stitched`), against
+    the unsharded graph at one microbatch's shapes, proven as the stage mesh's code is
+    (:func:`~autoshard.driver.planning.prove_emitted`). The stages are the emitted code cut at
+    block boundaries, so a value the cut lost, passed in the wrong order or read before the stage
+    computing it fails here, named by node."""
+    root = stitched(pplan.split, pplan.emitted.parts.root)
+    subject = pplan.emitted.subject
+    emitted = dataclasses.replace(pplan.emitted, parts=dataclasses.replace(pplan.emitted.parts, root=root),
+                                  subject=dataclasses.replace(subject, root=root) if subject is not None else None)
+    proof = planning.prove_emitted(pplan.planned, emitted, model, pplan.micro_inputs, pplan.micro_kwargs,
+                                   axes.stage_axes(), seed=seed, rtol=rtol)
     return dataclasses.replace(proof, plan=pplan.plan)
 
 

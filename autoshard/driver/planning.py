@@ -47,8 +47,24 @@ def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kw
     """:func:`check` on ``axes`` with ``options``; ``captured`` (this model captured with these
     inputs and options, see :func:`capture_for`) skips capturing again: the zoo proves one
     capture on several meshes."""
+    if axes.has_cp:
+        planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
+                              captured=captured)
+        emitted = emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
+        return prove_emitted(planned, emitted, model, example_inputs, example_kwargs, axes, seed=seed, rtol=rtol)
     return checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, captured=captured,
                       seed=seed, rtol=rtol).proof
+
+
+def prove_emitted(planned: PlanResult, emitted: Emitted, model: nn.Module, example_inputs: tuple,
+                  example_kwargs: dict | None, axes: MeshAxes, *, seed: int = 0, rtol: float | None = None) -> Proof:
+    """The one proof of the code ``emitted`` for ``planned``, against the unsharded graph: every rank
+    of the axes' grid simulated (:class:`~autoshard.proof.rank_grid.RankGrid`): the cp x tp grid
+    (:func:`prove_cut`) with a cp axis, else the tp ranks (:func:`~autoshard.proof.proof.prove`)."""
+    if axes.has_cp:
+        return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
+    proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
+    return dataclasses.replace(proof, plan=planned.plan)
 
 
 def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,

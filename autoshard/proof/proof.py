@@ -39,8 +39,8 @@ import torch.utils._pytree as pytree
 
 from autoshard.core.errors import describe
 from autoshard.core.sharding import REPLICATED, shard_on
-from autoshard.passes.mixed_dtypes import buffer_dtype_hint, widened_value_hint
 from autoshard.passes.layout_rules import PARTIAL, PARTIAL_AVG, Strided
+from autoshard.passes.mixed_dtypes import buffer_dtype_hint, widened_value_hint
 from autoshard.passes.placements import multiplies
 from autoshard.plans.plan import Plan
 from autoshard.proof.precision import first_precision_change
