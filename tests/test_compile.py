@@ -373,6 +373,13 @@ def check_backend_with_mixed_precision_and_selective_checkpointing(ctx):
     assert "mixed precision: parameters all-gathered and computed in bfloat16" in str(backend.plan)
     block = sharded.get_submodule("layers.0")
     assert block.forward.wrapped.func.__name__ == "_checkpointed", block.forward
+    # selective recomputation keeps the compiled blocks' collective outputs: a step runs the plan's tp
+    # collectives and not one more
+    from autoshard.adapters.comm_stats import CollectiveCounter
+
+    with CollectiveCounter({a: mesh.get_group(a) for a in mesh.mesh_dim_names}) as step:
+        lm_loss(compiled(tokens).float(), targets).backward()
+    assert step.count("tp") == backend.plan.num_tp_collectives(), (step.stats(), str(backend.plan))
 
 
 def check_backend_on_cp2_tp2_trains_like_one_device(ctx):
