@@ -454,7 +454,8 @@ def test_the_backends_graph_is_captured_in_bf16_with_fsdp2s_casts_at_each_block(
     runs it in bf16 as FSDP2 runs eager code, and the one-process proof holds."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoshard.adapters.backend import _GraphAsModule, _user_fqn_paths, cast_as_fsdp_units, read_graph_inputs
+    from autoshard.adapters.backend import _GraphAsModule, _user_fqn_paths, read_graph_inputs
+    from autoshard.adapters.unit_casts import cast_as_fsdp_units
     from autoshard.passes.capture import find_blocks
 
     torch.manual_seed(0)
@@ -463,7 +464,7 @@ def test_the_backends_graph_is_captured_in_bf16_with_fsdp2s_casts_at_each_block(
     _user_fqn_paths(gm)
     module = _GraphAsModule(gm, inputs, example)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    cast_as_fsdp_units(gm, inputs, find_blocks(module), policy)
+    cast_as_fsdp_units(gm, inputs.kinds, find_blocks(module), policy)
     casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
     assert len(casts) == 6 and all(n.args[1] == torch.bfloat16 for n in casts)  # h, cos, sin into 2 blocks
     proof = autoshard.check(module, {"dp": 2, "tp": 2}, example_inputs=(example[inputs.user_positions[0]],),
@@ -476,7 +477,8 @@ def test_a_cast_dynamo_fixed_in_float32_is_refused_under_bf16_by_line():
     ``.to(torch.float32)``, and the graph cannot tell which runs in bf16 under the policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoshard.adapters.backend import _GraphAsModule, _user_fqn_paths, cast_as_fsdp_units, read_graph_inputs
+    from autoshard.adapters.backend import _GraphAsModule, _user_fqn_paths, read_graph_inputs
+    from autoshard.adapters.unit_casts import cast_as_fsdp_units
     from autoshard.passes.capture import find_blocks
     from tests import hf_cases
 
@@ -489,7 +491,7 @@ def test_a_cast_dynamo_fixed_in_float32_is_refused_under_bf16_by_line():
     with pytest.raises(NotImplementedError, match=r"fixing the dtype of the cast at modeling_llama\.py:\d+ "
                                                   r"`hidden_states = hidden_states\.to\(torch\.float32\)`.*"
                                                   r"torch\.compile\(autoshard\.autoshard\("):
-        cast_as_fsdp_units(gm, inputs, find_blocks(module), policy)
+        cast_as_fsdp_units(gm, inputs.kinds, find_blocks(module), policy)
 
 
 CHECKS = [
