@@ -292,6 +292,30 @@ def test_meta_model_plans_like_the_cpu_model():
     assert str(symbolic) == want
 
 
+@pytest.mark.parametrize("mesh", [{"pp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 2, "cp": 2}, {"cp": 2, "tp": 2}],
+                         ids=["pp2xcp2xtp2", "pp2xdp2xcp2", "cp2xtp2"])
+def test_a_hugging_face_llama_on_meta_plans_every_axis_as_built_on_the_cpu(mesh):
+    """Pipeline stages with context parallelism plan from shapes alone too: the stage shapes run the
+    cp x tp grid on fake tensors, so a model too large for one host plans on meta as on the CPU."""
+    from tests import hf_cases
+
+    tokens = torch.randint(0, 128, (4, 16))
+    torch.manual_seed(0)
+    on_cpu = hf_cases.small_llama_4_blocks()
+    with torch.device("meta"):
+        on_meta = hf_cases.small_llama_4_blocks()
+    pipelined = {"microbatches": 2} if "pp" in mesh else {}
+    want = autoshard.plan(on_cpu, mesh, example_inputs=(tokens,), **pipelined)
+    got = autoshard.plan(on_meta, mesh, example_inputs=(tokens,), **pipelined)
+    assert got.params == want.params and got.units == want.units and got.context == want.context
+    assert got.context["seq"] == 16
+    if "pp" in mesh:  # the same stages, sending the same values; the activation estimate differs: on meta
+        # export keeps each attention output's `.contiguous()` copy, a no-op it drops on the CPU
+        # (docs/pipeline.md)
+        assert [s.units for s in got.pipeline.stages] == [s.units for s in want.pipeline.stages]
+        assert got.pipeline.sends == want.pipeline.sends
+
+
 def test_partly_meta_model_is_refused():
     torch.manual_seed(0)
     model = Llama(CFG)
