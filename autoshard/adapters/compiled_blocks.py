@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.fx as fx
 from torch._dynamo.backends.registry import lookup_backend
 
+from autoshard.runtime.activation_checkpointing import checkpointed
+
 
 def compile_blocks(sharded: fx.GraphModule, compiler: str, activation_checkpointing: str | None = None) -> None:
     """Compile each FSDP block's computation; FSDP2's hooks stay around it, eager.
@@ -18,8 +20,6 @@ def compile_blocks(sharded: fx.GraphModule, compiler: str, activation_checkpoint
     the first call and outside it, then recomputed in backward (the selective
     policy keeps the outputs of the matmuls and collectives it runs).
     """
-    from autoshard.runtime.activation_checkpointing import checkpointed
-
     for fqn in sharded.autoshard_plan.units:
         if fqn:
             block = sharded.get_submodule(fqn)

@@ -21,6 +21,7 @@ or a mask, is exactly as valid as it is in the user's model).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from autoshard.core.mesh import PP, TP, MeshAxes
 from autoshard.passes.partition import Partitioned
@@ -157,10 +159,6 @@ class Pipeline:
     def _loss_context(self):
         """torch's ``loss_parallel()`` around the schedule, whose last stage computes the loss and runs
         backward from it, when the logits come out cut over tp (a DTensor ``Shard(-1)``)."""
-        import contextlib
-
-        from torch.distributed.tensor.parallel import loss_parallel
-
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
