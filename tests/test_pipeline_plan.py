@@ -158,8 +158,9 @@ def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     assert not proof.ok and "node" in str(proof)
 
 
-@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 2, "cp": 2}, {"pp": 2, "cp": 4}],
-                         ids=["pp2xcp2xtp2", "pp2xdp2xcp2", "pp2xcp4"])
+@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 2, "cp": 2}, {"pp": 2, "cp": 4},
+                                   {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2}],
+                         ids=["pp2xcp2xtp2", "pp2xdp2xcp2", "pp2xcp4", "pp2xhsdp2x2xcp2xtp2"])
 def test_pipeline_stages_with_context_parallelism_are_proven_on_the_cp_grid(sizes):
     """Each stage is the stage mesh's cp code: the first keeps its cp rank's positions of the
     whole microbatch, the hidden states cross at their cp-local length, the last gathers the logits
