@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import datetime
 import itertools
 import json
@@ -133,8 +134,6 @@ def _model_rows(name: str, dtype: str, mesh_list: list[dict[str, int]]) -> list[
     rows = []
     for mesh in mesh_list:
         for option in runs_of(mesh):
-            import copy
-
             row = _run_one(copy.deepcopy(built), mesh, dtype, option, tokens)
             row["model"] = name
             rows.append(row)

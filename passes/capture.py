@@ -48,7 +48,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from autoshard.core.errors import user_frame
 from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
 from autoshard.passes.mixed_dtypes import buffer_dtype_hint
-from autoshard.passes.partition import callable_blocks
+from autoshard.passes.partition import callable_blocks, made_like
 from autoshard.passes.regions import inline_regions
 from autoshard.passes.reuse_blocks import find_stack, synthesize, with_two_blocks
 from autoshard.passes.specialize import export_specialized, guards_on_data, name_branches, unreported_data_guards
@@ -451,7 +451,7 @@ def _cast_outputs(graph: fx.Graph, dtype: torch.dtype) -> None:
             return value
         with graph.inserting_before(output):
             node = graph.call_function(torch.ops.aten.to.dtype, (value, dtype))  # as export records `.to`
-        node.meta.update({k: v for k, v in value.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        made_like(node, value)
         node.meta["val"] = val.to(dtype)
         return node
 

@@ -62,7 +62,7 @@ def prove_emitted(planned: PlanResult, emitted: Emitted, model: nn.Module, examp
     of the axes' grid simulated (:class:`~autoshard.proof.rank_grid.RankGrid`): the cp x tp grid
     (:func:`prove_cut`) with a cp axis, else the tp ranks (:func:`~autoshard.proof.proof.prove`)."""
     if axes.has_cp:
-        return prove_cut(planned, model, example_inputs, example_kwargs, axes, rtol=rtol, emitted=emitted)
+        return prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted, rtol=rtol)
     proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
     return dataclasses.replace(proof, plan=planned.plan)
 
@@ -119,8 +119,6 @@ class PlanResult:
     sites: Sites
     layout_plan: LayoutPlan
     reference: fx.GraphModule | None = None
-    # on a mesh with a cp axis: a copy of the graph cut over cp, before tp (kept only for a proof)
-    context_graph: fx.GraphModule | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,12 +180,11 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
     else:
         captured = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     reference = copy_graph_module(captured.gm) if keep_reference else None
-    context, context_graph = None, None
+    context = None
     if options.context_output != "whole" and not axes.has_cp:
         raise ValueError("autoshard: context_output configures context parallelism, and this mesh has no 'cp' axis")
     if axes.has_cp:
         context = _cut_sequence(captured, axes, options, example_inputs)
-        context_graph = copy_graph_module(captured.gm) if keep_reference else None
     with in_stage("discover", captured.gm.graph):
         weights_on_the_right(captured.gm, captured.param_shapes)
         sites = find_sites(captured.gm, captured.param_shapes)
@@ -228,7 +225,7 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
         _check_plan_consistent(given, final)
         if given is not saved:
             check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
-    return PlanResult(final, captured, sites, layout_plan, reference, context_graph)
+    return PlanResult(final, captured, sites, layout_plan, reference)
 
 
 def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, example_inputs: tuple):
@@ -250,10 +247,10 @@ def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions,
 
 
 def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-              axes: MeshAxes, rtol: float | None = None, emitted: Emitted | None = None):
-    """The graph cut over cp, every cp rank simulated, against the unsharded graph
-    (see :mod:`autoshard.proof.context_proof`): the code ``emitted`` for it when given (the tp code,
-    or a pipeline's stages called in order), every cp x tp rank simulated; else the cut graph itself."""
+              axes: MeshAxes, emitted: Emitted, rtol: float | None = None):
+    """The code ``emitted`` for a graph cut over cp (its tp code, or a pipeline's stages called in
+    order), every cp x tp rank simulated, against the unsharded graph (see
+    :mod:`autoshard.proof.context_proof`)."""
     from autoshard.plans.context_plan import ContextPlan
     from autoshard.proof.context_proof import prove_context
     from autoshard.runtime.pipeline_stages import flat_inputs
@@ -271,12 +268,8 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
             weights[node.target] = as_read(buffers[node.target].detach().cpu().clone(), node.meta.get("val"))
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
-    if emitted is not None:
-        proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
-                              output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
-    else:
-        proof = prove_context(planned.reference, planned.context_graph, axes.cp, inputs, weights, rtol=rtol,
-                              output_cuts=cut.output_cuts, seq=cut.seq)
+    proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
+                          output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
     return dataclasses.replace(proof, plan=planned.plan)
 
 

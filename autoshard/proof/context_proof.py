@@ -82,6 +82,10 @@ class _Ranks:
     seq: int
     values: dict = dataclasses.field(default_factory=dict)  # each simulator's node values, by name, once run
 
+    @property
+    def grid(self) -> RankGrid:
+        return RankGrid.of(cp=self.cp, tp=self.tp)
+
     def per_tp_rank(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
         if self.plan is not None and name in self.plan.params:
             return stored_shards(self.plan.params[name], full, self.tp)
@@ -94,7 +98,7 @@ class _Ranks:
         cp, tp = self.cp, self.tp
         weights = {name: widened(w.detach(), widen) for name, w in weights.items()}
         ref_params = {name: PerRank([w.clone().requires_grad_(name in trained)]) for name, w in weights.items()}
-        grid = RankGrid.of(cp=cp, tp=tp)
+        grid = self.grid
         cp_params = {name: PerRank([self.per_tp_rank(name, w)[grid.coordinate(i, TP)].clone()
                                     .requires_grad_(name in trained) for i in grid]) for name, w in weights.items()}
         inputs = [widened(x, widen) for x in inputs]
@@ -154,7 +158,7 @@ def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:
     Values inside the code's submodules (blocks, pipeline stages) are named by their node; values cut
     over tp as well are skipped."""
     reference, cut = ranks.values.get("reference", {}), ranks.values.get("cut", {})
-    nodes = _computing_nodes(ranks.cut)
+    nodes, grid = _computing_nodes(ranks.cut), ranks.grid
     for key, got in cut.items():
         name = key.rsplit(".", 1)[-1]
         want, node = reference.get(name), nodes.get(name)
@@ -166,7 +170,7 @@ def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:
         for rank, value in enumerate(got.values):
             if not isinstance(value, torch.Tensor):
                 break
-            cp_rank = RankGrid.of(cp=ranks.cp, tp=ranks.tp).coordinate(rank, CP)
+            cp_rank = grid.coordinate(rank, CP)
             expected = _at_positions(whole, value.shape, cp_rank, ranks.cp, ranks.seq)
             if expected is None:
                 break  # cut some other way (over tp): not compared

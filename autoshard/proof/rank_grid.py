@@ -64,4 +64,3 @@ class RankGrid:
 
     def __iter__(self):
         return iter(range(self.ranks))
-

@@ -132,7 +132,7 @@ class Pipeline:
         self.has_last = self.count - 1 in self.indices
         # the logits leave the last stage cut over tp: the schedule runs the loss under loss_parallel()
         self.loss_parallel = any(n.op == "call_function" and n.target is collectives.as_sharded_dtensor
-                                 for g in split.stages[-1:] for n in g.module.graph.nodes)
+                                 for n in split.stages[-1].module.graph.nodes)
 
     # --- training ---------------------------------------------------------------------------
 
@@ -309,12 +309,10 @@ def _output_example(graph: StageGraph, name: str, crossing: Crossing, device) ->
     """What the last stage returns as ``name``: a tensor of the crossing's shape, or for an output
     left cut over tp (loss parallelism) the DTensor ``as_sharded_dtensor`` makes of that shard, as
     the stage's output metadata must describe it."""
-    from autoshard.runtime.collectives import as_sharded_dtensor
-
     node = next((n for n in graph.module.graph.nodes if n.name == name), None)
     local = crossing.example(device)
-    if node is not None and node.op == "call_function" and node.target is as_sharded_dtensor:
-        return as_sharded_dtensor(local.detach(), *node.args[1:]).requires_grad_(crossing.requires_grad)
+    if node is not None and node.op == "call_function" and node.target is collectives.as_sharded_dtensor:
+        return collectives.as_sharded_dtensor(local.detach(), *node.args[1:]).requires_grad_(crossing.requires_grad)
     return local
 
 
