@@ -13,10 +13,11 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.core.mesh import PP, MeshAxes
+from autoshard.core.mesh import PP, TP, MeshAxes
 from autoshard.core.options import PlanOptions
 from autoshard.driver import planning
 from autoshard.passes.stage_graphs import StageSplit, split_stages, stitched
@@ -30,8 +31,10 @@ from autoshard.plans.stage_costs import (
     schedule_of,
     unit_costs,
 )
-from autoshard.proof.proof import Proof
-from autoshard.runtime.pipeline_stages import Crossing, flat_inputs, local_values
+from autoshard.proof.proof import Proof, stored_shards
+from autoshard.proof.rank_grid import RankGrid
+from autoshard.proof.simulate import PerRank, RankSimulator
+from autoshard.runtime.pipeline_stages import Crossing, flat_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,43 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     plan = dataclasses.replace(planned.plan, mesh={PP: axes.pp, **planned.plan.mesh}, pipeline=stages)
     return PipelinePlan(plan, planned, emitted, split, crossings, micro_inputs, micro_kwargs, flat,
                         output_names, tuple(costs))
+
+
+def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, cp: int = 1) -> dict[str, Crossing]:
+    """Every root value as one rank holds it, from running the emitted code on fake tensors
+    (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run).
+
+    Every rank of the stage's ``cp x tp`` grid is simulated (:class:`~autoshard.proof.rank_grid.RankGrid`,
+    as the proof lays them out); all take the whole inputs, and a
+    value cut over the sequence crosses a boundary at its cp-local length. Rank 0's shapes are every
+    rank's: tp shards and the balanced sequence chunks are equal."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # where the example lives (never the default device, which training code may point elsewhere)
+    device = next((v.device for v in flat_inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    dtypes = _param_dtypes(root)
+    grid = RankGrid.of(cp=cp, tp=tp)
+    with mode, torch.enable_grad():
+        weights = {}
+        for fqn, entry in plan.params.items():
+            full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
+            shards = [s.requires_grad_(True) for s in stored_shards(entry, full, tp)]
+            weights[fqn] = PerRank([shards[grid.coordinate(i, TP)] for i in grid])
+        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * grid.ranks)
+                  for v in flat_inputs]
+        simulator = RankSimulator(root, tp, weights.get, cp=cp)
+        simulator.run(*inputs)
+    crossings = {}
+    for name, value in simulator.values.items():
+        first = value.values[0]
+        if isinstance(first, torch.Tensor) and "." not in name:
+            crossings[name] = Crossing(tuple(first.shape), first.dtype, first.requires_grad)
+    return crossings
+
+
+def _param_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+    return {name: value.dtype for name, value in (*root.named_parameters(), *root.named_buffers())}
 
 
 def _boundary_bytes(split: StageSplit, crossings) -> tuple[tuple[int, int, int, int], ...]:

@@ -12,8 +12,9 @@ loss on the last stage, scales gradients to the microbatches' mean and tells FSD
 backward comes (one reduce-scatter per step, not per microbatch).
 
 Every stage's input and output shapes are known before the first step (static
-``PipelineStage`` metadata): the emitted code runs once on meta tensors, every tp rank simulated
-(:mod:`autoshard.proof.simulate`), which gives each crossing value's local shape, dtype and
+``PipelineStage`` metadata): planning runs the emitted code once on fake tensors, every rank of
+the stage mesh's grid simulated (:func:`autoshard.driver.pipeline_plan.local_values`), which gives
+each crossing value's local shape, dtype and
 whether a gradient flows back through it. Shapes are then fixed, as the captured graph's are; no
 stage runs on uninitialized values to infer them (an int value crossing a boundary, a position id
 or a mask, is exactly as valid as it is in the user's model).
@@ -36,13 +37,10 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autoshard.core.mesh import PP, TP, MeshAxes
+from autoshard.core.mesh import PP, MeshAxes
 from autoshard.passes.partition import Partitioned
 from autoshard.passes.stage_graphs import StageGraph, StageSplit
 from autoshard.plans.plan import Plan
-from autoshard.proof.proof import stored_shards
-from autoshard.proof.rank_grid import RankGrid
-from autoshard.proof.simulate import PerRank, RankSimulator
 from autoshard.runtime import collectives
 
 
@@ -56,43 +54,6 @@ class Crossing:
 
     def example(self, device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device, requires_grad=self.requires_grad)
-
-
-def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, cp: int = 1) -> dict[str, Crossing]:
-    """Every root value as one rank holds it, from running the emitted code on fake tensors
-    (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run).
-
-    Every rank of the stage's ``cp x tp`` grid is simulated (:class:`~autoshard.proof.rank_grid.RankGrid`,
-    as the proof lays them out); all take the whole inputs, and a
-    value cut over the sequence crosses a boundary at its cp-local length. Rank 0's shapes are every
-    rank's: tp shards and the balanced sequence chunks are equal."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # where the example lives (never the default device, which training code may point elsewhere)
-    device = next((v.device for v in flat_inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    dtypes = _param_dtypes(root)
-    grid = RankGrid.of(cp=cp, tp=tp)
-    with mode, torch.enable_grad():
-        weights = {}
-        for fqn, entry in plan.params.items():
-            full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
-            shards = [s.requires_grad_(True) for s in stored_shards(entry, full, tp)]
-            weights[fqn] = PerRank([shards[grid.coordinate(i, TP)] for i in grid])
-        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * grid.ranks)
-                  for v in flat_inputs]
-        simulator = RankSimulator(root, tp, weights.get, cp=cp)
-        simulator.run(*inputs)
-    crossings = {}
-    for name, value in simulator.values.items():
-        first = value.values[0]
-        if isinstance(first, torch.Tensor) and "." not in name:
-            crossings[name] = Crossing(tuple(first.shape), first.dtype, first.requires_grad)
-    return crossings
-
-
-def _param_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    return {name: value.dtype for name, value in (*root.named_parameters(), *root.named_buffers())}
 
 
 def flat_inputs(captured, args: tuple, kwargs: dict) -> list:
