@@ -48,6 +48,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoshard.core.errors import InternalError, describe
+from autoshard.passes.contractions import einsum_subscripts
 from autoshard.plans.context_plan import ContextPlan
 from autoshard.runtime.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER, CP_LOCAL_OUTPUT, CP_POSITIONS
 
@@ -669,7 +670,7 @@ class _Rewriter:
         positions on dim 0)."""
         if node.target is aten.einsum.default:
             equation, operands = node.args[0], list(node.args[1])
-            subs, out = _einsum_subscripts(equation, [len(_shape(v)) for v in operands])
+            subs, out = einsum_subscripts(equation, [len(_shape(v)) for v in operands])
             if len(out) != len(_shape(node)) or any(len(sub) != len(_shape(v)) for sub, v in zip(subs, operands,
                                                                                               strict=True)):
                 raise NotImplementedError(f"autoshard: {describe(node)}: context parallelism cannot read the "
@@ -1020,30 +1021,6 @@ def _covers(node: fx.Node, size: int) -> bool:
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     return (start in (0, None)) and (end is None or end >= size) and step == 1
-
-
-def _einsum_subscripts(equation: str, ndims: list[int]) -> tuple[list[list[str]], list[str]]:
-    """Each operand's subscripts and the output's, for ``einsum(equation, operands of ndims)``: ``...``
-    spelled as one subscript per dim (``...0``, ``...1``: aligned from the right, as broadcasting
-    aligns them), an implicit output (no ``->``) as einsum forms it."""
-    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
-    ins = lhs.split(",")
-    ellipsis = max((nd - len(sub) + 3 for sub, nd in zip(ins, ndims, strict=False) if "..." in sub), default=0)
-
-    def spell(sub: str, nd: int) -> list[str]:
-        if "..." not in sub:
-            return list(sub)
-        head, tail = sub.split("...")
-        n = nd - len(head) - len(tail)
-        return list(head) + [f"...{i}" for i in range(ellipsis - n, ellipsis)] + list(tail)
-
-    subs = [spell(sub, nd) for sub, nd in zip(ins, ndims, strict=False)]
-    if arrow:
-        out = spell(rhs, ellipsis + len(rhs) - 3) if "..." in rhs else list(rhs)
-    else:
-        letters = [c for sub in ins for c in sub.replace("...", "")]
-        out = [f"...{i}" for i in range(ellipsis)] + sorted(c for c in set(letters) if letters.count(c) == 1)
-    return subs, out
 
 
 def _bound(node: fx.Node) -> dict:

@@ -30,13 +30,16 @@ the layouts it finds (see :func:`~autoshard.passes.propagate.propagate`).
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 import torch.fx as fx
 
 from autoshard.passes.decompose import expand_gqa_for_tp
 from autoshard.passes.discover import Sites
 from autoshard.passes.layout_rules import Convolution
-from autoshard.passes.partition import made_like
+from autoshard.passes.partition import BlockOwners, made_like
 from autoshard.passes.sections import constant_tensor, split_fused_outputs
 
 
@@ -90,6 +93,117 @@ def weights_on_the_right(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, 
     if rewritten:
         graph.eliminate_dead_code()
     return rewritten
+
+
+_PURE_VIEWS = frozenset((
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.expand.default,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.flatten.using_ints,
+    torch.ops.aten.unflatten.int, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype,
+    torch.ops.aten.alias.default,
+))
+
+
+def repeated_views_merged(gm: fx.GraphModule, block_fqns) -> int:
+    """A view (or dtype cast) the code takes twice of one value is one value: ``mm(x.reshape(-1, d),
+    W1)`` and ``mm(x.reshape(-1, d), W3)`` read the same rows. Merged, the linears that read it are
+    seen to share their input, as ``linear(x, W1)`` and ``linear(x, W3)`` are, and enter tp once
+    together; kept apart, each would look like its own input. Only views of one FSDP unit's code are
+    merged, so no node moves to another block. Returns how many nodes were merged away."""
+    owners = BlockOwners(block_fqns)
+    seen: dict[tuple, fx.Node] = {}
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _PURE_VIEWS:
+            continue
+        try:
+            key = (node.target, _hashable(node.args), _hashable(node.kwargs), owners.of_node(node))
+        except TypeError:
+            continue  # an argument that is not plain data
+        first = seen.setdefault(key, node)
+        if first is not node and not _written(first) and not _written(node):
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            merged += 1
+    return merged
+
+
+_LAST_DIM_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                   torch.ops.aten.unflatten.int)
+
+
+def unbound_views_as_splits(graph: fx.Graph) -> int:
+    """``x.view(..., n, *rest).unbind(d)`` with ``d`` the first dim the view made of ``x``'s last
+    dim (a fused k|v taken apart as ``kv.view(b, s, 2, heads, d).unbind(2)``, a gate|up as
+    ``unflatten(-1, (2, hidden)).unbind(-2)``) is ``x.split(width // n, -1)``, each piece viewed as
+    ``rest``: the same columns, taken apart along the dim a projection's output is cut on. A fused
+    output read by a split has sections (:mod:`autoshard.passes.sections`); read by an unbind of a
+    new dim, it would have none. Returns how many were rewritten."""
+    rewritten = 0
+    for unbind in [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.unbind.int]:
+        found = _unbound_view(unbind)
+        if found is None:
+            continue
+        x, n, rest = found
+        width = x.meta["val"].shape[-1]
+        with graph.inserting_before(unbind):
+            split = _made(graph, torch.ops.aten.split.Tensor, (x, width // n, -1), unbind,
+                          tuple(x.meta["val"].split(width // n, -1)))
+        for item in list(unbind.users):
+            i = item.args[1]
+            with graph.inserting_before(item):
+                piece = _made(graph, operator.getitem, (split, i), item, split.meta["val"][i])
+                shaped = piece
+                if len(rest) != 1:
+                    shaped = _made(graph, torch.ops.aten.unflatten.int, (piece, -1, list(rest)), item,
+                                   item.meta["val"])
+            item.replace_all_uses_with(shaped)
+            graph.erase_node(item)
+        view = unbind.args[0]
+        graph.erase_node(unbind)
+        if not view.users:
+            graph.erase_node(view)
+        rewritten += 1
+    return rewritten
+
+
+def _unbound_view(unbind: fx.Node):
+    """``(x, n, rest)`` when ``unbind`` takes apart, along its first new dim, a view of ``x`` that only
+    split ``x``'s last dim into ``(n, *rest)``, and every use of the unbind is an index into it."""
+    view, dim = unbind.args[0], unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+    if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target in _LAST_DIM_VIEWS
+            and len(view.users) == 1 and isinstance(view.args[0], fx.Node)):
+        return None
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in unbind.users):
+        return None
+    x_val, v_val = view.args[0].meta.get("val"), view.meta.get("val")
+    if not (isinstance(x_val, torch.Tensor) and isinstance(v_val, torch.Tensor)) or x_val.dim() < 1:
+        return None
+    lead = x_val.dim() - 1
+    if dim < 0:
+        dim += v_val.dim()
+    if dim != lead or list(v_val.shape[:lead]) != list(x_val.shape[:lead]):
+        return None
+    n, rest = v_val.shape[lead], tuple(v_val.shape[lead + 1:])
+    if not all(isinstance(d, int) for d in (n, *rest, x_val.shape[-1])) or n * math.prod(rest) != x_val.shape[-1]:
+        return None
+    return view.args[0], n, rest
+
+
+def _written(node: fx.Node) -> bool:
+    """Some op writes into ``node`` in place: a copy (``_to_copy``, a reshape that copies) written to
+    is no longer the other."""
+    return any(getattr(getattr(u.target, "_schema", None), "is_mutable", False) for u in node.users)
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    hash(value)
+    return value
 
 
 def _computed_bias_apart(graph: fx.Graph, param_shapes: dict[str, tuple[int, ...]]) -> None:

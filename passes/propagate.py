@@ -279,7 +279,8 @@ class LayoutPlan:
 
     def take_shard_buckets(self) -> tuple[TakeShardBucket, ...]:
         """Replicated values cut on the same dim for consumers in one module (k and v of one
-        attention, whose kv heads were repeated per q head), each carrying a gradient and read that
+        attention, whose kv heads were repeated per q head, whatever their shapes: ``k.mT`` and ``v``
+        of a hand-written attention), each carrying a gradient and read that
         way by one consumer only, and all computed before the first of those consumers: their cuts
         are one op, and their gradients one all-gather."""
         readers: dict[tuple, set] = {}
@@ -292,10 +293,9 @@ class LayoutPlan:
                     and value in self.carries_grad and readers[(value, steps)] == {consumer}):
                 if not position:
                     position = {n: i for i, n in enumerate(consumer.graph.nodes)}
-                shape = tuple(getattr(value.meta.get("val"), "shape", ()))
-                groups.setdefault((_module_of(consumer), steps[0].dim, shape), []).append((value, consumer))
+                groups.setdefault((_module_of(consumer), steps[0].dim), []).append((value, consumer))
         buckets = []
-        for (_, dim, _), pairs in groups.items():
+        for (_, dim), pairs in groups.items():
             first = min((c for _, c in pairs), key=position.__getitem__)
             pairs = [(v, c) for v, c in pairs if position[v] < position[first]]
             if len(pairs) > 1:

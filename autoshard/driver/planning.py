@@ -29,7 +29,13 @@ from autoshard.driver.carry import check_activations_carry
 from autoshard.passes.alternatives import settle
 from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module
 from autoshard.passes.discover import Sites, find_sites
-from autoshard.passes.normalize import normalize, weights_on_the_right
+from autoshard.passes.contractions import contractions_as_linears
+from autoshard.passes.normalize import (
+    normalize,
+    repeated_views_merged,
+    unbound_views_as_splits,
+    weights_on_the_right,
+)
 from autoshard.passes.partition import Partitioned, partition
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import LayoutPlan, propagate
@@ -186,6 +192,9 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
     if axes.has_cp:
         context = _cut_sequence(captured, axes, options, example_inputs)
     with in_stage("discover", captured.gm.graph):
+        repeated_views_merged(captured.gm, captured.block_fqns)
+        unbound_views_as_splits(captured.gm.graph)
+        contractions_as_linears(captured.gm, captured.param_shapes)
         weights_on_the_right(captured.gm, captured.param_shapes)
         sites = find_sites(captured.gm, captured.param_shapes)
     roles = None

@@ -1,0 +1,167 @@
+"""Contractions with a weight matrix, however they are spelled, written as the linear they compute.
+
+A linear layer is a contraction of one dim of an activation with one dim of a 2-D parameter,
+the other dim of the parameter taking its place. Code spells it many ways: ``nn.Linear``,
+``x @ W.T``, ``torch.einsum("bsd,od->bso", x, W)``, ``torch.einsum("...i,io->...o", x, W)``,
+``torch.tensordot(x, W, dims=([2], [1]))``, or over a dim that is not the last one
+(``einsum("bdn,od->bon", x, W)`` on a channels-first map). ``torch.export`` keeps ``einsum`` and
+``tensordot`` as single ops, so discover, which knows ``linear`` and ``matmul``, would see none of
+them, and every weight read that way would stay whole over tp.
+
+So before discover every such contraction is rewritten into the one spelling discover reads:
+the activation permuted to put the contracted dim last, ``linear(x, W)`` (``W [out, in]``) or
+``matmul(x, W)`` (``W [in, out]``), and the result permuted to the order the code asked for.
+The rule is what the op does to dims, read from its subscripts, not from how it is written: an
+operand that is a 2-D parameter (or a dtype cast of one), one of whose dims is summed against
+exactly one dim of the other operand while its other dim appears in the output alone, and every
+other dim of the activation carried to the output unchanged. Anything else (a second contracted
+dim, a dim of the weight broadcast against the activation, a diagonal) is left as it is: it is
+not a linear layer, and the layout rules judge it as the op it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autoshard.passes.partition import made_like
+
+aten = torch.ops.aten
+
+_CASTS = (aten._to_copy.default, aten.to.dtype)
+
+
+def einsum_subscripts(equation: str, ndims: list[int]) -> tuple[list[list[str]], list[str]]:
+    """Each operand's subscripts and the output's, for ``einsum(equation, operands of ndims)``: ``...``
+    spelled as one subscript per dim (``...0``, ``...1``: aligned from the right, as broadcasting
+    aligns them), an implicit output (no ``->``) as einsum forms it."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    ins = lhs.split(",")
+    ellipsis = max((nd - len(sub) + 3 for sub, nd in zip(ins, ndims, strict=False) if "..." in sub), default=0)
+
+    def spell(sub: str, nd: int) -> list[str]:
+        if "..." not in sub:
+            return list(sub)
+        head, tail = sub.split("...")
+        n = nd - len(head) - len(tail)
+        return list(head) + [f"...{i}" for i in range(ellipsis - n, ellipsis)] + list(tail)
+
+    subs = [spell(sub, nd) for sub, nd in zip(ins, ndims, strict=False)]
+    if arrow:
+        out = spell(rhs, ellipsis + len(rhs) - 3) if "..." in rhs else list(rhs)
+    else:
+        letters = [c for sub in ins for c in sub.replace("...", "")]
+        out = [f"...{i}" for i in range(ellipsis)] + sorted(c for c in set(letters) if letters.count(c) == 1)
+    return subs, out
+
+
+def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> list[fx.Node]:
+    """Rewrite every ``einsum``/``tensordot`` that is a linear layer (see the module docstring) in
+    place; returns the new ``linear``/``matmul`` nodes."""
+    graph, made = gm.graph, []
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        found = _as_linear(node, param_shapes)
+        if found is None:
+            continue
+        x, weight, contracted, weight_out_first, order = found
+        made.append(_rewrite(graph, node, x, weight, contracted, weight_out_first, order))
+    if made:
+        graph.eliminate_dead_code()
+    return made
+
+
+def _weight(arg, param_shapes) -> bool:
+    """``arg`` reads a 2-D parameter as it is stored, or through one dtype cast used only here."""
+    if not isinstance(arg, fx.Node):
+        return False
+    if arg.target in _CASTS and len(arg.users) == 1 and isinstance(arg.args[0], fx.Node) \
+            and set(arg.kwargs) <= {"dtype"}:
+        arg = arg.args[0]
+    return arg.op == "get_attr" and len(param_shapes.get(arg.target, ())) == 2
+
+
+def _as_linear(node: fx.Node, param_shapes):
+    """``(x, weight, x's contracted dim, whether the weight is [out, in], output order)`` when
+    ``node`` is a linear layer: ``order`` lists, for each output dim, the dim of
+    ``linear(x moved, W)`` that holds it."""
+    if node.target == aten.einsum.default:
+        equation, operands = node.args[0], node.args[1]
+        if not isinstance(equation, str) or len(operands) != 2 or not all(isinstance(t, fx.Node) for t in operands):
+            return None
+        if not all(isinstance(t.meta.get("val"), torch.Tensor) for t in operands):
+            return None
+        subs, out = einsum_subscripts(equation, [t.meta["val"].dim() for t in operands])
+        for w_at in (1, 0):
+            if _weight(operands[w_at], param_shapes):
+                found = _einsum_linear(subs[1 - w_at], subs[w_at], out)
+                if found is not None:
+                    return (operands[1 - w_at], operands[w_at], *found)
+        return None
+    if node.target == aten.tensordot.default:
+        a, b, dims_a, dims_b = node.args[:4]
+        if len(dims_a) != 1 or len(dims_b) != 1 or not all(isinstance(t, fx.Node) for t in (a, b)):
+            return None
+        for x, w, dx, dw, w_first in ((a, b, dims_a[0], dims_b[0], False), (b, a, dims_b[0], dims_a[0], True)):
+            if not _weight(w, param_shapes) or not isinstance(x.meta.get("val"), torch.Tensor):
+                continue
+            nd = x.meta["val"].dim()
+            xs = [f"x{i}" for i in range(nd)]
+            ws = ["w0", "w1"]
+            ws[dw % 2] = xs[dx % nd]
+            n = ws[1 - dw % 2]
+            kept = [s for s in xs if s != xs[dx % nd]]
+            out = [n, *kept] if w_first else [*kept, n]
+            return (x, w, *_einsum_linear(xs, ws, out))
+        return None
+    return None
+
+
+def _einsum_linear(x_subs: list[str], w_subs: list[str], out: list[str]):
+    """For subscripts ``x, W -> out``: ``(x's contracted dim, W is [out, in], order)`` when they
+    compute a linear layer over one dim of ``x``, else None."""
+    if len(w_subs) != 2 or len(set(w_subs)) != 2 or len(set(x_subs)) != len(x_subs) or len(set(out)) != len(out):
+        return None
+    contracted = [s for s in w_subs if s in x_subs]
+    if len(contracted) != 1:
+        return None
+    (c,) = contracted
+    (n,) = [s for s in w_subs if s != c]
+    if c in out or n not in out:
+        return None
+    kept = [s for s in x_subs if s != c]
+    if sorted(out) != sorted([*kept, n]):
+        return None  # a dim of x summed away besides the contracted one, or a letter from nowhere
+    computed = [*kept, n]
+    return x_subs.index(c), w_subs[0] == n, [computed.index(s) for s in out]
+
+
+def _rewrite(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: fx.Node, contracted: int,
+             weight_out_first: bool, order: list[int]) -> fx.Node:
+    x_val, out_val = x.meta["val"], node.meta["val"]
+    nd = x_val.dim()
+    to_last = [d for d in range(nd) if d != contracted] + [contracted]
+    inverse = [order.index(d) for d in range(len(order))]
+    with graph.inserting_before(node):
+        rows = x
+        if to_last != list(range(nd)):
+            rows = _made(graph, aten.permute.default, (x, to_last), node, x_val.permute(to_last))
+        target = aten.linear.default if weight_out_first else aten.matmul.default
+        computed = out_val.permute(inverse).contiguous()
+        linear = _made(graph, target, (rows, weight), node, computed)
+        result = linear
+        if order != list(range(len(order))):  # made contiguous, as einsum's result is: code may view it
+            moved = _made(graph, aten.permute.default, (linear, order), node, computed.permute(order))
+            result = _made(graph, aten.clone.default, (moved,), node, out_val)
+            result.kwargs = {"memory_format": torch.contiguous_format}
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return linear
+
+
+def _made(graph: fx.Graph, target, args: tuple, like: fx.Node, val: torch.Tensor) -> fx.Node:
+    new = graph.call_function(target, args)
+    made_like(new, like)
+    new.meta["val"] = val
+    return new
