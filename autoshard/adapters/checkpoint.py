@@ -69,6 +69,9 @@ def full_state_dict(sharded: nn.Module) -> OrderedDict:
     full = OrderedDict()
     gathered: dict[tuple, torch.Tensor] = {}
     for key, value in state.items():
+        if not isinstance(value, torch.Tensor):  # a module's extra state, kept as it is
+            full[key] = value
+            continue
         identity = _storage_identity(value)
         if identity in gathered:  # a tied name: a new view of the same storage, as state_dict() gives
             full[key] = gathered[identity].detach()

@@ -24,6 +24,9 @@ ever allocated, nothing is broadcast, and ``load_state_dict`` fills the
 values. Persistent buffers are allocated the same way (the state dict holds
 them); a non-persistent buffer the forward reads (a rotary table) has a value
 nowhere, so it must be filled on the model before sharding, or it is refused.
+
+A module of the model with extra state (``get_extra_state``) is kept as a private copy
+(``autoshard/runtime/state_dict.py``); its state, too, is the first rank's.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def materialize(
     for fqn, entry in plan.params.items():
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
     _wrap_quantized_gathers(root, plan)
-    _tie(root, aliases)
+    _tie(root, aliases, model)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
     replicated_dp = {fqn for fqn, e in plan.params.items() if not sharded_by_fsdp(e.placements)}
     cast_to = mp_policy.param_dtype if mp_policy is not None and axes.has_dp else None
@@ -88,7 +91,9 @@ def materialize(
         _tie(root, aliases)
     if axes.has_dp:
         _average_grads_over_dp(root, replicated_dp, axes)
-    install_state_dict_hooks(root, plan, axes.tp, model)
+    sync = sync_module_states and not deferred and axes.mesh is not None and axes.mesh.size() > 1
+    broadcast = (lambda values: _broadcast_objects_from_first_rank(values, axes)) if sync else None
+    install_state_dict_hooks(root, plan, axes.tp, model, broadcast, aliases)  # extra state: its first rank's, if synced
     return root
 
 
@@ -144,10 +149,32 @@ def _wrap_quantized_gathers(root: nn.Module, plan: Plan) -> None:
             _set(root, fqn, wrap_for_quantized_gather(root.get_parameter(fqn), spec))
 
 
-def _tie(root: nn.Module, aliases: dict[str, str]) -> None:
-    """A tied parameter: the same Parameter under every name."""
+def _tie(root: nn.Module, aliases: dict[str, str], model: nn.Module | None = None) -> None:
+    """A tied parameter: the same Parameter under every name. A module the model registers under
+    two names (a stack kept as ``self.layers`` and ``self.blocks``) is one module here too, so FSDP
+    sees one unit holding its parameters, not a second module holding them again."""
+    if model is not None:
+        first: dict[int, str] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            canonical = first.setdefault(id(module), name)
+            if canonical != name and _has_module(root, canonical) and not _has_module(root, name):
+                *path, last = name.split(".")
+                owner = root
+                for part in path:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, nn.Module())
+                    owner = getattr(owner, part)
+                owner.add_module(last, root.get_submodule(canonical))
     for alias, canonical in aliases.items():
         _set(root, alias, root.get_parameter(canonical))
+
+
+def _has_module(root: nn.Module, fqn: str) -> bool:
+    try:
+        root.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 def _set(root: nn.Module, fqn: str, param: nn.Parameter) -> None:
@@ -206,6 +233,17 @@ def _broadcast_from_first_rank(value: torch.Tensor, axes: MeshAxes) -> None:
         return
     for axis in mesh.mesh_dim_names:
         dist.broadcast(value, group=mesh.get_group(axis), group_src=0)
+
+
+def _broadcast_objects_from_first_rank(values: list, axes: MeshAxes) -> None:
+    """``values`` (picklable objects: the modules' extra state) replaced in place by the first rank's,
+    over the same groups as :func:`_broadcast_from_first_rank`."""
+    mesh = axes.mesh
+    if mesh.size() == dist.get_world_size():
+        dist.broadcast_object_list(values, src=0)
+        return
+    for axis in mesh.mesh_dim_names:
+        dist.broadcast_object_list(values, group=mesh.get_group(axis), group_src=0)
 
 
 def _refuse_buffers_without_values(fqns: list[str]) -> None:
