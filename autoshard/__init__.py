@@ -14,7 +14,9 @@ block in forward and two in backward.
 from autoshard import testing
 from autoshard.adapters.backend import backend, register_backend_name
 from autoshard.adapters.checkpoint import full_state_dict, load_latest, save_checkpoint
+from autoshard.adapters.launch import PeerFailed, RankFailed
 from autoshard.api import autoshard, check, plan
+from autoshard.core.errors import InternalError
 from autoshard.core.mesh import data_parallel_rank
 from autoshard.core.options import (
     CaptureOptions,
@@ -26,9 +28,11 @@ from autoshard.core.options import (
     TensorOptions,
 )
 from autoshard.driver.suggest import Links, suggest_mesh
+from autoshard.passes.capture import CaptureError
 from autoshard.plans.block_quant import BlockQuant
 from autoshard.plans.plan import ParamSharding, Plan
 from autoshard.proof.proof import Proof, ProofError
+from autoshard.proof.simulate import EmittedCodeError
 from autoshard.runtime import collectives  # noqa: F401
 from autoshard.runtime.clipping import clip_grad_norm_
 
@@ -37,4 +41,6 @@ register_backend_name()  # torch.compile(model, backend="autoshard", options={"m
 __all__ = ["autoshard", "plan", "check", "Proof", "ProofError", "Options", "TensorOptions", "ContextOptions",
            "PipelineOptions", "PrecisionOptions", "CaptureOptions", "ShardingOptions",
            "backend", "Plan", "ParamSharding", "full_state_dict", "save_checkpoint", "load_latest",
-           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links", "testing", "clip_grad_norm_"]
+           "data_parallel_rank", "BlockQuant", "suggest_mesh", "Links", "testing", "clip_grad_norm_",
+           # the errors a user can meet
+           "CaptureError", "EmittedCodeError", "InternalError", "PeerFailed", "RankFailed"]

@@ -46,7 +46,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from autoshard.core.errors import user_frame
-from autoshard.passes.functions import CheckedFunction, check_functions, recording_calls
+from autoshard.passes.functions import CheckedFunction, check_functions, keeping_whole, recording_calls
 from autoshard.passes.mixed_dtypes import buffer_dtype_hint
 from autoshard.passes.partition import callable_blocks, made_like
 from autoshard.passes.regions import inline_regions
@@ -181,12 +181,26 @@ def capture(
         exported_module = with_two_blocks(_twin(traced, lambda b: b), stack)
     traced_calls = []
     export_shapes = _with_keyword_shapes(dynamic_shapes, model, args, kwargs, set_for_training)
+
+    def export(calls):
+        try:
+            return _export(model, traced, exported_module, traced_args, traced_kwargs, export_shapes, calls)
+        except CaptureError as err:
+            raise _with_buffer_hint(err, model, compute_dtype) from err.__cause__
+
     try:
-        exported = _export(model, traced, exported_module, traced_args, traced_kwargs, export_shapes, traced_calls)
+        exported, failed = export(traced_calls), None
     except CaptureError as err:
-        raise _with_buffer_hint(err, model, compute_dtype) from err.__cause__
+        if not traced_calls:
+            raise
+        exported, failed = None, err  # perhaps a Function the check keeps whole (an alias made with .data)
     on_values = compute_dtype is None and not _on_meta(traced)
     functions = _check_functions(model, args, run_kwargs, traced_calls, on_values)
+    if any(f.whole for f in functions):  # traced again, each such Function one op keeping its backward
+        with keeping_whole(functions):
+            exported = export([])
+    elif failed is not None:
+        raise failed
     unlifted = exported.module()
     graph = unlifted.graph
     attributes: nn.Module | dict = unlifted
@@ -497,7 +511,9 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
 
     def twin(module: nn.Module) -> nn.Module:
         if id(module) not in twins:
-            clone = twins[id(module)] = copy.copy(module)
+            # a bare copy of the instance: copy.copy refuses parametrized modules (weight norm)
+            clone = twins[id(module)] = type(module).__new__(type(module))
+            clone.__dict__.update(module.__dict__)
             for name, value in module.__dict__.items():  # a cache the forward fills stays the user's
                 if type(value) in _CONTAINERS:
                     clone.__dict__[name] = copy.copy(value)
@@ -564,23 +580,44 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     in the root unit with everything else outside the stacks. A stack of leaves of one class (an
     MLP's linears) has each as a block. A layer that is itself a ``ModuleList`` (vit-pytorch's
     ``[attention, feed-forward]`` pairs) is not one call: its layers are the blocks.
+
+    A module registered under two names (a stack kept as ``self.layers`` and ``self.blocks``) is
+    one block, named as ``named_parameters()`` first names its parameters: FSDP manages each
+    parameter in one unit, so the units proven are the units ``fully_shard`` gets.
     """
     blocks: list[str] = []
+    seen: set[int] = set()
 
     def visit(prefix: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         if _is_stack(module):
             for name in _stack_blocks(module):
                 child = module.get_submodule(name)
                 if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # not one call: its layers are the units
                     visit(f"{prefix}{name}.", child)
-                else:
+                elif id(child) not in seen:
+                    seen.add(id(child))
                     blocks.append(prefix + name)
             return
         for name, child in module.named_children():
             visit(f"{prefix}{name}.", child)
 
     visit("", model)
-    return tuple(blocks)
+    return _without_shared_parameters(model, blocks)
+
+
+def _without_shared_parameters(model: nn.Module, blocks: list[str]) -> tuple[str, ...]:
+    """``blocks`` less those holding a parameter another block holds too (a submodule shared by two
+    layers, a norm weight tied across depth): FSDP manages each parameter in one unit, so such
+    blocks stay in the root unit, and the units proven are the units ``fully_shard`` gets."""
+    holders: dict[int, set[str]] = {}
+    for block in blocks:
+        for param in model.get_submodule(block).parameters():
+            holders.setdefault(id(param), set()).add(block)
+    shared = {b for names in holders.values() if len(names) > 1 for b in names}
+    return tuple(b for b in blocks if b not in shared)
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -614,16 +651,21 @@ def _check_functions(model, args, kwargs, traced_calls, on_values: bool) -> tupl
     """The custom autograd.Functions export met while tracing, each checked (see
     passes.functions) on the values it receives: the model runs once more, eagerly,
     on a twin whose buffers are copies and with the random state restored after, so
-    the user's model and random streams are untouched."""
+    the user's model and random streams are untouched. A model that does not run so
+    has its Functions checked on random values of the traced shapes (after a failed
+    export, on the calls traced before it failed)."""
     if not traced_calls:
         return ()
     if not on_values:  # on meta or in another dtype: random values of the traced shapes
         return check_functions(traced_calls, on_meta=True)
     calls = []
     twin = _twin(model, lambda b: b.clone())
-    with recording_calls(calls, clone=True), torch.no_grad(), torch.random.fork_rng(devices=[]):
-        twin(*args, **kwargs)
-    return check_functions(calls, on_meta=False)
+    try:
+        with recording_calls(calls, clone=True), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            twin(*args, **kwargs)
+    except Exception:  # the model does not run eagerly (a failed export may say why)
+        return check_functions(traced_calls, on_meta=True)
+    return check_functions(calls, on_meta=False, traced=traced_calls)
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
