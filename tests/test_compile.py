@@ -494,6 +494,59 @@ def test_a_cast_dynamo_fixed_in_float32_is_refused_under_bf16_by_line():
         cast_as_fsdp_units(gm, inputs.kinds, find_blocks(module), policy)
 
 
+class ArangeRotaryBlock(torch.nn.Module):
+    """Rotary tables built in the forward from ``torch.arange`` (no parameter, no buffer) and cast to
+    the input's dtype, as many models write them: traced in float32 the cast is a no-op, and under
+    bf16 the tables would stay float32 beside bf16 queries."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+        self.out = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).transpose(1, 3).unbind(2)
+        angles = torch.arange(s, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, 8, 2) / 8))
+        cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)
+        q = q * cos + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin
+        k = k * cos + torch.cat((-k[..., 4:], k[..., :4]), -1) * sin
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(o.transpose(1, 2).reshape(b, s, 32))
+
+
+class ArangeRotaryModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([ArangeRotaryBlock() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_table_cast_to_the_inputs_dtype_is_refused_under_bf16_by_line(fake_world):
+    """A cast dynamo fixed in float32 on a value made from constants alone is left as traced (FSDP2
+    leaves buffers as they are), and when the capture then meets mixed dtypes the backend refuses by
+    that cast's line, naming the eager path, instead of surfacing the capture's dtype error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autoshard.adapters.backend import _GraphAsModule, _user_fqn_paths, read_graph_inputs
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    gm, example = _dynamo_graph(ArangeRotaryModel(), x)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    backend = autoshard.backend(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), compiler="eager",
+                                mp_policy=policy)
+    with pytest.raises(NotImplementedError, match=r"fixing the dtype of the cast at test_compile\.py:\d+ "
+                                                  r"`cos, sin = angles\.cos\(\)\.repeat\(1, 2\)\.to\(x\.dtype\).*"
+                                                  r"torch\.compile\(autoshard\.autoshard\("):
+        backend(gm, example)
+
+
 CHECKS = [
     check_backend_trains_like_eager,
     check_backend_with_mixed_precision_and_selective_checkpointing,

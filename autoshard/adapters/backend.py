@@ -66,9 +66,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.adapters.compiled_blocks import compile_blocks
 from autoshard.adapters.handover import Handover, keep_gradients_released, release
-from autoshard.adapters.unit_casts import cast_as_fsdp_units
+from autoshard.adapters.unit_casts import cast_as_fsdp_units, refusal_for_casts
 from autoshard.core.options import Options
-from autoshard.passes.capture import find_blocks
+from autoshard.passes.capture import CaptureError, find_blocks
 from autoshard.plans.plan import Plan
 from autoshard.runtime.activation_checkpointing import MODES
 
@@ -284,10 +284,16 @@ class AutoshardBackend:
         _user_fqn_paths(gm)
         as_module = _GraphAsModule(gm, inputs, example_inputs)
         policy = self.options.precision.mp_policy
+        fixed = ()
         if policy is not None and policy.param_dtype is not None:
-            cast_as_fsdp_units(gm, inputs.kinds, find_blocks(as_module), policy)
+            fixed = cast_as_fsdp_units(gm, inputs.kinds, find_blocks(as_module), policy)
         user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
-        sharded = autoshard(as_module, mesh, example_inputs=user_inputs, options=self.options)
+        try:
+            sharded = autoshard(as_module, mesh, example_inputs=user_inputs, options=self.options)
+        except CaptureError as err:
+            if not fixed:
+                raise
+            raise refusal_for_casts(fixed, policy.param_dtype) from err
         compile_blocks(sharded, self.compiler, self.options.sharding.activation_checkpointing)
         self.sharded.append(sharded)
         self.handover.take(sharded, dict(as_module.named_parameters(remove_duplicate=False)), code)
