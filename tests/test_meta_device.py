@@ -306,14 +306,30 @@ def test_a_hugging_face_llama_on_meta_plans_every_axis_as_built_on_the_cpu(mesh)
         on_meta = hf_cases.small_llama_4_blocks()
     pipelined = {"microbatches": 2} if "pp" in mesh else {}
     want = autoshard.plan(on_cpu, mesh, example_inputs=(tokens,), **pipelined)
-    got = autoshard.plan(on_meta, mesh, example_inputs=(tokens,), **pipelined)
-    assert got.params == want.params and got.units == want.units and got.context == want.context
-    assert got.context["seq"] == 16
-    if "pp" in mesh:  # the same stages, sending the same values; the activation estimate differs: on meta
-        # export keeps each attention output's `.contiguous()` copy, a no-op it drops on the CPU
-        # (docs/pipeline.md)
-        assert [s.units for s in got.pipeline.stages] == [s.units for s in want.pipeline.stages]
-        assert got.pipeline.sends == want.pipeline.sends
+    # the example on the CPU, and on meta as well (how a model too large for one host is planned)
+    for example in (tokens, tokens.to("meta")):
+        got = autoshard.plan(on_meta, mesh, example_inputs=(example,), **pipelined)
+        assert got.params == want.params and got.units == want.units and got.context == want.context
+        assert got.context["seq"] == 16
+        if "pp" in mesh:  # the same stages, sending the same values; the activation estimate differs: on meta
+            # export keeps each attention output's `.contiguous()` copy, a no-op it drops on the CPU
+            # (docs/pipeline.md)
+            assert [s.units for s in got.pipeline.stages] == [s.units for s in want.pipeline.stages]
+            assert got.pipeline.sends == want.pipeline.sends
+
+
+def test_suggest_mesh_ranks_pipelined_meshes_of_a_model_and_example_on_meta():
+    """Every candidate of 8 ranks, pipelined ones included, is planned from shapes alone: the stage
+    shapes of an example on meta run as fakes on the host's device, where the graph's tables live."""
+    from tests import hf_cases
+
+    with torch.device("meta"):
+        on_meta = hf_cases.small_llama_4_blocks()
+    tokens = torch.randint(0, 128, (8, 16), device="meta")
+    suggestion = autoshard.suggest_mesh(on_meta, 8, example_inputs=(tokens,), links=autoshard.Links(intra_gbps=100.0),
+                                        flops_per_second=1e12, verbose=False)
+    assert any("pp" in c.mesh for c in suggestion.candidates), suggestion
+    assert all(p.is_meta for p in on_meta.parameters())
 
 
 def test_partly_meta_model_is_refused():

@@ -132,8 +132,12 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # where the example lives (never the default device, which training code may point elsewhere)
+    # where the example lives (never the default device, which training code may point elsewhere); an
+    # example on meta (a model too large for one host) is run as fakes of the host's device, where the
+    # graph's buffers (tables the capture recomputed) and the tensors its ops create live
     device = next((v.device for v in flat_inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    if device.type == "meta":
+        device = torch.device("cpu")
     dtypes = _param_dtypes(root)
     grid = RankGrid.of(cp=cp, tp=tp)
     with mode, torch.enable_grad():
@@ -142,7 +146,7 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
             full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
             shards = [s.requires_grad_(True) for s in stored_shards(entry, full, tp)]
             weights[fqn] = PerRank([shards[grid.coordinate(i, TP)] for i in grid])
-        inputs = [PerRank([mode.from_tensor(v) if isinstance(v, torch.Tensor) else v] * grid.ranks)
+        inputs = [PerRank([_fake(mode, v, device) if isinstance(v, torch.Tensor) else v] * grid.ranks)
                   for v in flat_inputs]
         simulator = RankSimulator(root, tp, weights.get, cp=cp)
         simulator.run(*inputs)
@@ -152,6 +156,14 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
         if isinstance(first, torch.Tensor) and "." not in name:
             crossings[name] = Crossing(tuple(first.shape), first.dtype, first.requires_grad)
     return crossings
+
+
+def _fake(mode, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` as a fake tensor; one on meta moved to ``device`` (no values are read here)."""
+    if not value.is_meta:
+        return mode.from_tensor(value)
+    fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+    return fake.requires_grad_(value.requires_grad)
 
 
 def _param_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
