@@ -22,6 +22,11 @@ whole. So capture inlines each region, keeping what it means:
   through; its outputs are ``detach``ed where they leave it, which gives the same values
   and gradients (and keeps nothing for backward once the outputs are detached). A region
   that turns gradients on inside a training forward changes nothing and is inlined as is.
+  A write into a parameter inside a no-grad region (a ``@torch.no_grad()`` method clamping a
+  learned scale in place) is its functional twin, and later code reads the written value
+  with the parameter's gradient passing through it, as eager code reads the parameter itself.
+  The stored parameter keeps its value, as under FSDP2, whose forward writes land on the
+  gathered copy of a parameter: each forward writes again what it reads.
 
 Regions nest (an autocast region inside a no-grad one); the outer is inlined first and its
 body's regions in turn. Any other higher-order op is refused by name and source line.
@@ -33,6 +38,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
@@ -58,9 +64,11 @@ def inline_regions(gm: fx.GraphModule) -> int:
             outputs = _inline_body(gm, node, body, args, autocast)
         elif node.target is wrap_with_set_grad_enabled:
             enabled, body, *args = node.args
-            outputs = _inline_body(gm, node, body, args, None)
+            written: dict[fx.Node, fx.Node] = {}
+            outputs = _inline_body(gm, node, body, args, None, None if enabled else written)
             if not enabled:
-                outputs = [_detached(gm.graph, node, out) for out in outputs]
+                outputs = [_written_through(gm.graph, node, out, written) if out in written.values()
+                           else _detached(gm.graph, node, out) for out in outputs]
         else:
             raise NotImplementedError(
                 f"autoshard: the captured graph holds the higher-order op {node.target.name()} at "
@@ -72,31 +80,80 @@ def inline_regions(gm: fx.GraphModule) -> int:
     return inlined
 
 
-def _inline_body(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, args, autocast) -> list:
+def _inline_body(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, args, autocast,
+                 written: dict[fx.Node, fx.Node] | None = None) -> list:
     """Copy the region's body before ``node``, its placeholders bound to ``args``; returns
-    the copies of its outputs. Under an enabled ``autocast`` the casts it makes are added."""
+    the copies of its outputs. Under an enabled ``autocast`` the casts it makes are added.
+
+    ``written`` (a no-grad region's): an op writing in place into a parameter (``@torch.no_grad()``
+    code clamping a learned scale, ``p.clamp_(0, 1)``) is copied as its functional twin, and
+    ``written`` maps the parameter to the value it holds after the write; later reads in the body
+    read that value. Run with gradients on, the in-place write would be refused on a leaf."""
     body = _attribute(gm, body_node.target)
     graph = gm.graph
     env: dict[fx.Node, object] = {}
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, args, strict=True))
+    current: dict[fx.Node, fx.Node] = {}  # a written parameter -> its value now
+
+    def read(inner: fx.Node):
+        value = env[inner]
+        return current.get(value, value) if isinstance(value, fx.Node) else value
+
     outputs = []
     with graph.inserting_before(node):
         for inner in body.graph.nodes:
             if inner.op == "placeholder":
                 continue
             if inner.op == "output":
-                outputs = list(pytree.tree_leaves(fx.node.map_arg(inner.args[0], env.__getitem__)))
+                outputs = list(pytree.tree_leaves(fx.node.map_arg(inner.args[0], read)))
                 break
             if inner.op == "get_attr":  # a nested region's body: held by gm under a fresh name
                 copied = graph.get_attr(_adopt(gm, _attribute(body, inner.target), inner.target))
                 copied.meta = dict(inner.meta)
             else:
-                copied = graph.node_copy(inner, env.__getitem__)
+                copied = graph.node_copy(inner, read)
+                target = _functional_twin(gm, copied) if written is not None else None
+                if target is not None:
+                    parameter = env[inner.args[0]]
+                    copied.target = target
+                    current[parameter] = written[parameter] = copied
                 if autocast is not None and isinstance(copied.target, torch._ops.OpOverload):
                     _write_autocast_casts(graph, copied, *autocast)
             env[inner] = copied
     return outputs
+
+
+def _functional_twin(gm: fx.GraphModule, node: fx.Node):
+    """The out-of-place overload of ``node``'s op when it writes in place into a parameter
+    (``aten.clamp_.default`` -> ``aten.clamp.default``), else None."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    first = node.args[0]
+    while first.op == "call_function" and first.target in (aten.detach.default, aten.alias.default):
+        first = first.args[0]
+    if first.op != "get_attr" or not isinstance(_attribute(gm, first.target), nn.Parameter):
+        return None
+    name = node.target._schema.name.split("::")[-1]
+    packet = getattr(aten, name.rstrip("_"), None) if name.endswith("_") else None
+    return getattr(packet, node.target._overloadname, None) if packet is not None else None
+
+
+def _written_through(graph: fx.Graph, region: fx.Node, value: fx.Node, written: dict) -> fx.Node:
+    """A parameter written in place inside a no-grad region, as later code reads it: the written
+    value, through which the gradient reaches the parameter as it does in eager code (the code reads
+    the parameter itself): ``p + (new - p).detach()``."""
+    parameter = next(p for p, new in written.items() if new is value)
+    with graph.inserting_before(region):
+        step = graph.call_function(aten.sub.Tensor, (value, parameter))
+        frozen = graph.call_function(aten.detach.default, (step,))
+        through = graph.call_function(aten.add.Tensor, (parameter, frozen))
+    val = value.meta["val"]
+    for made in (step, frozen, through):
+        made.meta = {**{k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")},
+                     "val": val.detach()}
+    return through
 
 
 def _write_autocast_casts(graph: fx.Graph, node: fx.Node, device: str, dtype: torch.dtype) -> None:

@@ -10,9 +10,12 @@ calling convention for ``clip_grad_norm_``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._ops import HigherOrderOperator
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -107,6 +110,59 @@ def test_a_no_grad_region_is_inlined_and_its_outputs_carry_no_gradient():
     detached = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.detach.default]
     assert len(detached) == 2  # cos and sin leave the region
     torch.testing.assert_close(captured.gm(TOKENS), model(TOKENS), rtol=0, atol=0)
+
+
+class ClampedScaleBlock(nn.Module):
+    """A learned scale kept in range by a ``@torch.no_grad()`` method that clamps it in place inside
+    the forward, as public code keeps temperatures and gates in range."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.5, 32))
+
+    @torch.no_grad()
+    def _keep_in_range(self):
+        self.scale.clamp_(0.0, 1.5)
+
+    def forward(self, x):
+        self._keep_in_range()
+        return x + self.fc2(F.gelu(self.fc1(x * self.scale)))
+
+
+class ClampedScales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([ClampedScaleBlock() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_parameter_written_in_place_under_no_grad_is_read_as_written_and_still_trained():
+    """The write inside the no-grad region is kept as its functional twin: the forward reads the
+    clamped values, the gradient reaches the parameter as eager autograd gives it (the code reads
+    the parameter itself after the write), and the user's parameter is not written."""
+    torch.manual_seed(0)
+    model, x = ClampedScales(), torch.randn(2, 8, 32)
+    before = model.layers[0].scale.detach().clone()
+    proof = autoshard.check(model, {"dp": 2, "tp": 2}, example_inputs=(x,))
+    assert proof.ok, proof
+    assert torch.equal(model.layers[0].scale.detach(), before)
+    captured = capture(model, (x,))
+    assert not _region_ops(captured.gm)
+    assert not any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+                   for n in captured.gm.graph.nodes)
+    eager = copy.deepcopy(model)
+    eager(x).sum().backward()  # clamps eager's own copy, then differentiates through the clamped scale
+    params = dict(captured.gm.named_parameters())
+    for p in params.values():
+        p.grad = None
+    captured.gm(x).sum().backward()
+    torch.testing.assert_close(captured.gm(x), eager(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(params["layers.0.scale"].grad, eager.layers[0].scale.grad)
 
 
 class NestedRegions(nn.Module):
