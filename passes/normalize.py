@@ -106,23 +106,25 @@ _PURE_VIEWS = frozenset((
 
 
 def repeated_views_merged(gm: fx.GraphModule, block_fqns) -> int:
-    """A view (or dtype cast) the code takes twice of one value is one value: ``mm(x.reshape(-1, d),
-    W1)`` and ``mm(x.reshape(-1, d), W3)`` read the same rows. Merged, the linears that read it are
-    seen to share their input, as ``linear(x, W1)`` and ``linear(x, W3)`` are, and enter tp once
-    together; kept apart, each would look like its own input. Only views of one FSDP unit's code are
-    merged, so no node moves to another block. Returns how many nodes were merged away."""
+    """A view (or dtype cast) the code takes twice of one value, for linears, is one value:
+    ``mm(x.reshape(-1, d), W1)`` and ``mm(x.reshape(-1, d), W3)`` read the same rows. Merged, the
+    linears that read it are seen to share their input, as ``linear(x, W1)`` and ``linear(x, W3)``
+    are, and enter tp once together; kept apart, each would look like its own input. Only views read
+    by matmuls alone are merged (a view also read by replicated work, a router beside the experts,
+    keeps its own, so tp is entered below it), and only views of one FSDP unit's code, so no node
+    moves to another block. Returns how many nodes were merged away."""
     owners = BlockOwners(block_fqns)
     seen: dict[tuple, fx.Node] = {}
     merged = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _PURE_VIEWS:
+        if node.op != "call_function" or node.target not in _PURE_VIEWS or not _read_by_matmuls(node):
             continue
         try:
             key = (node.target, _hashable(node.args), _hashable(node.kwargs), owners.of_node(node))
         except TypeError:
             continue  # an argument that is not plain data
         first = seen.setdefault(key, node)
-        if first is not node and not _written(first) and not _written(node):
+        if first is not node:
             node.replace_all_uses_with(first)
             gm.graph.erase_node(node)
             merged += 1
@@ -191,10 +193,12 @@ def _unbound_view(unbind: fx.Node):
     return view.args[0], n, rest
 
 
-def _written(node: fx.Node) -> bool:
-    """Some op writes into ``node`` in place: a copy (``_to_copy``, a reshape that copies) written to
-    is no longer the other."""
-    return any(getattr(getattr(u.target, "_schema", None), "is_mutable", False) for u in node.users)
+_MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.matmul.default,
+                      torch.ops.aten.linear.default))
+
+
+def _read_by_matmuls(node: fx.Node) -> bool:
+    return bool(node.users) and all(u.op == "call_function" and u.target in _MATMULS for u in node.users)
 
 
 def _hashable(value):
