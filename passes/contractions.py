@@ -8,6 +8,11 @@ the other dim of the parameter taking its place. Code spells it many ways: ``nn.
 ``tensordot`` as single ops, so discover, which knows ``linear`` and ``matmul``, would see none of
 them, and every weight read that way would stay whole over tp.
 
+The same holds for a convolution whose kernel is a 2-D parameter viewed as ``[out, in, 1, ...]``
+(``F.conv2d(x, W[:, :, None, None], b)``: a pointwise projection over channels, a linear over
+dim 1), and for a lookup written as an index (``W[ids]`` with ``W`` a 2-D parameter), which is
+``F.embedding(ids, W)``: each is rewritten into the op discover reads.
+
 So before discover every such contraction is rewritten into the one spelling discover reads:
 the activation permuted to put the contracted dim last, ``linear(x, W)`` (``W [out, in]``) or
 ``matmul(x, W)`` (``W [in, out]``), and the result permuted to the order the code asked for.
@@ -56,11 +61,22 @@ def einsum_subscripts(equation: str, ndims: list[int]) -> tuple[list[list[str]],
 
 
 def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]]) -> list[fx.Node]:
-    """Rewrite every ``einsum``/``tensordot`` that is a linear layer (see the module docstring) in
-    place; returns the new ``linear``/``matmul`` nodes."""
+    """Rewrite every ``einsum``/``tensordot``/pointwise convolution that is a linear layer, and every
+    lookup by index into a 2-D parameter (see the module docstring), in place; returns the new
+    ``linear``/``matmul``/``embedding`` nodes."""
     graph, made = gm.graph, []
     for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        if node.target == aten.index.Tensor and _lookup(node, param_shapes):
+            with graph.inserting_before(node):
+                lookup = _made(graph, aten.embedding.default, (node.args[0], node.args[1][0]), node, node.meta["val"])
+            node.replace_all_uses_with(lookup)
+            graph.erase_node(node)
+            made.append(lookup)
+            continue
+        if node.target in _CONVOLUTIONS and _pointwise_kernel(node, param_shapes) is not None:
+            made.append(_convolution_as_linear(graph, node, _pointwise_kernel(node, param_shapes)))
             continue
         found = _as_linear(node, param_shapes)
         if found is None:
@@ -70,6 +86,64 @@ def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[in
     if made:
         graph.eliminate_dead_code()
     return made
+
+
+_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+
+
+def _lookup(node: fx.Node, param_shapes) -> bool:
+    """``W[ids]``: one integer index tensor into dim 0 of a 2-D parameter."""
+    table, indices = node.args[0], node.args[1]
+    return (isinstance(table, fx.Node) and table.op == "get_attr" and len(param_shapes.get(table.target, ())) == 2
+            and len(indices) == 1 and isinstance(indices[0], fx.Node)
+            and isinstance(indices[0].meta.get("val"), torch.Tensor)
+            and not indices[0].meta["val"].is_floating_point() and indices[0].meta["val"].dtype != torch.bool)
+
+
+def _pointwise_kernel(node: fx.Node, param_shapes) -> fx.Node | None:
+    """The 2-D parameter a convolution's kernel views as ``[out, in, 1, ...]``, when the convolution
+    has stride 1, no padding, no dilation and one group: a linear over the channel dim."""
+    x, kernel = node.args[0], node.args[1]
+    rest = list(node.args[3:]) + [None] * (4 - len(node.args[3:]))
+    stride, padding, dilation, groups = rest[:4]
+    if not (isinstance(kernel, fx.Node) and isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)):
+        return None
+    if any(s not in (None, 1) for s in _ints(stride)) or any(p not in (None, 0) for p in _ints(padding)) \
+            or any(d not in (None, 1) for d in _ints(dilation)) or groups not in (None, 1) or node.kwargs:
+        return None
+    source = kernel
+    while source.op == "call_function" and source.target == aten.unsqueeze.default:
+        source = source.args[0]
+    shape = tuple(kernel.meta["val"].shape) if isinstance(kernel.meta.get("val"), torch.Tensor) else ()
+    if source is kernel or source.op != "get_attr" or len(param_shapes.get(source.target, ())) != 2:
+        return None
+    if shape[:2] != tuple(param_shapes[source.target]) or any(d != 1 for d in shape[2:]):
+        return None
+    return source
+
+
+def _ints(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _convolution_as_linear(graph: fx.Graph, node: fx.Node, weight: fx.Node) -> fx.Node:
+    """``conv(x, W[..., None], b)`` as ``linear(x.movedim(1, -1), W, b).movedim(-1, 1)``, made contiguous."""
+    x, bias = node.args[0], node.args[2] if len(node.args) > 2 else None
+    x_val, out_val = x.meta["val"], node.meta["val"]
+    nd = x_val.dim()
+    to_last = [0, *range(2, nd), 1]
+    back = [0, nd - 1, *range(1, nd - 1)]
+    with graph.inserting_before(node):
+        rows = _made(graph, aten.permute.default, (x, to_last), node, x_val.permute(to_last))
+        computed = out_val.permute(to_last).contiguous()
+        args = (rows, weight) if bias is None else (rows, weight, bias)
+        linear = _made(graph, aten.linear.default, args, node, computed)
+        moved = _made(graph, aten.permute.default, (linear, back), node, computed.permute(back))
+        result = _made(graph, aten.clone.default, (moved,), node, out_val)
+        result.kwargs = {"memory_format": torch.contiguous_format}
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return linear
 
 
 def _weight(arg, param_shapes) -> bool:

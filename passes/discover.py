@@ -121,22 +121,25 @@ def _uncast(arg) -> tuple[object, fx.Node | None]:
     return arg, None
 
 
-def _weight_of(arg, param_shapes) -> tuple[fx.Node, str, str] | None:
-    """(get_attr node, fqn, orientation) if ``arg`` is a 2-D parameter used as matmul rhs."""
+def _weight_of(arg, param_shapes) -> tuple[fx.Node, str, str, fx.Node | None] | None:
+    """(get_attr node, fqn, orientation, cast) if ``arg`` is a 2-D parameter used as matmul rhs,
+    read as stored or through one dtype cast (``x.float() @ w.float().T``)."""
     if not isinstance(arg, fx.Node):
         return None
-    fqn = param_node_fqn(arg, param_shapes)
+    w, cast = _uncast(arg)
+    fqn = param_node_fqn(w, param_shapes)
     if fqn is not None and len(param_shapes[fqn]) == 2:
-        return arg, fqn, IN_OUT
-    if arg.target in _TRANSPOSES and isinstance(arg.args[0], fx.Node):
-        fqn = param_node_fqn(arg.args[0], param_shapes)
+        return w, fqn, IN_OUT, cast
+    if arg.target in _TRANSPOSES and isinstance(arg.args[0], fx.Node) and len(arg.args[0].users) == 1:
+        w, cast = _uncast(arg.args[0])
+        fqn = param_node_fqn(w, param_shapes)
         if fqn is None or len(param_shapes[fqn]) != 2:
             return None
         if arg.target == aten.transpose.int and sorted(d % 2 for d in arg.args[1:3]) != [0, 1]:
             return None
         if arg.target == aten.permute.default and [d % 2 for d in arg.args[1]] != [1, 0]:
             return None
-        return arg.args[0], fqn, OUT_IN
+        return w, fqn, OUT_IN, cast
     return None
 
 
@@ -172,11 +175,13 @@ def find_linear_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...
             weight = _weight_of(rhs, param_shapes)
             if weight is None or not isinstance(x, fx.Node) or _is_param(x, param_shapes):
                 continue
-            w, fqn, orientation = weight
+            w, fqn, orientation, cast = weight
             shape = param_shapes[fqn]
             in_f, out_f = shape if orientation == IN_OUT else shape[::-1]
-            owned = (node,) + ((rhs,) if rhs is not w else ())
+            owned = (node,) + ((rhs,) if rhs is not w and rhs is not cast else ()) + ((cast,) if cast else ())
             output, bias = node, None
+            if cast is not None and is_addmm:
+                continue
             if is_addmm:
                 if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
                     continue
@@ -189,7 +194,9 @@ def find_linear_sites(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...
                     bias = _bias_of(user.args[1], param_shapes, out_f)
                     if bias is not None:
                         output, owned = user, owned + (user,)
-            sites.append(_site(node, x, output, w, fqn, orientation, in_f, out_f, bias, owned))
+            if cast is not None and bias is not None:
+                continue
+            sites.append(_site(node, x, output, w, fqn, orientation, in_f, out_f, bias, owned, cast))
     return tuple(sites)
 
 

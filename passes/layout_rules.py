@@ -22,6 +22,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autoshard.passes.contractions import einsum_subscripts
 from autoshard.runtime.context_ops import CP_ALL_REDUCE, CP_CAUSAL_ATTENTION, CP_GATHER
 from autoshard.runtime.whole_sections import FUSED_SPLIT
 
@@ -747,16 +748,15 @@ def _batched_matmul(node, layouts, tp):
     return None
 
 
-def einsum_terms(node: fx.Node) -> tuple[list[str], str, list[fx.Node]] | None:
-    """An ``einsum`` node's input terms, output term and operands, when its equation names every
-    dim of every operand (no ``...``) and has an output."""
+def einsum_terms(node: fx.Node) -> tuple[list[list[str]], list[str], list[fx.Node]] | None:
+    """An ``einsum`` node's input terms, output term (each a list of subscripts, ``...`` spelled as
+    one subscript per dim it stands for) and operands."""
     equation, operands = node.args[0], node.args[1]
     if not isinstance(equation, str) or not all(isinstance(t, fx.Node) for t in operands):
         return None
-    inputs, _, output = equation.replace(" ", "").partition("->")
-    terms = inputs.split(",")
-    if not output or "." in equation or len(terms) != len(operands):
+    if len(equation.replace(" ", "").partition("->")[0].split(",")) != len(operands):
         return None
+    terms, output = einsum_subscripts(equation, [_ndim(t) for t in operands])
     if any(len(term) != _ndim(t) for term, t in zip(terms, operands, strict=True)):
         return None
     return terms, output, list(operands)

@@ -553,6 +553,7 @@ class Propagation:
                 self.visit(node)
         self.stamped = tuple(stamper.stamped) if stamper is not None else ()
         _share_gathers(self.edges)
+        _hoist_take_shard(self.edges, self.layouts, self.new_args, self.tp)
         _hoist_enter_tp(self.edges, self.layouts, self.carries_grad)
         return LayoutPlan(
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
@@ -1549,6 +1550,101 @@ _VIEWS = (
 ENTER_ONLY = (Redistribute(ENTER_TP),)
 # ops whose second tensor lends only its dtype or shape: no gradient flows to it
 _SHAPED_LIKE = (_aten.type_as.default, _aten.expand_as.default, _aten.view_as.default, _aten.reshape_as.default)
+
+
+def _hoist_take_shard(edges: dict, layouts: dict, new_args: dict, tp: int) -> None:
+    """Cut a replicated value once where its views are cut for several readers.
+
+    A replicated value read through views by several cut ops (a per-head decay ``decay[None, :,
+    None]`` multiplying the state at every step of a loop) would take one cut per view, each an
+    all-gather of its gradient in backward. Views only move dims, so cutting their source on the
+    dim they read cut and running the views on its local share gives each reader the same values:
+    one cut, one all-gather of the summed gradient. A product with a fresh tensor on the way (the
+    first step's ``decay * zeros``) is cut too, each rank making its share of the zeros. Done for the views that serve one such read
+    alone (other readers of the source keep reading it whole), when the source's dim divides by tp.
+    """
+    cut: dict[tuple[fx.Node, int], list[tuple[fx.Node, fx.Node, list]]] = {}
+    for (value, consumer), steps in list(edges.items()):
+        if len(steps) != 1 or steps[0].kind != TAKE_SHARD or not isinstance(steps[0].dim, int):
+            continue
+        chain = _views_back(value, steps[0].dim, layouts, tp)
+        if chain is not None:
+            cut.setdefault(chain[-1], []).append((value, consumer, chain))
+    for (node, dim), members in cut.items():
+        members = [m for m in members if _only_for(m[2], m[1])]
+        if len(members) < 2 or len({chain[-1][1] for _, _, chain in members}) != 1:
+            continue
+        if layout_rules._shape(node)[dim] % tp:
+            continue
+        for value, consumer, chain in members:
+            del edges[(value, consumer)]
+            for view, view_dim in chain[:-1]:
+                layouts[view] = view_dim
+                if view.target in _SIZED_VIEWS:
+                    new_args[view] = (view.args[0], layout_rules._local_shape_arg(view.args[1], view_dim, tp),
+                                      *view.args[2:])
+                fresh = _fresh_operand(view)
+                if fresh is not None:  # made as this rank's share
+                    at = _FRESH[fresh.target]
+                    layouts[fresh] = view_dim
+                    new_args[fresh] = (*fresh.args[:at], layout_rules._local_shape_arg(fresh.args[at], view_dim, tp),
+                                       *fresh.args[at + 1:])
+            edges[(node, chain[-2][0])] = (Redistribute(TAKE_SHARD, dim),)  # the source's reader: its first op
+
+
+def _only_for(chain: list, consumer: fx.Node) -> bool:
+    """Each view of ``chain`` (value first, source last) is read only by the next one, and the value
+    only by ``consumer``: cut, they change nothing another reader sees."""
+    reader = consumer
+    for view, _ in chain[:-1]:
+        if set(view.users) != {reader}:
+            return False
+        reader = view
+    return True
+
+
+_CUT_VIEWS = (_aten.unsqueeze.default, _aten.squeeze.dim, _aten.slice.Tensor, *_SIZED_VIEWS)
+# fresh tensors made in the forward (a recurrence's zero state): any rank may make its share alone
+_FRESH = {_aten.zeros.default: 0, _aten.ones.default: 0, _aten.new_zeros.default: 1, _aten.new_ones.default: 1}
+
+
+def _views_back(value: fx.Node, dim: int, layouts: dict, tp: int) -> list[tuple[fx.Node, int]] | None:
+    """``value`` and the ops back to the replicated value it is made from (the last entry, as
+    ``(node, dim)``), each with the dim that is ``dim`` of ``value``: views, and products or sums
+    with a fresh tensor of the same shape (a recurrence's first step, ``decay * zeros``), whose
+    share each rank makes alone. None when ``value`` is neither."""
+    chain, node = [], value
+    while node.op == "call_function" and layouts.get(node) is None:
+        fresh = _fresh_operand(node)
+        if node.target in _CUT_VIEWS and isinstance(node.args[0], fx.Node) and len(node.all_input_nodes) == 1:
+            source = node.args[0]
+            before = _dim_before(node, source, dim, tp)
+        elif fresh is not None:
+            source = next(a for a in node.args[:2] if a is not fresh)
+            before = dim if _ndim(source) == _ndim(node) and layout_rules._shape(source)[dim] == \
+                layout_rules._shape(node)[dim] else None
+        else:
+            break
+        if before is None:
+            return None
+        chain.append((node, dim))
+        node, dim = source, before
+    if not chain or layouts.get(node) is not None:
+        return None
+    return chain + [(node, dim)]
+
+
+def _fresh_operand(node: fx.Node) -> fx.Node | None:
+    """The fresh tensor (zeros, ones) ``node`` multiplies or adds, of ``node``'s own shape and read by
+    it alone, when the other operand is a value; else None."""
+    if node.target not in (_aten.mul.Tensor, _aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    for fresh, other in ((a, b), (b, a)):
+        if (isinstance(fresh, fx.Node) and isinstance(other, fx.Node) and fresh.target in _FRESH
+                and len(fresh.users) == 1 and layout_rules._shape(fresh) == layout_rules._shape(node)):
+            return fresh
+    return None
 
 
 def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]) -> None:
