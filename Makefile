@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-long lint demo axis-matrix bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo corpus golden clean
+.PHONY: install test test-long lint demo spellings axis-matrix bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo corpus golden clean
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ bench-titan: $(TITAN_STAMP)
 # The block-quantized all-gather: wire bytes and step time, loss curves, 128x128 alignment on Llama-3 shapes.
 bench-quant: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
+
+# One function, many spellings (tests/spellings.py): every block family's spellings planned and proven on 2x2,
+# tp=4 and tp=8 in fp32 and bf16, each against its reference spelling's tp collectives
+# (benchmarks/results/spellings.json; the spellings that cost more are printed with the op and line).
+spellings: $(STAMP)
+	$(PY) benchmarks/spellings.py
 
 # Every mesh the axis order allows on 8 ranks, proven in one process: 3 models, fp32 and bf16,
 # sequence and loss parallelism wherever tp is present (benchmarks/results/axis_matrix.json).

@@ -129,21 +129,8 @@ def _ints(value) -> list:
 def _convolution_as_linear(graph: fx.Graph, node: fx.Node, weight: fx.Node) -> fx.Node:
     """``conv(x, W[..., None], b)`` as ``linear(x.movedim(1, -1), W, b).movedim(-1, 1)``, made contiguous."""
     x, bias = node.args[0], node.args[2] if len(node.args) > 2 else None
-    x_val, out_val = x.meta["val"], node.meta["val"]
-    nd = x_val.dim()
-    to_last = [0, *range(2, nd), 1]
-    back = [0, nd - 1, *range(1, nd - 1)]
-    with graph.inserting_before(node):
-        rows = _made(graph, aten.permute.default, (x, to_last), node, x_val.permute(to_last))
-        computed = out_val.permute(to_last).contiguous()
-        args = (rows, weight) if bias is None else (rows, weight, bias)
-        linear = _made(graph, aten.linear.default, args, node, computed)
-        moved = _made(graph, aten.permute.default, (linear, back), node, computed.permute(back))
-        result = _made(graph, aten.clone.default, (moved,), node, out_val)
-        result.kwargs = {"memory_format": torch.contiguous_format}
-    node.replace_all_uses_with(result)
-    graph.erase_node(node)
-    return linear
+    nd = x.meta["val"].dim()
+    return _rewrite(graph, node, x, weight, 1, True, [0, nd - 1, *range(1, nd - 1)], bias)
 
 
 def _weight(arg, param_shapes) -> bool:
@@ -212,7 +199,9 @@ def _einsum_linear(x_subs: list[str], w_subs: list[str], out: list[str]):
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: fx.Node, contracted: int,
-             weight_out_first: bool, order: list[int]) -> fx.Node:
+             weight_out_first: bool, order: list[int], bias: fx.Node | None = None) -> fx.Node:
+    """``node`` replaced by the linear over ``x``'s dim ``contracted`` (its output dims put in
+    ``order``), plus ``bias`` (a ``[out, in]`` weight's)."""
     x_val, out_val = x.meta["val"], node.meta["val"]
     nd = x_val.dim()
     to_last = [d for d in range(nd) if d != contracted] + [contracted]
@@ -223,7 +212,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: fx.Node, contra
             rows = _made(graph, aten.permute.default, (x, to_last), node, x_val.permute(to_last))
         target = aten.linear.default if weight_out_first else aten.matmul.default
         computed = out_val.permute(inverse).contiguous()
-        linear = _made(graph, target, (rows, weight), node, computed)
+        linear = _made(graph, target, (rows, weight) if bias is None else (rows, weight, bias), node, computed)
         result = linear
         if order != list(range(len(order))):  # made contiguous, as einsum's result is: code may view it
             moved = _made(graph, aten.permute.default, (linear, order), node, computed.permute(order))
