@@ -8,6 +8,12 @@ the other dim of the parameter taking its place. Code spells it many ways: ``nn.
 ``tensordot`` as single ops, so discover, which knows ``linear`` and ``matmul``, would see none of
 them, and every weight read that way would stay whole over tp.
 
+A broadcast ``matmul`` with a stacked parameter read whole (per-head weights ``W [heads, d, o]``:
+``(x.unsqueeze(-2) @ W).squeeze(-2)``) is an ``einsum`` whose batch letter the parameter shares
+with the activation; written as one, the layout rules cut the parameter on that letter where the
+activation is cut, as they do an ``einsum`` the code wrote. (A ``bmm`` of a whole stack is left to
+:mod:`autoshard.passes.experts`, which reads it as experts on the batch dim.)
+
 The same holds for a convolution whose kernel is a 2-D parameter viewed as ``[out, in, 1, ...]``
 (``F.conv2d(x, W[:, :, None, None], b)``: a pointwise projection over channels, a linear over
 dim 1), and for a lookup written as an index (``W[ids]`` with ``W`` a 2-D parameter), which is
@@ -75,6 +81,11 @@ def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[in
             graph.erase_node(node)
             made.append(lookup)
             continue
+        if node.target == aten.matmul.default:  # a bmm of a whole stack is an expert site (passes.experts)
+            written = _batched_as_einsum(graph, node, param_shapes)
+            if written is not None:
+                made.append(written)
+                continue
         if node.target in _CONVOLUTIONS and _pointwise_kernel(node, param_shapes) is not None:
             made.append(_convolution_as_linear(graph, node, _pointwise_kernel(node, param_shapes)))
             continue
@@ -89,6 +100,61 @@ def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[in
 
 
 _CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _batched_as_einsum(graph: fx.Graph, node: fx.Node, param_shapes) -> fx.Node | None:
+    """``matmul`` of a value and a parameter of 3 or more dims read whole (as stored, or with
+    its dims permuted) as the ``einsum`` it computes, when no batch dim of the parameter broadcasts."""
+    a, b = node.args[:2]
+    if not all(isinstance(t, fx.Node) and isinstance(t.meta.get("val"), torch.Tensor) for t in (a, b, node)):
+        return None
+    out = tuple(node.meta["val"].shape)
+    shapes = [tuple(t.meta["val"].shape) for t in (a, b)]
+    if min(len(sh) for sh in shapes) < 2 or len(out) < 3:
+        return None
+    batch = len(out) - 2
+    letters = list(_LETTERS[:batch])
+    n, k, m = _LETTERS[batch:batch + 3]
+    subs = []
+    for shape, tail in zip(shapes, ((n, k), (k, m)), strict=True):
+        own = len(shape) - 2
+        if own > batch or any(shape[i] != out[batch - own + i] for i in range(own)):
+            return None  # a batch dim that broadcasts: not a plain einsum
+        subs.append(letters[batch - own:] + list(tail))
+    for at in (1, 0):
+        param, term = _param_read(node.args[at], subs[at], param_shapes)
+        if param is not None and len(param_shapes[param.target]) >= 3:
+            operands = [node.args[0], param] if at == 1 else [param, node.args[1]]
+            terms = [subs[0], term] if at == 1 else [term, subs[1]]
+            equation = ",".join("".join(t) for t in terms) + "->" + "".join(letters + [n, m])
+            with graph.inserting_before(node):
+                einsum = _made(graph, aten.einsum.default, (equation, operands), node, node.meta["val"])
+            node.replace_all_uses_with(einsum)
+            graph.erase_node(node)
+            return einsum
+    return None
+
+
+def _param_read(value: fx.Node, subs: list[str], param_shapes) -> tuple[fx.Node | None, list[str]]:
+    """The parameter ``value`` reads whole through transposes, and its own subscripts for ``subs``."""
+    while value.op == "call_function" and value.target in (aten.transpose.int, aten.permute.default, aten.t.default):
+        nd = len(subs)
+        if value.target == aten.permute.default:
+            order = [d % nd for d in value.args[1]]
+        else:
+            first, second = (value.args[1] % nd, value.args[2] % nd) if value.target == aten.transpose.int else (0, 1)
+            order = list(range(nd))
+            order[first], order[second] = order[second], order[first]
+        before = [""] * nd
+        for i, d in enumerate(order):
+            before[d] = subs[i]
+        subs, value = before, value.args[0]
+    if value.op == "get_attr" and value.target in param_shapes:
+        return value, subs
+    return None, subs
 
 
 def _lookup(node: fx.Node, param_shapes) -> bool:

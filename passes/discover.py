@@ -130,7 +130,7 @@ def _weight_of(arg, param_shapes) -> tuple[fx.Node, str, str, fx.Node | None] | 
     fqn = param_node_fqn(w, param_shapes)
     if fqn is not None and len(param_shapes[fqn]) == 2:
         return w, fqn, IN_OUT, cast
-    if arg.target in _TRANSPOSES and isinstance(arg.args[0], fx.Node) and len(arg.args[0].users) == 1:
+    if arg.target in _TRANSPOSES and isinstance(arg.args[0], fx.Node):
         w, cast = _uncast(arg.args[0])
         fqn = param_node_fqn(w, param_shapes)
         if fqn is None or len(param_shapes[fqn]) != 2:
