@@ -93,7 +93,7 @@ def score(records: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--combined", type=int, default=80, help="random combinations per family")
+    parser.add_argument("--combined", type=int, default=20, help="random combinations per family")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--family", action="append", default=None)
     parser.add_argument("--mesh", action="append", default=None, choices=sorted(MESHES))

@@ -1560,8 +1560,9 @@ def _hoist_take_shard(edges: dict, layouts: dict, new_args: dict, tp: int) -> No
     all-gather of its gradient in backward. Views only move dims, so cutting their source on the
     dim they read cut and running the views on its local share gives each reader the same values:
     one cut, one all-gather of the summed gradient. A product with a fresh tensor on the way (the
-    first step's ``decay * zeros``) is cut too, each rank making its share of the zeros. Done for the views that serve one such read
-    alone (other readers of the source keep reading it whole), when the source's dim divides by tp.
+    first step's ``decay * zeros``) is cut too, each rank making its share of the zeros. Done for
+    the views that serve one such read alone (other readers of the source keep reading it whole),
+    when the source's dim divides by tp.
     """
     cut: dict[tuple[fx.Node, int], list[tuple[fx.Node, fx.Node, list]]] = {}
     for (value, consumer), steps in list(edges.items()):

@@ -571,7 +571,8 @@ def _tied() -> Family:
         torch.manual_seed(0)
         return TiedLM(sp)
 
-    return Family(axes, build, lambda: (torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)),))
+    return Family(axes, build,
+                  lambda: (torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)),))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,6 +736,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def all_spellings(combined_per_family: int = 80, seed: int = 0) -> list[Spelling]:
+def all_spellings(combined_per_family: int = 20, seed: int = 0) -> list[Spelling]:
     """Every family's one-axis spellings and ``combined_per_family`` combinations each."""
     return list(itertools.chain.from_iterable(spellings(f, combined_per_family, seed) for f in FAMILIES))

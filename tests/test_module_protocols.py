@@ -16,7 +16,6 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.utils.parametrize as parametrize
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.utils.parametrizations import weight_norm
 

@@ -28,8 +28,8 @@ from autoshard.core.sharding import REPLICATED, Role, placements_text, shard_on
 from autoshard.driver.carry import check_activations_carry
 from autoshard.passes.alternatives import settle
 from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module
-from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.contractions import contractions_as_linears
+from autoshard.passes.discover import Sites, find_sites
 from autoshard.passes.normalize import (
     normalize,
     repeated_views_merged,
