@@ -533,8 +533,6 @@ def test_a_table_cast_to_the_inputs_dtype_is_refused_under_bf16_by_line(fake_wor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoshard.adapters.backend import _GraphAsModule, _user_fqn_paths, read_graph_inputs
-
     torch.manual_seed(0)
     x = torch.randn(2, 16, 32)
     gm, example = _dynamo_graph(ArangeRotaryModel(), x)
