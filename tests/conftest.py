@@ -48,6 +48,17 @@ LONG = (
     # FSDP's block-quantized all-gather on 4 gloo ranks (its format, bound and plan are checked in one
     # process in tests/test_block_quant.py)
     "tests/test_quantized_gather.py::test_check",
+    # the heaviest 4-rank groups (40-70 s each on a 2-core machine), for margin under 12 minutes: each file's
+    # one-process tests stay in the first tier (the patterns and Hugging Face families proven at their exact
+    # collectives, the cp proofs, placements on a fake group, the meta and pipeline plans)
+    "tests/test_patterns.py::test_pattern",
+    "tests/test_hf_models.py::test_hf_model",
+    "tests/test_context_parallel.py::test_check",
+    "tests/test_sharded_module.py::test_sharded_module",
+    "tests/test_frozen_training.py::test_frozen_training",
+    "tests/test_checkpoint.py::test_checkpoint",
+    "tests/test_meta_device.py::test_meta_device",
+    "tests/test_pipeline.py::test_check",
 )
 
 
