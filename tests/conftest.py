@@ -48,7 +48,7 @@ LONG = (
     # FSDP's block-quantized all-gather on 4 gloo ranks (its format, bound and plan are checked in one
     # process in tests/test_block_quant.py)
     "tests/test_quantized_gather.py::test_check",
-    # the heaviest 4-rank groups (40-70 s each on a 2-core machine), for margin under 12 minutes: each file's
+    # the heaviest 4-rank groups (25-70 s each on a 2-core machine), for margin under 12 minutes: each file's
     # one-process tests stay in the first tier (the patterns and Hugging Face families proven at their exact
     # collectives, the cp proofs, placements on a fake group, the meta and pipeline plans)
     "tests/test_patterns.py::test_pattern",
@@ -59,6 +59,8 @@ LONG = (
     "tests/test_checkpoint.py::test_checkpoint",
     "tests/test_meta_device.py::test_meta_device",
     "tests/test_pipeline.py::test_check",
+    "tests/test_parity.py::test_parity",
+    "tests/test_training.py::test_training",
 )
 
 
