@@ -76,8 +76,7 @@ def score(records: list[dict]) -> dict:
             r["at_reference"] = False
             continue
         r["reference_collectives"] = max(ref["collectives"].values(), default=0)
-        r["at_reference"] = (max(r["collectives"].values(), default=0) <= r["reference_collectives"]
-                             and len(r["breaks"]) <= len(ref["breaks"]))
+        r["at_reference"] = _at_reference(r, ref)
     total = len(records)
     return {
         "runs": total,
@@ -89,6 +88,16 @@ def score(records: list[dict]) -> dict:
         "failed": sum(r["status"] == "failed" for r in records),
         "at_reference": sum(r["at_reference"] for r in records),
     }
+
+
+def _at_reference(run: dict, ref: dict) -> bool:
+    """As many FSDP blocks as the reference, each at most the reference's tp collectives and keeping
+    tp where the reference does (a block computed whole, with no collective at all, is no cheaper:
+    its work and weights are whole on every rank), and no more breaks."""
+    mine, theirs = list(run["collectives"].values()), list(ref["collectives"].values())
+    if len(mine) != len(theirs) or len(run["breaks"]) > len(ref["breaks"]):
+        return False
+    return all(c == r == 0 or 0 < c <= r for c, r in zip(mine, theirs, strict=True))
 
 
 def main(argv=None) -> int:

@@ -527,19 +527,22 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
         """A module held as a plain attribute (a tied head's ``self._embedding``, not a submodule),
         in a list or dict, or by a plain object (torchtune's ``TiedLinear``) is read as its twin:
         its parameters are the twin's (cast under mixed precision). So is a module a function held
-        as an attribute closes over (x-transformers' ``lambda t: t @ self.token_emb.emb.weight.t()``):
-        the function is rebound to the twin."""
+        as an attribute closes over (x-transformers' ``lambda t: t @ self.token_emb.emb.weight.t()``)
+        or takes as a default (``lambda x, block=block: block(x)``): the function is rebound to the twin."""
         if isinstance(value, nn.Module):
             return twin(value)
         if type(value) in (list, tuple) and any(isinstance(v, nn.Module) for v in value):
             return type(value)(referenced(v) for v in value)
         if type(value) in (dict, collections.OrderedDict) and any(isinstance(v, nn.Module) for v in value.values()):
             return type(value)((k, referenced(v)) for k, v in value.items())
-        if isinstance(value, types.FunctionType) and value.__closure__ and any(
-                isinstance(_cell_value(c), nn.Module) for c in value.__closure__):  # a lambda reading a module
+        if isinstance(value, types.FunctionType) and (any(
+                isinstance(_cell_value(c), nn.Module) for c in value.__closure__ or ()) or any(
+                isinstance(d, nn.Module) for d in value.__defaults__ or ())):  # a lambda reading a module
             cells = tuple(types.CellType(twin(v)) if isinstance(v := _cell_value(c), nn.Module) else c
-                          for c in value.__closure__)
-            rebound = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+                          for c in value.__closure__) if value.__closure__ else None
+            defaults = tuple(twin(d) if isinstance(d, nn.Module) else d
+                             for d in value.__defaults__) if value.__defaults__ else None
+            rebound = types.FunctionType(value.__code__, value.__globals__, value.__name__, defaults, cells)
             rebound.__kwdefaults__ = value.__kwdefaults__
             return rebound
         held = getattr(value, "__dict__", None)

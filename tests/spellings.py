@@ -220,13 +220,15 @@ def rope_tables(seq: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, how: str) -> torch.Tensor:
     """Rotary embedding on ``[b, h, s, d]``, rotating pairs ``(x[2i], x[2i+1])``: one function,
-    written over real pairs, as a complex multiply, or over halves of a de-interleaved copy."""
+    written over real pairs, as a complex multiply, or over halves of a de-interleaved copy. The
+    tables (float32 buffers) are cast to ``x``'s dtype, as models do to run under bf16."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if how == "pairs":
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     if how == "complex":
         z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        rot = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))
+        rot = torch.polar(torch.ones_like(cos.float()), torch.atan2(sin.float(), cos.float()))
         return torch.view_as_real(z * rot).flatten(-2).type_as(x)
     if how == "unflatten_pairs":
         pairs = x.unflatten(-1, (-1, 2))
@@ -261,7 +263,7 @@ def attend(q, k, v, how: str) -> torch.Tensor:
         return scores.softmax(-1) @ v
     if how == "einsum":
         scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
-        scores = scores + torch.zeros(s, s, device=q.device).masked_fill(~mask, float("-inf"))
+        scores = scores + torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         return torch.einsum("bhqk,bhkd->bhqd", F.softmax(scores, dim=-1), v)
     raise ValueError(how)
 
