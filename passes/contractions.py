@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard.passes.partition import made_like
+from autoshard.passes.partition import made_node
 
 aten = torch.ops.aten
 
@@ -76,7 +76,8 @@ def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[in
             continue
         if node.target == aten.index.Tensor and _lookup(node, param_shapes):
             with graph.inserting_before(node):
-                lookup = _made(graph, aten.embedding.default, (node.args[0], node.args[1][0]), node, node.meta["val"])
+                lookup = made_node(graph, aten.embedding.default, (node.args[0], node.args[1][0]), node,
+                                   node.meta["val"])
             node.replace_all_uses_with(lookup)
             graph.erase_node(node)
             made.append(lookup)
@@ -86,8 +87,9 @@ def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[in
             if written is not None:
                 made.append(written)
                 continue
-        if node.target in _CONVOLUTIONS and _pointwise_kernel(node, param_shapes) is not None:
-            made.append(_convolution_as_linear(graph, node, _pointwise_kernel(node, param_shapes)))
+        kernel = _pointwise_kernel(node, param_shapes) if node.target in _CONVOLUTIONS else None
+        if kernel is not None:
+            made.append(_convolution_as_linear(graph, node, kernel))
             continue
         found = _as_linear(node, param_shapes)
         if found is None:
@@ -131,7 +133,7 @@ def _batched_as_einsum(graph: fx.Graph, node: fx.Node, param_shapes) -> fx.Node 
             terms = [subs[0], term] if at == 1 else [term, subs[1]]
             equation = ",".join("".join(t) for t in terms) + "->" + "".join(letters + [n, m])
             with graph.inserting_before(node):
-                einsum = _made(graph, aten.einsum.default, (equation, operands), node, node.meta["val"])
+                einsum = made_node(graph, aten.einsum.default, (equation, operands), node, node.meta["val"])
             node.replace_all_uses_with(einsum)
             graph.erase_node(node)
             return einsum
@@ -275,22 +277,17 @@ def _rewrite(graph: fx.Graph, node: fx.Node, x: fx.Node, weight: fx.Node, contra
     with graph.inserting_before(node):
         rows = x
         if to_last != list(range(nd)):
-            rows = _made(graph, aten.permute.default, (x, to_last), node, x_val.permute(to_last))
+            rows = made_node(graph, aten.permute.default, (x, to_last), node, x_val.permute(to_last))
         target = aten.linear.default if weight_out_first else aten.matmul.default
         computed = out_val.permute(inverse).contiguous()
-        linear = _made(graph, target, (rows, weight) if bias is None else (rows, weight, bias), node, computed)
+        linear = made_node(graph, target, (rows, weight) if bias is None else (rows, weight, bias), node, computed)
         result = linear
         if order != list(range(len(order))):  # made contiguous, as einsum's result is: code may view it
-            moved = _made(graph, aten.permute.default, (linear, order), node, computed.permute(order))
-            result = _made(graph, aten.clone.default, (moved,), node, out_val)
+            moved = made_node(graph, aten.permute.default, (linear, order), node, computed.permute(order))
+            result = made_node(graph, aten.clone.default, (moved,), node, out_val)
             result.kwargs = {"memory_format": torch.contiguous_format}
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return linear
 
 
-def _made(graph: fx.Graph, target, args: tuple, like: fx.Node, val: torch.Tensor) -> fx.Node:
-    new = graph.call_function(target, args)
-    made_like(new, like)
-    new.meta["val"] = val
-    return new

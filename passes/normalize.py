@@ -39,7 +39,7 @@ import torch.fx as fx
 from autoshard.passes.decompose import expand_gqa_for_tp
 from autoshard.passes.discover import Sites
 from autoshard.passes.layout_rules import Convolution
-from autoshard.passes.partition import BlockOwners, made_like
+from autoshard.passes.partition import BlockOwners, made_like, made_node
 from autoshard.passes.sections import constant_tensor, split_fused_outputs
 
 
@@ -150,15 +150,15 @@ def unbound_views_as_splits(graph: fx.Graph) -> int:
         x, n, rest = found
         width = x.meta["val"].shape[-1]
         with graph.inserting_before(unbind):
-            split = _made(graph, torch.ops.aten.split.Tensor, (x, width // n, -1), unbind,
+            split = made_node(graph, torch.ops.aten.split.Tensor, (x, width // n, -1), unbind,
                           tuple(x.meta["val"].split(width // n, -1)))
         for item in list(unbind.users):
             i = item.args[1]
             with graph.inserting_before(item):
-                piece = _made(graph, operator.getitem, (split, i), item, split.meta["val"][i])
+                piece = made_node(graph, operator.getitem, (split, i), item, split.meta["val"][i])
                 shaped = piece
                 if len(rest) != 1:
-                    shaped = _made(graph, torch.ops.aten.unflatten.int, (piece, -1, list(rest)), item,
+                    shaped = made_node(graph, torch.ops.aten.unflatten.int, (piece, -1, list(rest)), item,
                                    item.meta["val"])
             item.replace_all_uses_with(shaped)
             graph.erase_node(item)
@@ -227,8 +227,8 @@ def _computed_bias_apart(graph: fx.Graph, param_shapes: dict[str, tuple[int, ...
         if not isinstance(out, torch.Tensor) or not isinstance(bias.meta.get("val"), torch.Tensor):
             continue
         with graph.inserting_before(node):
-            bare = _made(graph, torch.ops.aten.linear.default, (node.args[0], weight), node, out)
-            added = _made(graph, torch.ops.aten.add.Tensor, (bare, bias), node, out)
+            bare = made_node(graph, torch.ops.aten.linear.default, (node.args[0], weight), node, out)
+            added = made_node(graph, torch.ops.aten.add.Tensor, (bare, bias), node, out)
         node.replace_all_uses_with(added)
         graph.erase_node(node)
 
@@ -251,8 +251,8 @@ def _summed_biases_apart(graph: fx.Graph, param_shapes: dict[str, tuple[int, ...
             if not isinstance(bias, fx.Node) or bias.op != "get_attr" or len(product.users) != 1:
                 continue
             with graph.inserting_before(product):
-                bare = _made(graph, torch.ops.aten.linear.default, product.args[:2], product, product.meta["val"])
-                added = _made(graph, torch.ops.aten.add.Tensor, (bare, bias), product, product.meta["val"])
+                bare = made_node(graph, torch.ops.aten.linear.default, product.args[:2], product, product.meta["val"])
+                added = made_node(graph, torch.ops.aten.add.Tensor, (bare, bias), product, product.meta["val"])
             product.replace_all_uses_with(added)
             graph.erase_node(product)
 
@@ -286,13 +286,13 @@ def _filled_buffers_as_cat(graph: fx.Graph) -> None:
             for view, copy in writes:
                 piece, shape = copy.args[1], tuple(view.meta["val"].shape)
                 if tuple(piece.meta["val"].shape) != shape:
-                    piece = _made(graph, torch.ops.aten.expand.default, (piece, list(shape)), copy,
+                    piece = made_node(graph, torch.ops.aten.expand.default, (piece, list(shape)), copy,
                                   piece.meta["val"].expand(shape))
                 if piece.meta["val"].dtype != want.dtype:
-                    piece = _made(graph, torch.ops.aten.to.dtype, (piece, want.dtype), copy,
+                    piece = made_node(graph, torch.ops.aten.to.dtype, (piece, want.dtype), copy,
                                   piece.meta["val"].to(want.dtype))
                 pieces.append(piece)
-            cat = _made(graph, torch.ops.aten.cat.default, (pieces, dim), last, want)
+            cat = made_node(graph, torch.ops.aten.cat.default, (pieces, dim), last, want)
         for view, copy in writes:
             graph.erase_node(copy)
             graph.erase_node(view)
@@ -338,13 +338,13 @@ def _index_copied_zeros_as_cat(gm: fx.GraphModule) -> None:
                 if c > at:  # columns no src column is copied to: zeros
                     shape = list(want.shape)
                     shape[dim] = c - at
-                    pieces.append(_made(graph, torch.ops.aten.new_zeros.default, (src, shape), copy,
+                    pieces.append(made_node(graph, torch.ops.aten.new_zeros.default, (src, shape), copy,
                                         want.narrow(dim, at, c - at)))
                 if length:
-                    pieces.append(_made(graph, torch.ops.aten.slice.Tensor, (src, dim, j, j + length), copy,
+                    pieces.append(made_node(graph, torch.ops.aten.slice.Tensor, (src, dim, j, j + length), copy,
                                         got.narrow(dim, j, length)))
                 at = c + length
-            cat = _made(graph, torch.ops.aten.cat.default, (pieces, dim), copy, want)
+            cat = made_node(graph, torch.ops.aten.cat.default, (pieces, dim), copy, want)
         copy.replace_all_uses_with(cat)
         graph.erase_node(copy)
         graph.erase_node(buffer)
@@ -404,11 +404,6 @@ def _slice_fill(buffer: fx.Node, order: dict[fx.Node, int]):
     return dim, [pair for _, pair in ranked]
 
 
-def _made(graph: fx.Graph, target, args: tuple, like: fx.Node, val: torch.Tensor) -> fx.Node:
-    new = graph.call_function(target, args)
-    made_like(new, like)
-    new.meta["val"] = val
-    return new
 
 
 def _convolution_bias_apart(graph: fx.Graph) -> None:
@@ -423,9 +418,9 @@ def _convolution_bias_apart(graph: fx.Graph) -> None:
         bias, out = conv.bias, node.meta["val"]
         shape = [out.shape[1]] + [1] * (out.dim() - 2)
         with graph.inserting_before(node):
-            bare = _made(graph, node.target, (node.args[0], node.args[1], None, *node.args[3:]), node, out)
-            view = _made(graph, torch.ops.aten.view.default, (bias, shape), node, bias.meta["val"].view(shape))
-            added = _made(graph, torch.ops.aten.add.Tensor, (bare, view), node, out)
+            bare = made_node(graph, node.target, (node.args[0], node.args[1], None, *node.args[3:]), node, out)
+            view = made_node(graph, torch.ops.aten.view.default, (bias, shape), node, bias.meta["val"].view(shape))
+            added = made_node(graph, torch.ops.aten.add.Tensor, (bare, view), node, out)
         node.replace_all_uses_with(added)
         graph.erase_node(node)
 

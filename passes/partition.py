@@ -157,6 +157,15 @@ def made_like(new: fx.Node, origin: fx.Node, also: tuple[str, ...] = ()) -> None
     new.meta.update({k: origin.meta[k] for k in (*also, "nn_module_stack", "stack_trace") if k in origin.meta})
 
 
+def made_node(graph: fx.Graph, target, args: tuple, like: fx.Node, val) -> fx.Node:
+    """A ``call_function`` node of ``target`` inserted at the graph's insert point for ``like``'s sake
+    (:func:`made_like`), with its value ``val`` as ``meta["val"]``."""
+    new = graph.call_function(target, args)
+    made_like(new, like)
+    new.meta["val"] = val
+    return new
+
+
 def unit_of_node(node: fx.Node, block_fqns) -> str:
     """The FSDP unit (block FQN, ``""`` for the root) whose code computes ``node``."""
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
