@@ -21,6 +21,9 @@ tensor and module attribute, before and after the run; the first difference is n
 printed table marks ``rN``: N weight matrices tp keeps whole (``replicated_matrices`` in the
 JSON), which a block without breaks can still have (an attention computed whole on every rank).
 
+Then every case trains on 4 gloo ranks (``benchmarks/corpus_parity.py``: 2x2, 3 SGD steps against
+one device within 1e-5, and a strict state-dict round trip both ways; ``--no-parity`` skips it).
+
 Each case runs in a spawned process of its own with a timeout (``--timeout``, default 180 s);
 rows finished before a timeout are kept. The summary gives, by library, the runs proven,
 internal errors, models changed and runs with no tp break, in fp32, bf16 and cp. Run from the
@@ -306,6 +309,26 @@ def _print_case(result: dict) -> None:
               f"{row['seconds']:>5.1f}s  {detail[:100]}", flush=True)
 
 
+def _print_parity(case_id: str, row: dict) -> None:
+    errors = (f"loss {row['loss_error']:.1e} params {row['param_error']:.1e}" if "loss_error" in row else "")
+    print(f"{case_id:<42}{row['status']:<12}{errors:<30}{row.get('detail', '')[:100]}", flush=True)
+
+
+def _parity_summary(results: list[dict]) -> list[str]:
+    rows = [(r, r["parity"]) for r in results if "parity" in r]
+    if not rows:
+        return []
+    counts = collections.Counter(p["status"] for _, p in rows)
+    proven = [p for r, p in rows if any(row["mesh"] == "2x2" and row["option"] == "fp32" and row["status"] == "proven"
+                                        for row in r["rows"])]
+    worst = max((max(p.get("loss_error", 0), p.get("param_error", 0)) for _, p in rows if p["status"] == "trained"),
+                default=0.0)
+    return [f"trained on 4 gloo ranks (2x2, fp32, 3 SGD steps, strict round trip): {len(rows)} cases, "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + f"; of the {len(proven)} proven on 2x2 fp32, trained {sum(p['status'] == 'trained' for p in proven)}"
+            + f"; worst error of those trained {worst:.1e}"]
+
+
 def _summary(results: list[dict]) -> list[str]:
     built = [r for r in results if "build_error" not in r]
     lines = [f"corpus: {len(results)} cases from {len({r['library'] for r in results})} libraries, "
@@ -329,6 +352,7 @@ def _summary(results: list[dict]) -> list[str]:
                      + (f"; of those failing unsharded, proven with the fix the error names (buffer_dtype or "
                         f"output_dtype) {fixed}"
                         if (fixed := sum(row.get("with_named_fix") == "proven" for row in rows)) else ""))
+    lines += _parity_summary(results)
     lines.append("by library (proven / internal / changed / no tp break, of runs):")
     for library in sorted({r["library"] for r in results}):
         mine = [r for r in results if r["library"] == library]
@@ -385,6 +409,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="comma-separated kinds; all by default")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per case")
+    parser.add_argument("--no-parity", action="store_true", help="prove only; no training on 4 gloo ranks")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "corpus.json"))
     args = parser.parse_args()
 
@@ -400,6 +425,13 @@ def main() -> None:
     results = run_cases(cases, args.timeout, args.jobs, on_result=_print_case)
     order = {c.id: i for i, c in enumerate(cases)}
     results.sort(key=lambda r: order[f"{r['library']}:{r['name']}"])
+    if not args.no_parity:
+        from benchmarks.corpus_parity import train_cases
+
+        print("\ntrained on 4 gloo ranks (2x2, 3 SGD steps against one device, strict state-dict round trip):")
+        trained = train_cases(cases, on_row=_print_parity)
+        for result in results:
+            result["parity"] = trained[f"{result['library']}:{result['name']}"]
     summary = _summary(results)
     versions = _versions()
     print()

@@ -531,10 +531,12 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
         or takes as a default (``lambda x, block=block: block(x)``): the function is rebound to the twin."""
         if isinstance(value, nn.Module):
             return twin(value)
-        if type(value) in (list, tuple) and any(isinstance(v, nn.Module) for v in value):
-            return type(value)(referenced(v) for v in value)
-        if type(value) in (dict, collections.OrderedDict) and any(isinstance(v, nn.Module) for v in value.values()):
-            return type(value)((k, referenced(v)) for k, v in value.items())
+        if type(value) in (list, tuple):  # modules, or functions reading them (``[lambda x, b=b: b(x), ...]``)
+            items = [referenced(v) for v in value]
+            return type(value)(items) if any(a is not b for a, b in zip(items, value)) else value
+        if type(value) in (dict, collections.OrderedDict):
+            items = {k: referenced(v) for k, v in value.items()}
+            return type(value)(items) if any(items[k] is not v for k, v in value.items()) else value
         if isinstance(value, types.FunctionType) and (any(
                 isinstance(_cell_value(c), nn.Module) for c in value.__closure__ or ()) or any(
                 isinstance(d, nn.Module) for d in value.__defaults__ or ())):  # a lambda reading a module

@@ -82,7 +82,8 @@ def contractions_as_linears(gm: fx.GraphModule, param_shapes: dict[str, tuple[in
             graph.erase_node(node)
             made.append(lookup)
             continue
-        if node.target == aten.matmul.default:  # a bmm of a whole stack is an expert site (passes.experts)
+        if node.target == aten.matmul.default or (node.target == aten.bmm.default and _batch_from_features(node)):
+            # a bmm whose batch dim came from the rows is an expert site (passes.experts)
             written = _batched_as_einsum(graph, node, param_shapes)
             if written is not None:
                 made.append(written)
@@ -137,6 +138,75 @@ def _batched_as_einsum(graph: fx.Graph, node: fx.Node, param_shapes) -> fx.Node 
             node.replace_all_uses_with(einsum)
             graph.erase_node(node)
             return einsum
+    return None
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SAME_DIMS = (aten.contiguous.default, aten.clone.default, aten.alias.default)
+
+
+def _batch_from_features(node: fx.Node) -> bool:
+    """Whether the batch dim of ``bmm(x, W)`` is a cut of a feature dim: followed back through
+    views and moves, ``x``'s dim 0 splits the last dim of the value it was made from (heads of a
+    projection's output, ``y.view(b, s, h, d).permute(2, 0, 1, 3).reshape(h, b * s, d)``). Such a
+    bmm is a block-diagonal (per-head) product, the ``einsum`` ``hnd,hdo->hno``, which keeps the
+    heads' cut; a batch dim split from the rows (``x.view(E, -1, d)`` of tokens sorted by
+    expert) is a mixture's experts and stays an expert site."""
+    value, dim = node.args[0], 0
+    while isinstance(value, fx.Node) and value.op == "call_function":
+        if value.target in _SAME_DIMS:
+            value = value.args[0]
+        elif value.target in (aten.permute.default, aten.transpose.int, aten.t.default):
+            order = _moved_order(value)
+            if order is None:
+                return False
+            value, dim = value.args[0], order[dim]
+        elif value.target in _VIEWS or value.target == aten.unflatten.int:
+            source = value.args[0]
+            dim = _dim_within(_static_shape(source), _static_shape(value), dim)
+            if dim is None:
+                return False
+            value = source
+        else:
+            break
+    shape = _static_shape(value)
+    return shape is not None and len(shape) >= 2 and dim == len(shape) - 1 and value is not node.args[0]
+
+
+def _moved_order(node: fx.Node) -> list[int] | None:
+    """For a permute/transpose ``node``: result dim i is input dim ``order[i]``."""
+    shape = _static_shape(node)
+    if shape is None:
+        return None
+    nd = len(shape)
+    if node.target == aten.permute.default:
+        return [d % nd for d in node.args[1]]
+    first, second = (node.args[1] % nd, node.args[2] % nd) if node.target == aten.transpose.int else (0, 1)
+    order = list(range(nd))
+    order[first], order[second] = order[second], order[first]
+    return order
+
+
+def _static_shape(value) -> tuple[int, ...] | None:
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    return tuple(val.shape)
+
+
+def _dim_within(source: tuple | None, result: tuple | None, dim: int) -> int | None:
+    """The dim of ``source`` that the view's ``result`` dim ``dim`` is (or is a factor of), if any."""
+    if source is None or result is None:
+        return None
+    before = 1
+    for d in range(dim):
+        before *= result[d]
+    after = before * result[dim]
+    start = 1
+    for i, size in enumerate(source):
+        if start <= before and after <= start * size and (start * size) % after == 0 and before % start == 0:
+            return i
+        start *= size
     return None
 
 
