@@ -27,7 +27,6 @@ the error a user gets), ``DIVERGED`` (a loss or parameter beyond the tolerance),
 
 from __future__ import annotations
 
-import copy
 import datetime
 import traceback
 
@@ -122,7 +121,9 @@ def train_case(case, mesh) -> dict:
         args, kwargs = case.inputs()
     except Exception as err:  # noqa: BLE001
         return row | {"status": "not built", "detail": f"{type(err).__name__}: {err}"[:300]}
-    reference = copy.deepcopy(model)
+    # built again, not deep-copied: a copy's functions still read the original's modules (x-transformers'
+    # tied head is ``lambda t: t @ self.token_emb.emb.weight.t()``)
+    reference = case.build()
     local_args = tuple(_local(a, BATCH, rank, size) for a in args)
     local_kwargs = {k: _local(v, BATCH, rank, size) for k, v in kwargs.items()}
     try:
@@ -154,7 +155,7 @@ def train_case(case, mesh) -> dict:
         errors = {k: _rel(v, want[k], SCALE_FLOOR) for k, v in gathered.items() if isinstance(v, torch.Tensor) and k in want}
         worst = max(errors.items(), key=lambda kv: kv[1], default=("", 0.0))
         row |= {"loss_error": loss_error, "param_error": worst[1], "worst_param": worst[0],
-                "losses": [round(s, 6) for s, _ in losses]}
+                "losses": [round(s, 7) for s, _ in losses], "reference_losses": [round(r, 7) for _, r in losses]}
         if loss_error > TOLERANCE or worst[1] > TOLERANCE:
             return row | {"status": "DIVERGED",
                           "detail": f"loss {loss_error:.1e}, {worst[0]} {worst[1]:.1e} (tolerance {TOLERANCE:.0e})"}
