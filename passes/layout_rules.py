@@ -76,6 +76,16 @@ class Decision:
     section_runs: tuple[int, ...] = ()
 
 
+ATTENTIONS = (
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    CP_CAUSAL_ATTENTION,
+)
+
+
 def apply(node: fx.Node, layouts: dict[fx.Node, object], tp: int) -> Decision | None:
     if node.op != "call_function":
         return None
@@ -991,17 +1001,7 @@ _RULES = (
     (_REDUCTIONS, _reduce),
     (_SOFTMAXES, _softmax),
     ((*_NORMS, aten.native_layer_norm.default), _norm_over_last),
-    (
-        (
-            aten.scaled_dot_product_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_cudnn_attention.default,
-            CP_CAUSAL_ATTENTION,
-        ),
-        _attention,
-    ),
+    (ATTENTIONS, _attention),
     ((aten.matmul.default, aten.bmm.default), _batched_matmul),
     ((aten.tril.default, aten.triu.default), _triangle),
     ((aten.einsum.default,), _einsum),

@@ -409,12 +409,22 @@ class Revisions:
         self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
         self.colwise: dict[str, str] = dict(colwise or {})  # seeded: shared linears it decides colwise
         self.reduced_early: set[fx.Node] = set()
+        self.region_exits: dict[fx.Node, set] = {}  # an idle source -> the ops where its region ends
 
     def learn(self, plan: LayoutPlan) -> bool:
         """Take every revision that pays on ``plan``; whether anything new was learned."""
         idle = {s: why for s, why in self.idle_sources(plan).items() if s not in self.gathered_early}
         early = self.partials_reduced_early(plan) - self.reduced_early
         convolutions = {node: fqn for node, (fqn, role) in plan.convolutions.items() if role == COLWISE}
+        others = {c for s, ends in self.region_exits.items() if s in idle and s not in self.narrowing for c in ends}
+        meeting = {s: why for s, why in idle.items() if self.may_replicate and s in self.narrowing
+                   and self.region_exits.get(s, set()) & others}
+        if meeting:
+            # a narrowing projection whose cut meets another region's cut at one op: k/v with fewer heads
+            # than tp (multi-query attention's one head, cut on its head dim) stop q's cut at the attention
+            # or at q @ k.T. Computed whole first, they are cut per q head there and q keeps its cut, where
+            # deciding q in the same walk would gather it
+            idle = meeting
         for source, why in idle.items():
             if source in convolutions:
                 self.replicated[convolutions[source]] = (
@@ -471,6 +481,7 @@ class Revisions:
             first = min(exits, key=position.__getitem__, default=None)
             why = describe(first) if first is not None else "nowhere"
             idle.update({source: why for source in region_sources})
+            self.region_exits.update(dict.fromkeys(region_sources, set(exits)))
         return idle
 
     def partials_reduced_early(self, plan: LayoutPlan) -> set[fx.Node]:
