@@ -152,7 +152,8 @@ def train_case(case, mesh) -> dict:
         loss_error = max(abs(s - r) / max(abs(r), 1e-30) for s, r in losses)
         gathered = autoshard.full_state_dict(sharded)
         want = reference.state_dict()
-        errors = {k: _rel(v, want[k], SCALE_FLOOR) for k, v in gathered.items() if isinstance(v, torch.Tensor) and k in want}
+        errors = {k: _rel(v, want[k], SCALE_FLOOR) for k, v in gathered.items()
+                  if isinstance(v, torch.Tensor) and k in want}
         worst = max(errors.items(), key=lambda kv: kv[1], default=("", 0.0))
         row |= {"loss_error": loss_error, "param_error": worst[1], "worst_param": worst[0],
                 "losses": [round(s, 7) for s, _ in losses], "reference_losses": [round(r, 7) for _, r in losses]}

@@ -533,7 +533,7 @@ def _twin(model: nn.Module, buffer_fn, param_fn=None) -> nn.Module:
             return twin(value)
         if type(value) in (list, tuple):  # modules, or functions reading them (``[lambda x, b=b: b(x), ...]``)
             items = [referenced(v) for v in value]
-            return type(value)(items) if any(a is not b for a, b in zip(items, value)) else value
+            return type(value)(items) if any(a is not b for a, b in zip(items, value, strict=True)) else value
         if type(value) in (dict, collections.OrderedDict):
             items = {k: referenced(v) for k, v in value.items()}
             return type(value)(items) if any(items[k] is not v for k, v in value.items()) else value

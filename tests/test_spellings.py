@@ -3,7 +3,8 @@
 Every spelling of a block family computes the reference's function on one device, and is
 proven with the reference's tp collectives per block and no more breaks than it. A sample runs
 in the first tier (each family's spellings that took a rewrite to read: einsum and tensordot
-linears, a matmul on flattened rows, unbound fused sections, a hand-written attention); the
+linears, a matmul on flattened rows, unbound fused sections, a hand-written attention, blocks
+called through closures in a list, a per-head ``bmm``, multi-query attention kept cut on q); the
 whole set, every family's one-axis spellings and 20 seeded combinations each (300 spellings) on
 2x2, tp=4 and tp=8 in fp32 and bf16, in the second (``benchmarks/spellings.py`` is the same run as a report).
 """
@@ -40,6 +41,10 @@ SAMPLE = [
     ("llama_gqa", "tp4", {"mlp": "fused_unbind", "qkv": "kv_fused"}),
     ("llama_gqa", "2x2", {"linear": "addmm", "kv_repeat": "expand_reshape"}),
     ("llama_mqa", "tp4", {"linear": "einsum_ellipsis", "attention": "einsum"}),
+    ("llama_mha", "2x2", {"container": "closure"}),
+    ("per_head", "tp4", {"per_head": "bmm", "heads": "unflatten"}),
+    ("llama_mqa", "2x2", {"qkv": "fused_split"}),
+    ("llama_mqa", "tp8", {"attention": "softmax"}),
 ]
 
 
@@ -54,17 +59,16 @@ def test_a_spelling_is_planned_as_its_reference(family, mesh, changes):
     assert not varied["breaks"]
 
 
-# What the whole set reaches today (2026-12-07: 1794 of 1800 proven, 0 internal, 1536 at the reference's
-# collectives; fp32 900 of 900 proven): a floor under which a change fails. The target is every run proven
-# and 98% at the reference; what stands between is listed in docs/limits.md (blocks called through
-# closures are not seen as FSDP units, per-head bmm over a whole stack, multi-query attention on tp=2).
-PROVEN_FLOOR, AT_REFERENCE_FLOOR = 0.99, 0.84
+# What the whole set must reach: every run proven, no internal error, and 98% at the reference's
+# collectives (measured 2026-12-07: 1800 of 1800 proven, 1780 at the reference; the 20 left are one
+# combination of spellings, listed in docs/limits.md).
+AT_REFERENCE_FLOOR = 0.98
 
 
 @pytest.mark.long
 def test_every_spelling_is_proven_at_its_reference_cost():
     """The whole set (every family, one-axis spellings and 20 combinations each: 300 spellings, three
-    meshes, fp32 and bf16): no internal error, every fp32 run proven, and the floors above."""
+    meshes, fp32 and bf16): every run proven, and the floor above."""
     import multiprocessing
 
     from benchmarks.spellings import _job
@@ -77,6 +81,5 @@ def test_every_spelling_is_proven_at_its_reference_cost():
               for r in records if r["status"] != "proven"]
     assert summary["spellings"] >= 300, summary
     assert summary["internal"] == 0 and summary["crash"] == 0 and summary["failed"] == 0, "\n".join(failed[:20])
-    assert all(r["status"] == "proven" for r in records if r["dtype"] == "fp32"), "\n".join(failed[:20])
-    assert summary["proven"] >= PROVEN_FLOOR * summary["runs"], (summary, failed[:20])
+    assert summary["proven"] == summary["runs"], "\n".join(failed[:20])
     assert summary["at_reference"] >= AT_REFERENCE_FLOOR * summary["runs"], summary
