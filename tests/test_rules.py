@@ -210,3 +210,39 @@ def test_a_value_written_into_a_tensor_the_output_reads_carries_a_gradient():
     carries = _carries_grad(captured.gm)
     linears = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert len(linears) == 2 and all(n in carries for n in linears), [(n.name, n in carries) for n in linears]
+
+
+# --- a bmm over a stacked parameter: per-head product or experts --------------------------------
+
+
+class _StackedBmm(nn.Module):
+    """``bmm`` of an input made two ways with a whole ``[4, 16, 16]`` stack: heads split from a
+    projection's features (a per-head product) or groups split from the rows (experts)."""
+
+    def __init__(self, heads_from_features: bool):
+        super().__init__()
+        self.heads_from_features = heads_from_features
+        self.proj = nn.Linear(64, 64)
+        self.stack = nn.Parameter(torch.randn(4, 16, 16))
+
+    def forward(self, x):  # x [b, s, 64]
+        y = self.proj(x)
+        b, s, _ = y.shape
+        if self.heads_from_features:
+            rows = y.view(b, s, 4, 16).permute(2, 0, 1, 3).reshape(4, b * s, 16)
+        else:
+            rows = y.reshape(b * s, 64)[:, :16].reshape(4, -1, 16)
+        return torch.bmm(rows, self.stack.transpose(1, 2)).sum()
+
+
+@pytest.mark.parametrize("heads_from_features", [True, False], ids=["per-head", "experts"])
+def test_a_bmm_is_per_head_only_when_its_batch_dim_splits_features(heads_from_features):
+    from autoshard.passes.contractions import contractions_as_linears
+
+    captured = capture(_StackedBmm(heads_from_features), (torch.randn(2, 8, 64),), {}, None)
+    contractions_as_linears(captured.gm, captured.param_shapes)
+    targets = {n.target for n in captured.gm.graph.nodes if n.op == "call_function"}
+    assert (torch.ops.aten.einsum.default in targets) == heads_from_features
+    assert (torch.ops.aten.bmm.default in targets) != heads_from_features
+    sites = find_expert_sites(captured.gm, captured.param_shapes)
+    assert [s.weight_fqn for s in sites] == ([] if heads_from_features else ["stack"])
