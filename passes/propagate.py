@@ -409,7 +409,7 @@ class Revisions:
         self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
         self.colwise: dict[str, str] = dict(colwise or {})  # seeded: shared linears it decides colwise
         self.reduced_early: set[fx.Node] = set()
-        self.region_exits: dict[fx.Node, set] = {}  # an idle source -> the ops where its region ends
+        self.region_exits: dict[fx.Node, set] = {}  # an idle source -> the ops that gather its region
 
     def learn(self, plan: LayoutPlan) -> bool:
         """Take every revision that pays on ``plan``; whether anything new was learned."""
@@ -418,12 +418,13 @@ class Revisions:
         convolutions = {node: fqn for node, (fqn, role) in plan.convolutions.items() if role == COLWISE}
         others = {c for s, ends in self.region_exits.items() if s in idle and s not in self.narrowing for c in ends}
         meeting = {s: why for s, why in idle.items() if self.may_replicate and s in self.narrowing
-                   and self.region_exits.get(s, set()) & others}
+                   and s in plan.carries_grad and self.region_exits.get(s, set()) & others}
         if meeting:
-            # a narrowing projection whose cut meets another region's cut at one op: k/v with fewer heads
+            # a narrowing projection whose cut is gathered where another region's is: k/v with fewer heads
             # than tp (multi-query attention's one head, cut on its head dim) stop q's cut at the attention
             # or at q @ k.T. Computed whole first, they are cut per q head there and q keeps its cut, where
-            # deciding q in the same walk would gather it
+            # deciding q in the same walk would gather it. Only where gradients flow: a no-grad scorer
+            # (DeepSeek's indexer, one key head) computed whole costs no collective at all
             idle = meeting
         for source, why in idle.items():
             if source in convolutions:
@@ -475,13 +476,14 @@ class Revisions:
                 # sums over its cut dim: kept cut, its work shared and its reduced sum no break (a
                 # narrowing linear, a few outputs per token, is computed whole instead, as on any tie)
                 continue
+            gathers = set(exits)
             exits += contractions
             if exits and not position:
                 position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
             first = min(exits, key=position.__getitem__, default=None)
             why = describe(first) if first is not None else "nowhere"
             idle.update({source: why for source in region_sources})
-            self.region_exits.update(dict.fromkeys(region_sources, set(exits)))
+            self.region_exits.update(dict.fromkeys(region_sources, gathers))
         return idle
 
     def partials_reduced_early(self, plan: LayoutPlan) -> set[fx.Node]:
