@@ -83,3 +83,36 @@ def test_every_spelling_is_proven_at_its_reference_cost():
     assert summary["internal"] == 0 and summary["crash"] == 0 and summary["failed"] == 0, "\n".join(failed[:20])
     assert summary["proven"] == summary["runs"], "\n".join(failed[:20])
     assert summary["at_reference"] >= AT_REFERENCE_FLOOR * summary["runs"], summary
+
+
+def _hybrid(kinds: list[str]) -> torch.nn.Module:
+    """A stack of grouped-query attention blocks and per-head recurrent blocks in the order ``kinds``,
+    each in its family's reference spelling."""
+    from tests.spellings import LlamaBlock, PerHeadBlock, Stack
+
+    choices = dict(FAMILIES["llama_gqa"].reference("llama_gqa").choices)
+    choices |= dict(FAMILIES["per_head"].reference("per_head").choices)
+    sp = Spelling("hybrid", tuple(choices.items()))
+    order = iter(kinds)
+    torch.manual_seed(0)
+    return Stack(sp, lambda: LlamaBlock(sp, FAMILIES["llama_gqa"].kv_heads) if next(order) == "attention"
+                 else PerHeadBlock(sp), depth=len(kinds))
+
+
+@pytest.mark.parametrize("mesh", ["2x2", "tp4"])
+def test_a_hybrid_stack_plans_each_kind_of_block_as_it_would_alone(mesh):
+    """Recurrent and attention blocks alternating (as Jamba, Zamba or OLMo-hybrid stack them): each
+    block keeps its tp at the collectives a stack of its own kind plans for it, with no break."""
+    import autoshard
+
+    x = FAMILIES["llama_gqa"].inputs()
+    alone = {}
+    for kind in ("attention", "recurrent"):
+        plan = autoshard.plan(_hybrid([kind] * 3), MESHES[mesh], example_inputs=x)
+        alone[kind] = {plan.num_tp_collectives(u) for u in plan.units if u}
+        assert len(alone[kind]) == 1 and 0 not in alone[kind], (kind, alone[kind])
+    kinds = ["recurrent", "attention", "recurrent"]
+    proof = autoshard.check(_hybrid(kinds), MESHES[mesh], example_inputs=x)
+    assert proof.ok, str(proof)
+    got = [proof.plan.num_tp_collectives(u) for u in proof.plan.units if u]
+    assert got == [next(iter(alone[k])) for k in kinds] and not proof.plan.breaks, (got, alone)
