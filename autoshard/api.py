@@ -28,6 +28,7 @@ from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.runtime.activation_checkpointing import apply_activation_checkpointing
 from autoshard.runtime.clipping import remember_entries
 from autoshard.runtime.materialize import materialize
+from autoshard.runtime.teardown import let_gloo_workers_finish
 from autoshard.runtime.verify import verify
 
 # The largest model (parameter elements) ``autoshard(check="auto")`` proves. The proof runs every
@@ -247,6 +248,7 @@ def autoshard(
             "autoshard: mp_policy is applied by FSDP2 on the dp axis, and this mesh has none "
             f"({axes.to_dict()}); on a tp-only mesh cast the model (model.to(torch.bfloat16)) instead"
         )
+    let_gloo_workers_finish()  # a script whose last collective is its last line must exit cleanly
     if axes.has_pp:
         return _pipeline(model, axes, example_inputs, example_kwargs, plan, chosen)
     _refuse_pipeline_options(chosen)
