@@ -142,6 +142,7 @@ def _batched_as_einsum(graph: fx.Graph, node: fx.Node, param_shapes) -> fx.Node 
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_MOVES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _SAME_DIMS = (aten.contiguous.default, aten.clone.default, aten.alias.default)
 
 
@@ -156,11 +157,11 @@ def _batch_from_features(node: fx.Node) -> bool:
     while isinstance(value, fx.Node) and value.op == "call_function":
         if value.target in _SAME_DIMS:
             value = value.args[0]
-        elif value.target in (aten.permute.default, aten.transpose.int, aten.t.default):
-            order = _moved_order(value)
-            if order is None:
+        elif value.target in _MOVES:
+            shape = _static_shape(value)
+            if shape is None:
                 return False
-            value, dim = value.args[0], order[dim]
+            value, dim = value.args[0], _moved_order(value, len(shape))[dim]
         elif value.target in _VIEWS or value.target == aten.unflatten.int:
             source = value.args[0]
             dim = _dim_within(_static_shape(source), _static_shape(value), dim)
@@ -173,12 +174,8 @@ def _batch_from_features(node: fx.Node) -> bool:
     return shape is not None and len(shape) >= 2 and dim == len(shape) - 1 and value is not node.args[0]
 
 
-def _moved_order(node: fx.Node) -> list[int] | None:
-    """For a permute/transpose ``node``: result dim i is input dim ``order[i]``."""
-    shape = _static_shape(node)
-    if shape is None:
-        return None
-    nd = len(shape)
+def _moved_order(node: fx.Node, nd: int) -> list[int]:
+    """For a permute/transpose ``node`` of ``nd`` dims: result dim i is input dim ``order[i]``."""
     if node.target == aten.permute.default:
         return [d % nd for d in node.args[1]]
     first, second = (node.args[1] % nd, node.args[2] % nd) if node.target == aten.transpose.int else (0, 1)
@@ -212,14 +209,9 @@ def _dim_within(source: tuple | None, result: tuple | None, dim: int) -> int | N
 
 def _param_read(value: fx.Node, subs: list[str], param_shapes) -> tuple[fx.Node | None, list[str]]:
     """The parameter ``value`` reads whole through transposes, and its own subscripts for ``subs``."""
-    while value.op == "call_function" and value.target in (aten.transpose.int, aten.permute.default, aten.t.default):
+    while value.op == "call_function" and value.target in _MOVES:
         nd = len(subs)
-        if value.target == aten.permute.default:
-            order = [d % nd for d in value.args[1]]
-        else:
-            first, second = (value.args[1] % nd, value.args[2] % nd) if value.target == aten.transpose.int else (0, 1)
-            order = list(range(nd))
-            order[first], order[second] = order[second], order[first]
+        order = _moved_order(value, nd)
         before = [""] * nd
         for i, d in enumerate(order):
             before[d] = subs[i]

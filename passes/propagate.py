@@ -357,6 +357,15 @@ def propagate(
 
 
 @dataclasses.dataclass(frozen=True)
+class IdleRegion:
+    """Where an idle region ends: ``why`` names the first op it meets the replicated world at (for
+    the plan's notes), ``gathered_at`` are the ops that gather it whole."""
+
+    why: str
+    gathered_at: frozenset[fx.Node]
+
+
+@dataclasses.dataclass(frozen=True)
 class RegionCost:
     """The tp collectives one region of a walk costs as it is (``kept``) and revised (``revised``).
 
@@ -409,16 +418,15 @@ class Revisions:
         self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
         self.colwise: dict[str, str] = dict(colwise or {})  # seeded: shared linears it decides colwise
         self.reduced_early: set[fx.Node] = set()
-        self.region_exits: dict[fx.Node, set] = {}  # an idle source -> the ops that gather its region
 
     def learn(self, plan: LayoutPlan) -> bool:
         """Take every revision that pays on ``plan``; whether anything new was learned."""
-        idle = {s: why for s, why in self.idle_sources(plan).items() if s not in self.gathered_early}
+        idle = {s: found for s, found in self.idle_sources(plan).items() if s not in self.gathered_early}
         early = self.partials_reduced_early(plan) - self.reduced_early
         convolutions = {node: fqn for node, (fqn, role) in plan.convolutions.items() if role == COLWISE}
-        others = {c for s, ends in self.region_exits.items() if s in idle and s not in self.narrowing for c in ends}
-        meeting = {s: why for s, why in idle.items() if self.may_replicate and s in self.narrowing
-                   and s in plan.carries_grad and self.region_exits.get(s, set()) & others}
+        others = {c for s, found in idle.items() if s not in self.narrowing for c in found.gathered_at}
+        meeting = {s: found for s, found in idle.items() if self.may_replicate and s in self.narrowing
+                   and s in plan.carries_grad and found.gathered_at & others}
         if meeting:
             # a narrowing projection whose cut is gathered where another region's is: k/v with fewer heads
             # than tp (multi-query attention's one head, cut on its head dim) stop q's cut at the attention
@@ -426,7 +434,8 @@ class Revisions:
             # deciding q in the same walk would gather it. Only where gradients flow: a no-grad scorer
             # (DeepSeek's indexer, one key head) computed whole costs no collective at all
             idle = meeting
-        for source, why in idle.items():
+        for source, found in idle.items():
+            why = found.why
             if source in convolutions:
                 self.replicated[convolutions[source]] = (
                     f"its output channels reach nothing that reads them cut (its sharded region ends at {why}); "
@@ -447,9 +456,9 @@ class Revisions:
         self.reduced_early |= early
         return bool(idle or early)
 
-    def idle_sources(self, plan: LayoutPlan) -> dict[fx.Node, str]:
+    def idle_sources(self, plan: LayoutPlan) -> dict[fx.Node, IdleRegion]:
         """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once, each
-        with the first place its region met the replicated world.
+        with the first place its region met the replicated world and the ops that gather it.
 
         Kept, a region costs a collective wherever it meets the replicated world (a gather out
         of it, a replicated input entering it); revised, one gather per source."""
@@ -476,14 +485,13 @@ class Revisions:
                 # sums over its cut dim: kept cut, its work shared and its reduced sum no break (a
                 # narrowing linear, a few outputs per token, is computed whole instead, as on any tie)
                 continue
-            gathers = set(exits)
+            gathered_at = frozenset(exits)
             exits += contractions
             if exits and not position:
                 position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
             first = min(exits, key=position.__getitem__, default=None)
             why = describe(first) if first is not None else "nowhere"
-            idle.update({source: why for source in region_sources})
-            self.region_exits.update(dict.fromkeys(region_sources, gathers))
+            idle.update(dict.fromkeys(region_sources, IdleRegion(why, gathered_at)))
         return idle
 
     def partials_reduced_early(self, plan: LayoutPlan) -> set[fx.Node]:

@@ -18,7 +18,7 @@ the group; 0 of 50 with this grace.
 :data:`GRACE_SECONDS` on a gloo default group. ``atexit`` runs while the interpreter is whole, so a
 worker still dropping its last work does so with the GIL available. It is local (no collective, so
 a rank whose peers are gone does not hang), costs a fraction of a second at exit, and does nothing
-without a process group, or under NCCL (whose work objects a watchdog releases).
+without a process group, or under another backend (the abort was measured under gloo only).
 """
 
 from __future__ import annotations
