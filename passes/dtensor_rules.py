@@ -24,13 +24,24 @@ of the local shapes with the local arguments DTensor gives (a view's shape
 argument shrinks to the local size), and must produce the local output shape;
 and when the op's tensors are small it is also run on random values, once per
 rank's chunks, against the chunk of the full result. A rule that fails either
-check is declined. Answers are cached by op, placements, shapes and arguments,
+check is declined.
+
+The values check runs with uninitialized memory filled (NaN, or the largest
+integer): an op may leave part of its output unwritten for the check's inputs
+(``_grouped_mm`` with the zero offsets an integer input gets writes no row), and
+comparing what the allocator left there made the answer differ from process to
+process. Ranks that plan on their own then emitted different collectives, and
+gloo aborted on mismatched sizes. A full result that is not finite on finite
+inputs gives the rule no evidence, and it is declined, as a rule whose values
+differ is. Answers are cached by op, placements, shapes and arguments,
 so a model's 32 identical blocks ask once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import torch
 import torch.fx as fx
@@ -298,7 +309,10 @@ def _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwarg
         if numel <= _NUMERIC_CHECK_LIMIT and not op._schema.is_mutable and not _nondeterministic(op):
             gen = torch.Generator().manual_seed(0)
             values = [_random(t[1], t[2], gen) for t in tensors]
-            full_outs = _run(op, args_key, kwargs_key, values, None, None)
+            with _uninitialized_memory_filled():
+                full_outs = _run(op, args_key, kwargs_key, values, None, None)
+            if not all(_finite(o) for o in full_outs):
+                return False  # part of the result was never written (or is not finite): no evidence for the rule
         for rank in range(tp):
             it = iter(range(len(tensors)))
 
@@ -309,7 +323,8 @@ def _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwarg
                     return torch.empty(_local_shape(a[1], lay, tp), dtype=a[2], device="meta")
                 return _chunk(values[i], lay, tp, rank)
 
-            local_outs = _run(op, args_key, kwargs_key, None, meta_or_value, (local_args, local_kwargs))
+            with _uninitialized_memory_filled():
+                local_outs = _run(op, args_key, kwargs_key, None, meta_or_value, (local_args, local_kwargs))
             for out_layout, local, full in zip(
                 outputs, local_outs, full_outs or [None] * len(local_outs), strict=True
             ):
@@ -320,11 +335,34 @@ def _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwarg
                     if not torch.allclose(local, _chunk(full, out_layout, tp, rank), rtol=1e-4, atol=1e-5):
                         return False
         if full_outs is not None and partial_outputs:
-            return _check_partial(op, args_key, kwargs_key, tp, wanted, outputs, local_args, local_kwargs, values,
-                                  full_outs)
+            with _uninitialized_memory_filled():
+                return _check_partial(op, args_key, kwargs_key, tp, wanted, outputs, local_args, local_kwargs,
+                                      values, full_outs)
         return True
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def _uninitialized_memory_filled():
+    """Memory an op allocates and does not write reads as NaN (the largest integer), not as what
+    the allocator last held: the values check then answers alike in every process."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # warn_only's notes on ops without a deterministic kernel
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def _finite(out) -> bool:
+    return not isinstance(out, torch.Tensor) or not out.is_floating_point() or bool(torch.isfinite(out).all())
 
 
 def _check_partial(op, args_key, kwargs_key, tp, wanted, outputs, local_args, local_kwargs, values, full_outs):
