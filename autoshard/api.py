@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.core.mesh import CP, MeshAxes
 from autoshard.core.options import SHARDING_KEYWORDS, Options
-from autoshard.driver.agreement import check_ranks_agree
+from autoshard.driver.agreement import check_ranks_agree, code_lines
 from autoshard.driver.pipeline_plan import pipeline_plan_for, prove_pipeline
 from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_emitted, prove_on
 from autoshard.passes.capture import parameters_on_meta
@@ -255,9 +255,9 @@ def autoshard(
     proving = _proves(sharding.check, model, axes)
     planned = plan_result(model, axes, example_inputs, example_kwargs, plan, plan_options, keep_reference=proving)
     final_plan, captured = planned.plan, planned.captured
-    _check_agreement(final_plan, captured.inputs, axes)  # before the first collective
     tp_group = axes.group_name("tp") if axes.has_tp else None
     emitted = emit(planned, axes, tp_group, plan_options, keep_planned=proving)
+    _check_agreement(final_plan, captured.inputs, axes, emitted.parts)  # before the first collective
     if proving:
         prove_emitted(planned, emitted, model, example_inputs, example_kwargs, axes).raise_if_failed()
     parts = emitted.parts
@@ -311,16 +311,21 @@ def _pipeline(model, axes: MeshAxes, example_inputs, example_kwargs, plan, chose
                                 activation_checkpointing=sharding.activation_checkpointing)
 
 
-def _check_agreement(final_plan: Plan, inputs, axes: MeshAxes) -> None:
-    """All ranks of the mesh planned alike, or all raise the same ``ValueError``. Over the
-    default group when the mesh spans it; else per mesh axis (a rank that differs shares an
-    axis group with one that does not, so the check still fires, on those groups' ranks)."""
+def _check_agreement(final_plan: Plan, inputs, axes: MeshAxes, parts=None) -> None:
+    """All ranks of the mesh planned alike (and, given ``parts``, emitted the same code), or all
+    raise the same ``ValueError``. Over the default group when the mesh spans it; else per mesh
+    axis (a rank that differs shares an axis group with one that does not, so the check still
+    fires, on those groups' ranks)."""
     mesh = axes.mesh
+    code = ()
+    if parts is not None:
+        names = {mesh.get_group(axis).group_name: axis for axis in mesh.mesh_dim_names}
+        code = code_lines([parts.root.code] + [parts.blocks[b].code for b in sorted(parts.blocks)], names)
     if mesh.size() == dist.get_world_size():
-        check_ranks_agree(final_plan, inputs)
+        check_ranks_agree(final_plan, inputs, code=code)
         return
     for name in mesh.mesh_dim_names:
-        check_ranks_agree(final_plan, inputs, mesh.get_group(name))
+        check_ranks_agree(final_plan, inputs, mesh.get_group(name), code=code)
 
 
 def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:

@@ -52,3 +52,13 @@ def test_grouped_experts_plan_alike_whatever_freed_memory_held(held):
     reference = _emitted_digest()
     _leave_in_freed_memory(held)
     assert _emitted_digest() == reference
+
+
+def test_the_agreement_compares_code_with_each_ranks_group_names_as_their_axis():
+    from autoshard.driver.agreement import code_lines
+
+    rank_0 = "x = torch.ops.autoshard.reduce_partial.default(y, '3');  y = None\nz = f(x, '31')"
+    rank_2 = "x = torch.ops.autoshard.reduce_partial.default(y, '4');  y = None\nz = f(x, '31')"
+    assert code_lines([rank_0], {"3": "tp", "1": "dp"}) == code_lines([rank_2], {"4": "tp", "2": "dp"})
+    assert code_lines([rank_0], {"3": "tp"})[0].endswith("(y, '<tp>');  y = None")
+    assert code_lines([rank_0], {"3": "tp"})[1] == "z = f(x, '31')"  # a longer name is not a group's

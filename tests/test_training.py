@@ -187,6 +187,34 @@ def check_a_rank_whose_model_differs_is_named_on_every_rank(ctx):
     assert len(set(gathered)) == 1
 
 
+class _ReluBlock(torch.nn.Module):
+    """``MLPBlock``'s parameters, another activation: placements alike, code not."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.norm, self.fc1, self.drop, self.fc2 = block.norm, block.fc1, block.drop, block.fc2
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(torch.relu(self.fc1(self.norm(x)))))
+
+
+def check_a_rank_whose_code_differs_is_named_on_every_rank(ctx):
+    """Rank 3's blocks apply ReLU where the others apply GELU: the same parameters and placements,
+    other code. Every rank raises the same ValueError naming the first line where the emitted code
+    differs, before a collective could run on mismatched code."""
+    model = MLPStack()
+    if dist.get_rank() == 3:
+        model.blocks = torch.nn.ModuleList(_ReluBlock(b) for b in model.blocks)
+    with pytest.raises(ValueError) as err:
+        autoshard.autoshard(model, ctx.mesh_2d, example_inputs=(torch.randn(1, 5, 32),))
+    message = str(err.value)
+    assert "rank(s) [3] differ from rank(s) [0, 1, 2]" in message, message
+    assert "the emitted code differs at line" in message and "gelu" in message and "relu" in message, message
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)
+    assert len(set(gathered)) == 1
+
+
 CHECKS = [
     check_bf16_partial_sums_are_added_in_fp32,
     check_bf16_mixed_precision,
@@ -194,6 +222,7 @@ CHECKS = [
     check_gradient_accumulation_without_dp_sync,
     check_activation_checkpointing,
     check_a_rank_whose_model_differs_is_named_on_every_rank,
+    check_a_rank_whose_code_differs_is_named_on_every_rank,
 ]
 
 outcomes, test_training = distributed_tests(CHECKS)

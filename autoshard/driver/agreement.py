@@ -5,16 +5,23 @@ model differs (it built a narrower MLP, loaded another config) or it was given
 inputs of another shape, the first collective that follows (the broadcast of
 rank 0's weights, FSDP's first all-gather) gets mismatched sizes: gloo aborts the
 process, NCCL hangs. So before any collective, the ranks exchange a digest of
-their plan and input signature (one ``all_gather_object`` of a few bytes) and,
-when they differ, exchange the summaries behind them; every rank then raises
-the same ``ValueError`` naming the ranks that differ and the first parameter
-or input where they do.
+their plan, input signature and emitted code (one ``all_gather_object`` of a
+few bytes) and, when they differ, exchange the summaries behind them; every
+rank then raises the same ``ValueError`` naming the ranks that differ and the
+first parameter, input or line of code where they do.
+
+The code is compared too because equal placements do not make equal
+collectives: where a partial sum is reduced (before or after a cast), or in
+what order, is in the code alone, and ranks that emit it differently abort in
+gloo on mismatched sizes. Each rank's own group names (the tp group of ranks
+{0, 1} and that of {2, 3} are named apart) are written as their axis first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import torch.distributed as dist
 
@@ -23,21 +30,33 @@ from autoshard.passes.capture import InputSignature
 from autoshard.plans.plan import Plan
 
 
-def summary(plan: Plan, inputs: InputSignature) -> dict:
-    """What every rank must agree on: each parameter's role, shape and placements, and
-    each input's name, shape and dtype, in order."""
+def summary(plan: Plan, inputs: InputSignature, code: tuple[str, ...] = ()) -> dict:
+    """What every rank must agree on: each parameter's role, shape and placements, each
+    input's name, shape and dtype, in order, and the lines of the emitted code."""
     return {
         "params": [[fqn, str(p.role), list(p.shape), placements_text(p.placements)] for fqn, p in plan.params.items()],
         "inputs": [[name, [None if n is None else int(n) for n in shape], str(dtype)]
                    for name, shape, dtype in inputs.tensors],
+        "code": list(code),
     }
 
 
-def check_ranks_agree(plan: Plan, inputs: InputSignature, group=None) -> None:
-    """Raise the same ``ValueError`` on every rank of ``group`` when their plans or inputs differ."""
+def code_lines(codes: list[str], group_names: dict[str, str]) -> tuple[str, ...]:
+    """The emitted code as every rank of the mesh writes it: each process group's name
+    (``'4'``) replaced by its axis (``'<tp>'``)."""
+    if not group_names:
+        return tuple(line for code in codes for line in code.splitlines())
+    names = re.compile("|".join(re.escape(repr(name)) for name in sorted(group_names, key=len, reverse=True)))
+    by_repr = {repr(name): f"'<{axis}>'" for name, axis in group_names.items()}
+    return tuple(names.sub(lambda m: by_repr[m.group(0)], line) for code in codes for line in code.splitlines())
+
+
+def check_ranks_agree(plan: Plan, inputs: InputSignature, group=None, code: tuple[str, ...] = ()) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` when their plans, inputs or
+    emitted code (:func:`code_lines`) differ."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    mine = summary(plan, inputs)
+    mine = summary(plan, inputs, code)
     digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
     digests: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)  # a few bytes per rank
@@ -68,6 +87,13 @@ def _first_difference(a: dict, b: dict) -> str:
         if len(left) != len(right):
             extra = (left if len(left) > len(right) else right)[min(len(left), len(right))]
             return f"{len(left)} vs {len(right)} {noun}s (first unmatched: '{extra[0]}')"
+    for number, (x, y) in enumerate(zip(a["code"], b["code"], strict=False), start=1):
+        if x != y:
+            return (f"the emitted code differs at line {number}: {x.strip()!r} vs {y.strip()!r} (the same parameters "
+                    f"and inputs planned into other collectives: the model's code differs between ranks, or "
+                    f"autoshard planned by something other than the model, a defect to report)")
+    if len(a["code"]) != len(b["code"]):
+        return f"the emitted code differs: {len(a['code'])} vs {len(b['code'])} lines"
     return "the plans differ"
 
 
