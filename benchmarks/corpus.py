@@ -343,7 +343,10 @@ def _summary(results: list[dict]) -> list[str]:
         counts = collections.Counter(row["status"] for row in rows)
         changed = sum(row.get("changed", False) for row in rows)
         unbroken = sum(row.get("broken") == 0 for row in rows)
-        lines.append(f"{title}: {len(rows)} runs, proven {counts['proven']}, refused {counts['refused']}, "
+        runnable = len(rows) - counts[UNSHARDED_FAILS]  # the zoo's measure: runs whose model runs without autoshard
+        share = f" ({counts['proven']} of {runnable} runs whose model runs unsharded, " \
+                f"{100 * counts['proven'] / runnable:.0f}%)" if runnable else ""
+        lines.append(f"{title}: {len(rows)} runs, proven {counts['proven']}{share}, refused {counts['refused']}, "
                      f"not captured {counts['not captured']}, proof failed {counts['PROOF FAILED']}, "
                      f"internal {counts['INTERNAL']}, model fails unsharded {counts[UNSHARDED_FAILS]}"
                      + (f", timed out {counts['TIMEOUT']}" if counts["TIMEOUT"] else "")
