@@ -24,6 +24,8 @@ CASES = (
     ("spelling:per_head", {"tp": 4}),
     ("spelling:channels", {"dp": 2, "tp": 2}),
     ("pattern:moe_indexed", {"dp": 2, "tp": 2}),
+    # its bf16 grouped GEMMs once planned by what freed memory held (tests/test_rule_checks_alike.py)
+    ("pattern:moe_grouped_mm", {"dp": 2, "tp": 2}),
 )
 
 _SCRIPT = r"""
