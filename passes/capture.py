@@ -46,6 +46,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from autoshard.core.errors import user_frame
+from autoshard.core.meta_model import parameters_on_meta  # noqa: F401  (also read from here)
 from autoshard.passes.functions import CheckedFunction, check_functions, keeping_whole, recording_calls
 from autoshard.passes.mixed_dtypes import buffer_dtype_hint
 from autoshard.passes.partition import callable_blocks, made_like
@@ -374,24 +375,6 @@ def _clean(graph: fx.Graph, aliases) -> None:
             graph.erase_node(node)
     _read_tied_parameters_by_one_name(graph, aliases)
     graph.eliminate_dead_code()
-
-
-def parameters_on_meta(model: nn.Module) -> bool:
-    """Whether ``model`` was built on the meta device: all its parameters there, or none.
-
-    A model with some parameters on meta and others holding values is refused:
-    it can be neither traced on one device nor materialized as one unit.
-    """
-    on_meta = {name: p.is_meta for name, p in model.named_parameters()}
-    if all(on_meta.values()) != any(on_meta.values()):
-        meta = next(n for n, m in on_meta.items() if m)
-        real = next(n for n, m in on_meta.items() if not m)
-        raise ValueError(
-            f"autoshard: parameter '{meta}' is on the meta device but '{real}' is on "
-            f"{model.get_parameter(real).device}; build the whole model on meta (its values then come from "
-            f"load_state_dict after sharding) or none of it"
-        )
-    return any(on_meta.values())
 
 
 def _to_meta(tensor: torch.Tensor) -> torch.Tensor:

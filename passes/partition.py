@@ -19,19 +19,14 @@ parameters in the root unit.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import heapq
 import operator
 
 import torch.fx as fx
 import torch.nn as nn
 
-
-@dataclasses.dataclass(frozen=True)
-class Partitioned:
-    root: fx.GraphModule
-    blocks: dict[str, fx.GraphModule]
+from autoshard.plans.block_owners import BlockOwners, owner_block, unit_of_node  # noqa: F401  (also read from here)
+from autoshard.runtime.graph_parts import Partitioned
 
 
 def callable_blocks(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> tuple[str, ...]:
@@ -128,28 +123,6 @@ def _fetch(gm: fx.GraphModule, target: str):
     return obj
 
 
-def owner_block(path: str, block_fqns) -> str | None:
-    """The block of ``block_fqns`` that ``path`` (a module or parameter FQN) is in, or None.
-
-    The first of ``block_fqns`` that is ``path`` or a dotted prefix of it; found by looking
-    ``path``'s prefixes up, so a node's owner costs the same however many blocks there are.
-    """
-    positions = _positions(tuple(block_fqns))
-    candidates = [path[:i] for i, char in enumerate(path) if char == "."]
-    candidates.append(path)
-    found = [(positions[c], c) for c in candidates if c in positions]
-    return min(found)[1] if found else None
-
-
-@functools.lru_cache(maxsize=32)
-def _positions(block_fqns: tuple[str, ...]) -> dict[str, int]:
-    """Each block's first position in ``block_fqns``."""
-    positions: dict[str, int] = {}
-    for i, block in enumerate(block_fqns):
-        positions.setdefault(block, i)
-    return positions
-
-
 def made_like(new: fx.Node, origin: fx.Node, also: tuple[str, ...] = ()) -> None:
     """A node a pass adds for ``origin``'s sake takes its module stack and source line (and the
     ``also`` meta keys): partitioning puts it in ``origin``'s block, and errors name the user's
@@ -164,38 +137,6 @@ def made_node(graph: fx.Graph, target, args: tuple, like: fx.Node, val) -> fx.No
     made_like(new, like)
     new.meta["val"] = val
     return new
-
-
-def unit_of_node(node: fx.Node, block_fqns) -> str:
-    """The FSDP unit (block FQN, ``""`` for the root) whose code computes ``node``."""
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        found = owner_block(path, block_fqns)
-        if found:
-            return found
-    return ""
-
-
-class BlockOwners:
-    """:func:`owner_block` and :func:`unit_of_node` for one tuple of blocks, each module path looked
-    up once: a graph's nodes share a few paths per module, and a deep model has many nodes."""
-
-    def __init__(self, block_fqns):
-        self.block_fqns = tuple(block_fqns)
-        self.found: dict[str, str] = {}
-
-    def of_path(self, path: str) -> str:
-        """The block ``path`` is in, or ``""``."""
-        if path not in self.found:
-            self.found[path] = owner_block(path, self.block_fqns) or ""
-        return self.found[path]
-
-    def of_node(self, node: fx.Node) -> str:
-        """The unit whose code computes ``node`` (see :func:`unit_of_node`)."""
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            found = self.of_path(path)
-            if found:
-                return found
-        return ""
 
 
 def _assign_units(gm: fx.GraphModule, block_fqns) -> dict[fx.Node, str]:

@@ -25,40 +25,16 @@ last returns its flat outputs.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 
 import torch
 import torch.fx as fx
 
 from autoshard.core.errors import describe
-from autoshard.passes.partition import Partitioned
+from autoshard.runtime.graph_parts import Partitioned, StageGraph, StageSplit
 
 _RANDOM = frozenset({torch.ops.aten.rand.default, torch.ops.aten.randn.default, torch.ops.aten.randint.default,
                      torch.ops.aten.bernoulli.default, torch.ops.aten.native_dropout.default})
-
-
-@dataclasses.dataclass(frozen=True)
-class StageGraph:
-    """One pipeline stage's code: ``module`` holds its blocks (at their FQNs) and the parameters and
-    buffers its root nodes read. ``receives``/``sends`` name the root graph's values it takes and
-    hands on (the model's flat inputs for the first stage, its flat outputs for the last)."""
-
-    index: int
-    module: fx.GraphModule
-    blocks: tuple[str, ...]
-    receives: tuple[str, ...]
-    sends: tuple[str, ...]
-    params: tuple[str, ...]  # every parameter FQN the stage holds (its blocks' and its root reads')
-
-
-@dataclasses.dataclass(frozen=True)
-class StageSplit:
-    """The stages in order, and the root graph's values crossing each boundary (``carried[k]``:
-    from stage ``k`` to ``k + 1``)."""
-
-    stages: tuple[StageGraph, ...]
-    carried: tuple[tuple[str, ...], ...]
 
 
 def split_stages(part: Partitioned, stage_of_block: dict[str, int], stages: int,

@@ -447,6 +447,23 @@ def test_modules_import_each_other_without_cycles():
         visit(name, [name])
 
 
+# docs/design.md's layers, bottom up; the door (``autoshard``, ``autoshard.api``, ``__main__``) above all
+_LAYERS = ("core", "plans", "runtime", "passes", "proof", "driver", "testing", "adapters")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return _LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in _LAYERS else len(_LAYERS)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """A layer imports only its own and the layers below it, counting imports inside functions:
+    the vocabulary and the plan pull in no graph code, the runtime no pass, an adapter not the door."""
+    upward = sorted(f"{name} -> {dep}" for name, deps in _package_imports().items() for dep in deps
+                    if _layer(dep) > _layer(name))
+    assert not upward, "imports up a layer:\n" + "\n".join(upward)
+
+
 def test_the_package_is_grouped_by_layer_with_no_clashing_names():
     """``autoshard/`` holds the public door and one folder per layer; no two modules share a
     name, and no one-word name is the first word of another (``stages`` and ``stages``,

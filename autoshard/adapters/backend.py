@@ -68,6 +68,7 @@ from autoshard.adapters.compiled_blocks import compile_blocks
 from autoshard.adapters.handover import Handover, keep_gradients_released, release
 from autoshard.adapters.unit_casts import cast_as_fsdp_units, refusal_for_casts
 from autoshard.core.options import Options
+from autoshard.driver.shard_model import shard_model
 from autoshard.passes.capture import CaptureError, find_blocks
 from autoshard.plans.plan import Plan
 from autoshard.runtime.activation_checkpointing import MODES
@@ -273,8 +274,6 @@ class AutoshardBackend:
         self.handover = Handover()
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
-        from autoshard.api import autoshard
-
         mesh = self.mesh if self.mesh is not None else default_mesh()
         inputs = read_graph_inputs(gm, example_inputs)
         code = gm.code
@@ -289,7 +288,7 @@ class AutoshardBackend:
             fixed = cast_as_fsdp_units(gm, inputs.kinds, find_blocks(as_module), policy)
         user_inputs = tuple(example_inputs[i] for i in inputs.user_positions)
         try:
-            sharded = autoshard(as_module, mesh, example_inputs=user_inputs, options=self.options)
+            sharded = shard_model(as_module, mesh, user_inputs, None, None, self.options)
         except CaptureError as err:
             if not fixed:
                 raise

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoshard.plans.block_quant import BlockQuant
+from autoshard.core.quant_format import BlockQuant
 
 ON_INDIVISIBLE = ("replicate", "error")
 CONTEXT_OUTPUTS = ("whole", "local")

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from autoshard.core.mesh import MeshAxes
 from autoshard.core.sharding import rank_shape
-from autoshard.passes.partition import BlockOwners
+from autoshard.plans.block_owners import BlockOwners
 from autoshard.plans.flops import ATTENTION, MATMULS, matmul_flops
 
 # torch.distributed.pipelining's schedules (``get_schedule_class`` names, any case), by how many

@@ -42,10 +42,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from autoshard.core.mesh import TP, MeshAxes, dp_choice
+from autoshard.core.meta_model import parameters_on_meta
 from autoshard.core.sharding import sharded_by_fsdp
-from autoshard.passes.capture import parameters_on_meta
-from autoshard.passes.partition import Partitioned
 from autoshard.plans.plan import Plan
+from autoshard.runtime.graph_parts import Partitioned
 from autoshard.runtime.quantized_gather import wrap_for_quantized_gather
 from autoshard.runtime.state_dict import install_state_dict_hooks
 

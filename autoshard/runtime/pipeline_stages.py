@@ -38,10 +38,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autoshard.core.mesh import PP, MeshAxes
-from autoshard.passes.partition import Partitioned
-from autoshard.passes.stage_graphs import StageGraph, StageSplit
 from autoshard.plans.plan import Plan
 from autoshard.runtime import collectives
+from autoshard.runtime.graph_parts import Partitioned, StageGraph, StageSplit
 
 
 @dataclasses.dataclass(frozen=True)
