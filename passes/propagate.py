@@ -1690,25 +1690,33 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
     - a chain computed from one parameter alone (``1 + w.float()``, ``softplus(alpha)``): entered
       at the parameter, which then joins its block's bucket (:meth:`LayoutPlan.enter_tp_buckets`).
     """
+    _EnterHoist(edges, layouts, carries_grad).run()
 
-    def gradient_inputs(node: fx.Node) -> list[fx.Node]:
+
+class _EnterHoist:
+    """One pass of :func:`_hoist_enter_tp` over a plan's edges (changed in place)."""
+
+    def __init__(self, edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]):
+        self.edges, self.layouts, self.carries_grad = edges, layouts, carries_grad
+
+    def gradient_inputs(self, node: fx.Node) -> list[fx.Node]:
         if node.target in _VIEWS or node.target in _SHAPED_LIKE:
             return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
-        return [i for i in node.all_input_nodes if i in carries_grad]
+        return [i for i in node.all_input_nodes if i in self.carries_grad]
 
-    def below(top: fx.Node):
+    def below(self, top: fx.Node):
         """The values between ``top`` and its ``enter_tp`` edges, those edges, the weights to
         enter with them and the readers of ``top`` to enter it for, when ``top`` may be entered in
         their place. A reader of ``top`` whose branch reaches replicated work (a router beside
         a shared expert and the routed experts) keeps reading ``top`` itself."""
         readers = tuple(top.users)
-        found = reach(top, readers)
+        found = self.reach(top, readers)
         if found is None:
-            readers = tuple(user for user in top.users if reach(top, (user,)) is not None)
-            found = reach(top, readers) if readers else None
+            readers = tuple(user for user in top.users if self.reach(top, (user,)) is not None)
+            found = self.reach(top, readers) if readers else None
         return None if found is None else (*found, readers)
 
-    def reach(top: fx.Node, readers: tuple[fx.Node, ...]):
+    def reach(self, top: fx.Node, readers: tuple[fx.Node, ...]):
         members: set[fx.Node] = set()
         pairs, frontier = [], [top]
         while frontier:
@@ -1716,10 +1724,10 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             if not node.users:
                 return None
             for user in (readers if node is top else node.users):
-                steps = edges.get((node, user))
+                steps = self.edges.get((node, user))
                 if steps == ENTER_ONLY:
                     pairs.append((node, user))
-                elif steps is not None or user.op != "call_function" or is_sharded(layouts.get(user)):
+                elif steps is not None or user.op != "call_function" or is_sharded(self.layouts.get(user)):
                     return None
                 elif getattr(getattr(user.target, "_schema", None), "is_mutable", False):
                     return None
@@ -1730,48 +1738,48 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
                     frontier.append(user)
         weights = []
         for member in sorted(members, key=lambda n: n.name):  # every rank plans alike: no set order
-            for i in gradient_inputs(member):
+            for i in self.gradient_inputs(member):
                 if (i is top and member in readers) or i in members:
                     continue
-                weight, reader = parameter_read(i, member)
+                weight, reader = self.parameter_read(i, member)
                 if weight is None:
                     return None  # a gradient from elsewhere meets top's below it
                 weights.append((weight, reader))  # a weight of replicated work (LoRA's lora_A): entered too
         return members, pairs, weights
 
-    def parameter_read(value: fx.Node, member: fx.Node):
+    def parameter_read(self, value: fx.Node, member: fx.Node):
         """(the parameter, the op reading it) when ``value`` is a parameter, or a view of one read
         by ``member`` alone (litgpt's ``x @ self.lora_A.transpose(0, 1)``), with nothing entered on
         the way; else (None, None)."""
         reader = member
         while value.op == "call_function" and value.target in _VIEWS and len(value.users) == 1 \
-                and isinstance(value.args[0], fx.Node) and (value, reader) not in edges:
+                and isinstance(value.args[0], fx.Node) and (value, reader) not in self.edges:
             value, reader = value.args[0], value
-        if value.op != "get_attr" or (value, reader) in edges:
+        if value.op != "get_attr" or (value, reader) in self.edges:
             return None, None
         return value, reader
 
-    def ancestors(node: fx.Node):
+    def ancestors(self, node: fx.Node):
         """Replicated values ``node``'s gradient flows to, nearest first."""
         seen, frontier = {node}, [node]
         for _ in range(_HOIST_DEPTH):
-            frontier = [i for n in frontier for i in gradient_inputs(n) if i not in seen
-                        and i in carries_grad and not is_sharded(layouts.get(i))]
+            frontier = [i for n in frontier for i in self.gradient_inputs(n) if i not in seen
+                        and i in self.carries_grad and not is_sharded(self.layouts.get(i))]
             seen.update(frontier)
             yield from dict.fromkeys(frontier)
 
-    def gains(top: fx.Node, found, current) -> bool:
+    def gains(self, top: fx.Node, found, current) -> bool:
         """Whether entering ``top`` for only some of its readers serves more entered uses than
         the climb holds so far (else the climb would only move tp's entry past a norm's weight)."""
         return found[3] == tuple(top.users) or len(found[1]) > (len(current[1]) if current else 1)
 
-    def climb(value: fx.Node):
+    def climb(self, value: fx.Node):
         """The highest ``top`` above ``value`` that may be entered for it, what lies below it, and
         the split the climb last passed, if it stopped there (then entered on its input's edge)."""
         top, split, node, found = value, None, value, None
         while True:
-            step = next(((a, r) for a in ancestors(node)
-                         if (r := below(a)) is not None and node in r[0] and gains(a, r, found)), None)
+            step = next(((a, r) for a in self.ancestors(node)
+                         if (r := self.below(a)) is not None and node in r[0] and self.gains(a, r, found)), None)
             if step is None:
                 return top, split, found
             node, found = step
@@ -1780,31 +1788,32 @@ def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]
             else:
                 top, split = node, None
 
-    entered = sorted({v for (v, c), steps in edges.items() if steps == ENTER_ONLY}, key=lambda n: n.name)
-    for value in entered:
-        if not any(edges.get((value, user)) == ENTER_ONLY for user in value.users):
-            continue  # already entered higher up
-        top, split, found = climb(value)
-        if found is None:
-            continue
-        if split is not None:
-            found = below(split)
-        _, pairs, weights, readers = found
-        values = {v for v, _ in pairs}
-        whole = split.args[0] if split is not None else top
-        at_parameter = split is None and top.op == "get_attr"
-        sizes = [_numel(v) for v in (whole, *values)]
-        if not at_parameter and (len(values) < 2 or (None not in sizes and sizes[0] > sum(sizes[1:]))):
-            continue
-        for pair in pairs:
-            del edges[pair]
-        for pair in weights:
-            edges[pair] = ENTER_ONLY
-        if split is not None:
-            edges[(whole, split)] = edges.get((whole, split), ()) + ENTER_ONLY
-        else:
-            for user in readers:
-                edges[(top, user)] = ENTER_ONLY
+    def run(self) -> None:
+        entered = sorted({v for (v, c), steps in self.edges.items() if steps == ENTER_ONLY}, key=lambda n: n.name)
+        for value in entered:
+            if not any(self.edges.get((value, user)) == ENTER_ONLY for user in value.users):
+                continue  # already entered higher up
+            top, split, found = self.climb(value)
+            if found is None:
+                continue
+            if split is not None:
+                found = self.below(split)
+            _, pairs, weights, readers = found
+            values = {v for v, _ in pairs}
+            whole = split.args[0] if split is not None else top
+            at_parameter = split is None and top.op == "get_attr"
+            sizes = [_numel(v) for v in (whole, *values)]
+            if not at_parameter and (len(values) < 2 or (None not in sizes and sizes[0] > sum(sizes[1:]))):
+                continue
+            for pair in pairs:
+                del self.edges[pair]
+            for pair in weights:
+                self.edges[pair] = ENTER_ONLY
+            if split is not None:
+                self.edges[(whole, split)] = self.edges.get((whole, split), ()) + ENTER_ONLY
+            else:
+                for user in readers:
+                    self.edges[(top, user)] = ENTER_ONLY
 
 
 # how far (values below, ancestors above) one ``enter_tp`` may be hoisted
