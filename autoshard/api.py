@@ -1,10 +1,10 @@
-"""``autoshard()``, ``plan()`` and ``check()``: the public door over the planning driver.
+"""``autoshard()``, ``plan()`` and ``check()``: the public door.
 
-capture -> discover -> normalize -> propagate -> alternatives -> placements (the plan) -> [ranks agree]
--> layouts -> transpose -> partition -> [proof] -> materialize -> activation checkpointing -> verify
+Each reads the user's options and hands them to the driver (:mod:`autoshard.driver.entry_points`),
+which decides what the mesh's axes need: the door names no axis. ``autoshard()`` runs
 
-``_plan`` runs the stages up to the plan, ``emit`` those that write the sharded code, and
-``autoshard()`` the rest; :func:`checked_on` plans, emits and proves without a process group.
+capture -> discover -> normalize -> propagate -> alternatives -> placements (the plan) -> layouts
+-> transpose -> partition -> [ranks agree] -> [proof] -> materialize -> activation checkpointing -> verify
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.core.options import SHARDING_KEYWORDS, Options
-from autoshard.driver.pipeline_plan import pipeline_plan_for, prove_pipeline
-from autoshard.driver.planning import mesh_axes, plan_result, prove_on
-from autoshard.driver.shard_model import AUTO_CHECK_MAX_ELEMENTS, refuse_pipeline_options, shard_model  # noqa: F401
+from autoshard.driver.entry_points import AUTO_CHECK_MAX_ELEMENTS, plan_model, prove_model, shard_model  # noqa: F401
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof
 
@@ -65,14 +63,7 @@ def check(
         proof.raise_if_failed()
     """
     chosen = Options.of(options, caller="check", refused=SHARDING_KEYWORDS, **keywords)
-    plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
-    if axes.has_pp:
-        pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, plan_options,
-                                  chosen.pipeline.as_keywords(), keep_reference=True)
-        return prove_pipeline(pplan, model, axes, seed=seed, rtol=rtol)
-    refuse_pipeline_options(chosen)
-    return prove_on(model, axes, example_inputs, example_kwargs, plan_options, plan=plan, seed=seed, rtol=rtol)
-
+    return prove_model(model, mesh, example_inputs, example_kwargs, plan, chosen, seed=seed, rtol=rtol)
 
 def plan(
     model: nn.Module,
@@ -107,13 +98,7 @@ def plan(
         print(plan)
     """
     chosen = Options.of(options, caller="plan", refused=SHARDING_KEYWORDS, **keywords)
-    plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
-    if axes.has_pp:
-        return pipeline_plan_for(model, axes, example_inputs, example_kwargs, None, plan_options,
-                                 chosen.pipeline.as_keywords()).plan
-    refuse_pipeline_options(chosen)
-    return plan_result(model, axes, example_inputs, example_kwargs, None, plan_options).plan
-
+    return plan_model(model, mesh, example_inputs, example_kwargs, chosen)
 
 def autoshard(
     model: nn.Module,

@@ -68,7 +68,7 @@ from autoshard.adapters.compiled_blocks import compile_blocks
 from autoshard.adapters.handover import Handover, keep_gradients_released, release
 from autoshard.adapters.unit_casts import cast_as_fsdp_units, refusal_for_casts
 from autoshard.core.options import Options
-from autoshard.driver.shard_model import shard_model
+from autoshard.driver.entry_points import shard_model
 from autoshard.passes.capture import CaptureError, find_blocks
 from autoshard.plans.plan import Plan
 from autoshard.runtime.activation_checkpointing import MODES

@@ -1,8 +1,10 @@
-"""Shard a model on the ranks: plan, agree, emit, prove, materialize (what ``autoshard()`` runs).
+"""What the door's three calls run once their options are read: :func:`plan_model` (``plan()``),
+:func:`prove_model` (``check()``) and :func:`shard_model` (``autoshard()``: plan, agree, emit, prove,
+materialize on the ranks).
 
-The door (:func:`autoshard.autoshard`) reads the user's options and calls :func:`shard_model`; the
-compile backend, an adapter above the driver, calls it too with the options it was made with, so
-neither adapter nor door imports the other.
+The door (:mod:`autoshard.api`) reads the user's options and names no axis; which axes a mesh has
+and what each needs is decided here and below. The compile backend, an adapter above the driver,
+calls :func:`shard_model` with the options it was made with, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from autoshard.core.meta_model import parameters_on_meta
 from autoshard.core.options import Options
 from autoshard.driver.agreement import check_ranks_agree, code_lines
 from autoshard.driver.pipeline_plan import pipeline_plan_for, prove_pipeline
-from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_emitted
+from autoshard.driver.planning import emit, mesh_axes, plan_result, prove_emitted, prove_on
 from autoshard.plans.plan import Plan
+from autoshard.proof.proof import Proof
 from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.runtime.activation_checkpointing import apply_activation_checkpointing
 from autoshard.runtime.clipping import remember_entries
@@ -29,6 +32,28 @@ from autoshard.runtime.verify import verify
 # tp rank's forward and backward on the example shapes in this process, which costs about one
 # unsharded training step plus the simulation's per-op overhead: a few seconds up to this size.
 AUTO_CHECK_MAX_ELEMENTS = 16_000_000
+
+
+def plan_model(model: nn.Module, mesh, example_inputs, example_kwargs, chosen: Options) -> Plan:
+    """``plan(model, mesh, ...)`` with its options read (see :func:`autoshard.plan`)."""
+    plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
+    if axes.has_pp:
+        return pipeline_plan_for(model, axes, example_inputs, example_kwargs, None, plan_options,
+                                 chosen.pipeline.as_keywords()).plan
+    refuse_pipeline_options(chosen)
+    return plan_result(model, axes, example_inputs, example_kwargs, None, plan_options).plan
+
+
+def prove_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, chosen: Options, *,
+                seed: int, rtol: float | None) -> Proof:
+    """``check(model, mesh, ...)`` with its options read (see :func:`autoshard.check`)."""
+    plan_options, axes = chosen.plan_options(), mesh_axes(mesh)
+    if axes.has_pp:
+        pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, plan_options,
+                                  chosen.pipeline.as_keywords(), keep_reference=True)
+        return prove_pipeline(pplan, model, axes, seed=seed, rtol=rtol)
+    refuse_pipeline_options(chosen)
+    return prove_on(model, axes, example_inputs, example_kwargs, plan_options, plan=plan, seed=seed, rtol=rtol)
 
 
 def shard_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, chosen: Options):
