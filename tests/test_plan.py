@@ -430,8 +430,8 @@ def _package_imports() -> dict[str, set[str]]:
 
 
 def test_modules_import_each_other_without_cycles():
-    """The package's modules form a DAG, counting imports inside functions: a layer imports only
-    what lies below it (docs/design.md)."""
+    """The package's modules form a DAG, counting imports inside functions (inside one layer too,
+    where the layer rule below allows either direction)."""
     deps = _package_imports()
     done: set[str] = set()
 
