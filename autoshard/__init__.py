@@ -27,9 +27,9 @@ from autoshard.core.options import (
     ShardingOptions,
     TensorOptions,
 )
+from autoshard.core.quant_format import BlockQuant
 from autoshard.driver.suggest import Links, suggest_mesh
 from autoshard.passes.capture import CaptureError
-from autoshard.plans.block_quant import BlockQuant
 from autoshard.plans.plan import ParamSharding, Plan
 from autoshard.proof.proof import Proof, ProofError
 from autoshard.proof.simulate import EmittedCodeError

@@ -65,6 +65,7 @@ def check(
     chosen = Options.of(options, caller="check", refused=SHARDING_KEYWORDS, **keywords)
     return prove_model(model, mesh, example_inputs, example_kwargs, plan, chosen, seed=seed, rtol=rtol)
 
+
 def plan(
     model: nn.Module,
     mesh: DeviceMesh | Mapping[str, int],
@@ -99,6 +100,7 @@ def plan(
     """
     chosen = Options.of(options, caller="plan", refused=SHARDING_KEYWORDS, **keywords)
     return plan_model(model, mesh, example_inputs, example_kwargs, chosen)
+
 
 def autoshard(
     model: nn.Module,

@@ -72,9 +72,9 @@ from autoshard.core.options import PlanOptions
 from autoshard.core.sharding import Step
 from autoshard.passes.capture import CapturedGraph, copy_graph_module
 from autoshard.passes.discover import Sites, find_sites
-from autoshard.passes.partition import owner_block, unit_of_node
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, propagate
+from autoshard.plans.block_owners import owner_block, unit_of_node
 from autoshard.plans.plan import Plan
 
 # A linear computed whole adds (1 - 1/tp) of its matmul work to every rank; the linears one plan

@@ -46,7 +46,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from autoshard.core.errors import user_frame
-from autoshard.core.meta_model import parameters_on_meta  # noqa: F401  (also read from here)
+from autoshard.core.meta_model import parameters_on_meta
 from autoshard.passes.functions import CheckedFunction, check_functions, keeping_whole, recording_calls
 from autoshard.passes.mixed_dtypes import buffer_dtype_hint
 from autoshard.passes.partition import callable_blocks, made_like

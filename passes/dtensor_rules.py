@@ -226,7 +226,9 @@ def _ask(op, args_key, kwargs_key, tp, input_layouts):
     rewritten = result.needs_redistribute and final.op == asked
     local_args = _plain(final.args_schema) if rewritten else None
     local_kwargs = _plain(final.kwargs_schema) if rewritten else None
-    if not _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwargs):
+    with _uninitialized_memory_filled():
+        checked = _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwargs)
+    if not checked:
         return None
     return tuple(wanted), output, local_args, local_kwargs
 
@@ -309,8 +311,7 @@ def _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwarg
         if numel <= _NUMERIC_CHECK_LIMIT and not op._schema.is_mutable and not _nondeterministic(op):
             gen = torch.Generator().manual_seed(0)
             values = [_random(t[1], t[2], gen) for t in tensors]
-            with _uninitialized_memory_filled():
-                full_outs = _run(op, args_key, kwargs_key, values, None, None)
+            full_outs = _run(op, args_key, kwargs_key, values, None, None)
             if not all(_finite(o) for o in full_outs):
                 return False  # part of the result was never written (or is not finite): no evidence for the rule
         for rank in range(tp):
@@ -323,8 +324,7 @@ def _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwarg
                     return torch.empty(_local_shape(a[1], lay, tp), dtype=a[2], device="meta")
                 return _chunk(values[i], lay, tp, rank)
 
-            with _uninitialized_memory_filled():
-                local_outs = _run(op, args_key, kwargs_key, None, meta_or_value, (local_args, local_kwargs))
+            local_outs = _run(op, args_key, kwargs_key, None, meta_or_value, (local_args, local_kwargs))
             for out_layout, local, full in zip(
                 outputs, local_outs, full_outs or [None] * len(local_outs), strict=True
             ):
@@ -335,9 +335,8 @@ def _check(op, args_key, kwargs_key, tp, wanted, output, local_args, local_kwarg
                     if not torch.allclose(local, _chunk(full, out_layout, tp, rank), rtol=1e-4, atol=1e-5):
                         return False
         if full_outs is not None and partial_outputs:
-            with _uninitialized_memory_filled():
-                return _check_partial(op, args_key, kwargs_key, tp, wanted, outputs, local_args, local_kwargs,
-                                      values, full_outs)
+            return _check_partial(op, args_key, kwargs_key, tp, wanted, outputs, local_args, local_kwargs, values,
+                                  full_outs)
         return True
     except Exception:
         return False

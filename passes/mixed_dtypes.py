@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autoshard.core.errors import describe
-from autoshard.passes.partition import unit_of_node
+from autoshard.plans.block_owners import unit_of_node
 
 
 def buffer_dtype_hint(model: nn.Module, compute_dtype) -> str:

@@ -39,8 +39,9 @@ import torch.fx as fx
 from autoshard.passes.decompose import expand_gqa_for_tp
 from autoshard.passes.discover import Sites
 from autoshard.passes.layout_rules import Convolution
-from autoshard.passes.partition import BlockOwners, made_like, made_node
+from autoshard.passes.partition import made_like, made_node
 from autoshard.passes.sections import constant_tensor, split_fused_outputs
+from autoshard.plans.block_owners import BlockOwners
 
 
 def normalize(gm: fx.GraphModule, sites: Sites, tp: int) -> None:

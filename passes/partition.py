@@ -25,7 +25,7 @@ import operator
 import torch.fx as fx
 import torch.nn as nn
 
-from autoshard.plans.block_owners import BlockOwners, owner_block, unit_of_node  # noqa: F401  (also read from here)
+from autoshard.plans.block_owners import BlockOwners
 from autoshard.runtime.graph_parts import Partitioned
 
 

@@ -35,7 +35,6 @@ from autoshard.core.sharding import (
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
 from autoshard.passes.layout_rules import Convolution
-from autoshard.passes.partition import owner_block, unit_of_node
 from autoshard.passes.propagate import (
     COLWISE,
     COLWISE_LIKE,
@@ -49,6 +48,7 @@ from autoshard.passes.propagate import (
     grouped_on_cut_input,
     is_sharded,
 )
+from autoshard.plans.block_owners import owner_block, unit_of_node
 from autoshard.plans.plan import ParamSharding, Plan
 
 SHARDED = Role.SHARDED

@@ -82,8 +82,8 @@ from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
 from autoshard.passes.layout_rules import Layout, Strided
-from autoshard.passes.partition import unit_of_node
 from autoshard.passes.stamping import Arrival, Copies, Key, Stamper, find_copies
+from autoshard.plans.block_owners import unit_of_node
 from autoshard.plans.plan import FusedSections
 
 COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE

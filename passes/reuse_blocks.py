@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autoshard.passes.partition import owner_block
+from autoshard.plans.block_owners import owner_block
 
 _HOOK_DICTS = re.compile(r"^_(forward|backward|state_dict|load_state_dict)\w*(hooks|hooks_\w+)$")
 

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 import torch.fx as fx
 
-from autoshard.passes.partition import BlockOwners
+from autoshard.plans.block_owners import BlockOwners
 
 
 class Key(enum.Enum):

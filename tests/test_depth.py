@@ -24,8 +24,9 @@ from autoshard.passes import propagate as propagation
 from autoshard.passes.capture import capture, copy_graph_module, find_blocks
 from autoshard.passes.discover import find_sites
 from autoshard.passes.normalize import normalize
-from autoshard.passes.partition import _assign_units, callable_blocks, owner_block
+from autoshard.passes.partition import _assign_units, callable_blocks
 from autoshard.passes.stamping import Key
+from autoshard.plans.block_owners import owner_block
 from examples.models import Llama, LlamaConfig, MLPStack
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

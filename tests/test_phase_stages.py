@@ -19,8 +19,9 @@ import torch.nn as nn
 from autoshard.core.options import PlanOptions
 from autoshard.driver import planning
 from autoshard.passes.capture import capture, find_blocks
-from autoshard.passes.partition import callable_blocks, owner_block, partition, unit_of_node
+from autoshard.passes.partition import callable_blocks, partition
 from autoshard.passes.stage_graphs import split_stages, stitched
+from autoshard.plans.block_owners import owner_block, unit_of_node
 from examples.models import Llama, LlamaConfig
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.core.errors import source_line
-from autoshard.passes.partition import BlockOwners
+from autoshard.plans.block_owners import BlockOwners
 
 
 def cast_as_fsdp_units(gm: fx.GraphModule, kinds: tuple[str, ...], blocks: tuple[str, ...],

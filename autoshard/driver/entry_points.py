@@ -40,7 +40,7 @@ def plan_model(model: nn.Module, mesh, example_inputs, example_kwargs, chosen: O
     if axes.has_pp:
         return pipeline_plan_for(model, axes, example_inputs, example_kwargs, None, plan_options,
                                  chosen.pipeline.as_keywords()).plan
-    refuse_pipeline_options(chosen)
+    _refuse_pipeline_options(chosen)
     return plan_result(model, axes, example_inputs, example_kwargs, None, plan_options).plan
 
 
@@ -52,7 +52,7 @@ def prove_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, ch
         pplan = pipeline_plan_for(model, axes, example_inputs, example_kwargs, plan, plan_options,
                                   chosen.pipeline.as_keywords(), keep_reference=True)
         return prove_pipeline(pplan, model, axes, seed=seed, rtol=rtol)
-    refuse_pipeline_options(chosen)
+    _refuse_pipeline_options(chosen)
     return prove_on(model, axes, example_inputs, example_kwargs, plan_options, plan=plan, seed=seed, rtol=rtol)
 
 
@@ -73,7 +73,7 @@ def shard_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, ch
     let_gloo_workers_finish()  # a script whose last collective is its last line must exit cleanly
     if axes.has_pp:
         return _pipeline(model, axes, example_inputs, example_kwargs, plan, chosen)
-    refuse_pipeline_options(chosen)
+    _refuse_pipeline_options(chosen)
     proving = _proves(sharding.check, model, axes)
     planned = plan_result(model, axes, example_inputs, example_kwargs, plan, plan_options, keep_reference=proving)
     final_plan, captured = planned.plan, planned.captured
@@ -106,7 +106,7 @@ def shard_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, ch
     return sharded
 
 
-def refuse_pipeline_options(chosen: Options) -> None:
+def _refuse_pipeline_options(chosen: Options) -> None:
     given = chosen.pipeline.configured()
     if given:
         raise ValueError(f"autoshard: {', '.join(given)} configure pipeline stages, and this mesh has no 'pp' axis")
@@ -160,5 +160,3 @@ def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:
     if not (axes.has_tp or axes.has_cp) or parameters_on_meta(model):
         return False
     return sum(p.numel() for p in model.parameters()) <= AUTO_CHECK_MAX_ELEMENTS
-
-

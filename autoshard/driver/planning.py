@@ -36,7 +36,7 @@ from autoshard.passes.normalize import (
     unbound_views_as_splits,
     weights_on_the_right,
 )
-from autoshard.passes.partition import Partitioned, partition
+from autoshard.passes.partition import partition
 from autoshard.passes.placements import build_plan
 from autoshard.passes.propagate import LayoutPlan, propagate
 from autoshard.passes.redistribute import insert_redistributes
@@ -45,6 +45,7 @@ from autoshard.plans.block_quant import with_quantized_gathers
 from autoshard.plans.plan import Plan, mixed_precision_of
 from autoshard.plans.retarget import retarget
 from autoshard.proof.proof import Proof, Subject, as_read, prove, vocabularies
+from autoshard.runtime.graph_parts import Partitioned
 
 
 def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,

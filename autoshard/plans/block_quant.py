@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from autoshard.core.mesh import MeshAxes, dp_choice
-from autoshard.core.quant_format import _FORMATS, ON_UNALIGNED, BlockQuant  # noqa: F401  (also read from here)
+from autoshard.core.quant_format import BlockQuant
 from autoshard.core.sharding import placement_dim, shard_on, tp_local_shape
 
 # --- the math ----------------------------------------------------------------------------------
