@@ -126,7 +126,7 @@ def _dims_after(node: fx.Node, operand: fx.Node, dims: tuple) -> tuple | None:
         indices = node.args[1]
         if len(indices) != 1 or not isinstance(indices[0], fx.Node) or dims[0] != 0:
             return None
-        index_ndim = indices[0].meta["val"].dim()
+        index_ndim = example_value(indices[0]).dim()
         return (None,) * index_ndim + dims[1:]
     if node.target == aten.select.int and node.args[1] == 0 and dims[0] == 0:
         return dims[1:]
@@ -178,15 +178,24 @@ def _grouped_site(param, node, operand, dims, chain, chain_dims, shape) -> Exper
     rows = node.args[0]
     if len(node.args) < 2 or node.args[1] is not operand or rows is operand or len(dims) != 3 or dims[0] != 0:
         return None
-    if not isinstance(rows, fx.Node) or rows.meta["val"].dim() != 2:
+    if not isinstance(rows, fx.Node) or example_value(rows).dim() != 2:
         return None
     if len(node.args) > 3 and node.args[3] is not None or node.kwargs.get("bias") is not None:
         return None  # an expert bias: not handled, the weight stays replicated
     site = _site(param, node, rows, operand, dims, chain, chain_dims, shape, (dims[2], dims[1], -1, -1))
     if node.target != aten._grouped_mm.default:
         return site
-    itemsize = operand.meta["val"].dtype.itemsize
+    itemsize = example_value(operand).dtype.itemsize
     return site and dataclasses.replace(site, multiple=max(1, _GROUPED_MM_ALIGNMENT // itemsize), kernel="_grouped_mm")
+
+
+def example_value(node: fx.Node):
+    """``node``'s example value; for a node a later pass added without one (a tp collective, which
+    keeps the shape but for its cut dim), the value of its first input: enough for the rows and the
+    number of dims that finding sites on emitted code reads."""
+    while "val" not in node.meta and node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.meta.get("val")
 
 
 def _op_name(node: fx.Node) -> str:
@@ -200,7 +209,7 @@ def _site(param, node, x, operand, dims, chain, chain_dims, shape, where) -> Exp
     out_dim, in_dim, input_dim, output_dim = where
     if not isinstance(x, fx.Node) or out_dim in (None, 0) or in_dim in (None, 0):
         return None
-    x_ndim, out_ndim = x.meta["val"].dim(), node.meta["val"].dim()
+    x_ndim, out_ndim = example_value(x).dim(), example_value(node).dim()
     return ExpertSite(
         node=node,
         input=x,

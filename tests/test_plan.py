@@ -331,8 +331,10 @@ def test_a_plan_without_tp_is_not_retargeted_to_a_tp_mesh():
     assert plan.for_mesh({"dp": 2}) == autoshard.plan(MLPStack(), {"dp": 2}, example_inputs=(FEATURES,))
     with pytest.raises(ValueError, match=r"plan for mesh dp=4 has no tp axis, so it cannot be used on dp=2 x tp=2"):
         plan.for_mesh({"dp": 2, "tp": 2})
-    with pytest.raises(ValueError, match=r"unknown mesh axes \['ep'\]"):
+    with pytest.raises(ValueError, match=r"split over ep is decided by cost on the mesh it is planned for \(dp=4\)"):
         plan.for_mesh({"ep": 2})
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['xp'\]"):
+        plan.for_mesh({"xp": 2})
     with pytest.raises(ValueError, match=r"pipeline stages are planned for one mesh \(dp=4\).* plan afresh"):
         plan.for_mesh({"pp": 2, "dp": 2})
     with pytest.raises(ValueError, match=r"mesh axes \['dp', 'dp_shard'\] do not go together"):
@@ -665,11 +667,12 @@ def test_a_vocabulary_parallel_head_keeps_its_bias_a_colwise_bias():
 
 
 def test_the_accepted_mesh_shapes_follow_from_the_axis_order():
-    """Any axes in the order pp, dp_replicate, dp_shard, dp, cp, tp (one data-parallel form) make a
+    """Any axes in the order pp, dp_replicate, dp_shard, dp, ep, cp, tp (one data-parallel form) make a
     mesh; a combination not built yet is refused by name and reason, never by a list's omission."""
     from autoshard.core.mesh import _ORDER, MESH_SHAPES, NOT_YET, accepted, axes_from_sizes
 
     assert ("pp", "dp", "cp", "tp") in MESH_SHAPES and ("dp_replicate", "dp_shard", "cp", "tp") in MESH_SHAPES
+    assert ("dp", "ep", "tp") in MESH_SHAPES and not accepted(("ep", "dp"))
     assert not accepted(("tp", "dp")) and not accepted(("dp", "dp_shard")) and not accepted(("dp_replicate", "tp"))
     for shape in MESH_SHAPES:
         sizes = dict.fromkeys(shape, 2)
@@ -678,4 +681,4 @@ def test_the_accepted_mesh_shapes_follow_from_the_axis_order():
                 axes_from_sizes(sizes)
         else:
             assert axes_from_sizes(sizes).names == shape
-    assert len(MESH_SHAPES) == 23 and all(a in _ORDER for s in MESH_SHAPES for a in s)
+    assert len(MESH_SHAPES) == 47 and all(a in _ORDER for s in MESH_SHAPES for a in s)

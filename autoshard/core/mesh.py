@@ -21,11 +21,12 @@ DP, TP = "dp", "tp"
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
 PP = "pp"
 CP = "cp"
+EP = "ep"
 
 # The axes, outer to inner (torchtitan's order: pipeline stages outermost, data parallel outside
 # context parallel, tp innermost, as FSDP2 composes with tp). A mesh names any of them in this order
 # (see :func:`accepted`): the shapes follow from the order, not from a list.
-_ORDER = (PP, DP_REPLICATE, DP_SHARD, DP, CP, TP)
+_ORDER = (PP, DP_REPLICATE, DP_SHARD, DP, EP, CP, TP)
 
 
 def accepted(names: tuple[str, ...]) -> bool:
@@ -50,7 +51,12 @@ MESH_SHAPES = tuple(s for s in _subsequences(_ORDER) if accepted(s))
 
 # axes the order allows together that are not built yet, and why (docs/limits.md lists them); every
 # combination the order allows is built today, so a new axis adds its gaps here until it composes
-NOT_YET: dict[frozenset, str] = {}
+NOT_YET: dict[frozenset, str] = {
+    frozenset({EP, CP}): "expert parallelism ('ep') with context parallelism ('cp') is not built yet: use "
+                         "('dp', 'ep', 'tp') and cut long sequences without cp",
+    frozenset({EP, PP}): "expert parallelism ('ep') with pipeline stages ('pp') is not built yet",
+    frozenset({EP, DP_REPLICATE}): "expert parallelism ('ep') under HSDP is not built yet: use ('dp', 'ep', ...)",
+}
 
 
 def refuse_not_yet(names) -> None:
@@ -86,15 +92,32 @@ class MeshAxes:
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
-        """The axes FSDP2 shards parameters over, flattened into one: the shard axis, and cp
-        (whose ranks hold the same parameters and sum their gradients, as torchtitan's ``dp_shard_cp``)."""
-        return tuple(a for a in (DP_SHARD, DP, CP) if a in self.names)
+        """The axes FSDP2 shards parameters over, flattened into one: the shard axis, ep (whose
+        ranks are data ranks for every weight but the experts') and cp (whose ranks hold the same
+        parameters and sum their gradients, as torchtitan's ``dp_shard_cp``)."""
+        return tuple(a for a in (DP_SHARD, DP, EP, CP) if a in self.names)
+
+    @property
+    def expert_fsdp_axes(self) -> tuple[str, ...]:
+        """The axes FSDP2 shards the experts' weights over under expert parallelism: the data
+        axes ep does not take (the experts themselves are cut over ep)."""
+        return tuple(a for a in self.fsdp_axes if a != EP)
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
-        """Every data-parallel axis, outer first: ``("dp_replicate", "dp_shard")`` or ``("dp",)``.
-        cp is none: its ranks take the same batch."""
+        """Every data-parallel axis, outer first: ``("dp_replicate", "dp_shard")``, ``("dp",)``,
+        with ``ep`` (each ep rank routes its own batch's tokens). cp is none: its ranks take the
+        same batch."""
         return tuple(a for a in self.names if a not in (TP, PP, CP))
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel ranks, which hold disjoint experts (1 without an ep axis)."""
+        return self.size(EP)
+
+    @property
+    def has_ep(self) -> bool:
+        return EP in self.names
 
     @property
     def cp(self) -> int:
@@ -136,8 +159,8 @@ class MeshAxes:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different batches: ``dp_replicate * dp_shard`` (or ``dp``)."""
-        return self.size(DP) * self.size(DP_SHARD) * self.replicas
+        """Ranks that see different batches: ``dp_replicate * dp_shard`` (or ``dp``), times ``ep``."""
+        return self.size(DP) * self.size(DP_SHARD) * self.replicas * self.ep
 
     @property
     def tp(self) -> int:
@@ -161,15 +184,27 @@ class MeshAxes:
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh ``fully_shard`` takes: 1-D for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP;
-        with a cp axis the shard axis and cp flattened into one (``dp_cp`` or ``dp_shard_cp``)."""
+        with a cp or ep axis the shard axis and those flattened into one (``dp_cp``, ``dp_ep``,
+        ``dp_shard_cp``)."""
         assert self.mesh is not None, "planning-only MeshAxes has no DeviceMesh"
-        if self.has_cp and len(self.fsdp_axes) > 1:
+        if len(self.fsdp_axes) > 1:
             name = "_".join(self.fsdp_axes)
             flat = self.mesh[self.fsdp_axes]._flatten(name)
             return self.mesh[(DP_REPLICATE, name)] if self.is_hsdp else flat
-        if self.has_cp:
+        if self.has_cp or self.has_ep:
             return self.mesh[self.fsdp_axes]
         return self.mesh if self.mesh.ndim == len(self.dp_axes) else self.mesh[self.dp_axes]
+
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """The mesh ``fully_shard`` takes for the experts' weights under expert parallelism: the
+        data axes ep leaves (:attr:`expert_fsdp_axes`), or None when ep takes them all."""
+        assert self.mesh is not None, "planning-only MeshAxes has no DeviceMesh"
+        axes = self.expert_fsdp_axes
+        if not axes:
+            return None
+        if len(axes) > 1:
+            return self.mesh[axes]._flatten("_".join(axes))
+        return self.mesh[axes[0]]
 
     def dp_groups(self) -> tuple:
         """The process groups a gradient FSDP2 ignores is averaged over, inner first (FSDP2's order)."""
@@ -187,7 +222,7 @@ class MeshAxes:
 
 def dp_choice(placements) -> str | None:
     """A plan entry's placement on the FSDP shard axis (``dp`` or ``dp_shard``), if it has one."""
-    return placements.get(DP, placements.get(DP_SHARD, placements.get(CP)))
+    return placements.get(DP, placements.get(DP_SHARD, placements.get(EP, placements.get(CP))))
 
 
 def read_mesh(mesh: DeviceMesh) -> MeshAxes:

@@ -26,6 +26,7 @@ from autoshard.core.mesh import CP, MeshAxes, axes_from_sizes, dp_choice, read_m
 from autoshard.core.options import PlanOptions
 from autoshard.core.sharding import REPLICATED, Role, placements_text, shard_on
 from autoshard.driver.carry import check_activations_carry
+from autoshard.driver.ep_axis import emit_experts, plan_experts
 from autoshard.passes.alternatives import settle
 from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module
 from autoshard.passes.contractions import contractions_as_linears
@@ -218,6 +219,9 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
             layout_plan = settle(captured, sites, axes, options, layout_plan)
     with in_stage("plan", captured.gm.graph):
         final = build_plan(captured, sites, layout_plan, axes, dp_placements)
+    if axes.has_ep:
+        with in_stage("experts", captured.gm.graph):
+            final = plan_experts(final, captured.gm, captured.param_shapes, axes)
     if options.mp_policy is not None:
         final = dataclasses.replace(final, mixed_precision=mixed_precision_of(options.mp_policy))
     if options.all_gather_quant is not None:
@@ -298,6 +302,9 @@ def emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: Pla
             insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
     with in_stage("transpose", gm.graph):
         rewrite_linears(gm, sites, layout_plan, tp_group, axes.tp, reduce_dtype)
+    if axes.has_ep:
+        with in_stage("experts", gm.graph):
+            emit_experts(gm, planned.captured.param_shapes, planned.plan, axes)
     with in_stage("partition", gm.graph):
         parts = partition(gm, planned.captured.block_fqns)
     if not keep_planned:

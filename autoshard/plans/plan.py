@@ -54,6 +54,7 @@ from autoshard.core.sharding import (
     rank_shape,
 )
 from autoshard.plans.block_quant import BlockQuant, TileQuant
+from autoshard.plans.ep_choice import ExpertChoice
 from autoshard.plans.export import to_hf_tp_plan, to_parallelize_plan
 from autoshard.plans.predict import predicted_comm, tp_traffic_by_unit
 from autoshard.plans.retarget import retarget
@@ -216,6 +217,12 @@ class Plan:
     # lines whose Python branch on a tensor's value was taken as the example took it, checked at run
     # time (autoshard.passes.specialize)
     branches: tuple[str, ...] = ()
+    # on a mesh with an ep axis: each MoE layer split whole over ep or kept as dp keeps dense weights, and why
+    experts: tuple[ExpertChoice, ...] = ()
+
+    def ep_weights(self) -> frozenset[str]:
+        """The expert weights this plan splits whole over ep (none without an ep axis)."""
+        return frozenset(fqn for choice in self.experts if choice.choice == "ep" for fqn in choice.weights)
 
     def unit_of_activation(self, index: int) -> str:
         return self.activation_units[index] if index < len(self.activation_units) else ""
@@ -274,7 +281,8 @@ class Plan:
             {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}) | (
             {"context": dict(self.context)} if self.context else {}) | (
             {"frozen": list(self.frozen)} if self.frozen else {}) | (
-            {"branches": list(self.branches)} if self.branches else {})
+            {"branches": list(self.branches)} if self.branches else {}) | (
+            {"experts": [e.to_dict() for e in self.experts]} if self.experts else {})
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Plan:
@@ -309,6 +317,7 @@ class Plan:
             context=dict(data.get("context", {})),
             frozen=tuple(str(f) for f in data.get("frozen", ())),
             branches=tuple(str(b) for b in data.get("branches", ())),
+            experts=tuple(ExpertChoice.from_dict(e) for e in data.get("experts", ())),
         )
 
     def __str__(self) -> str:
@@ -383,6 +392,7 @@ class Plan:
             from autoshard.plans.context_plan import ContextPlan
 
             out += ContextPlan.from_dict(self.context).lines()
+        out += [e.line_text() for e in self.experts]
         return "\n".join(out)
 
     def values_per_rank(self) -> tuple[int, int]:

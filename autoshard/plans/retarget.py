@@ -53,6 +53,11 @@ def retarget(plan: Plan, sizes: Mapping[str, int]) -> Plan:
         # a pipeline plan read for its stage sub-mesh (its roles, as every stage applies them)
         plan = dataclasses.replace(plan, mesh=old.stage_axes().to_dict(), pipeline=None)
         return retarget(plan, sizes)
+    if new.ep != old.ep:
+        raise ValueError(
+            f"autoshard: each MoE layer's split over ep is decided by cost on the mesh it is planned for "
+            f"({mesh_text(old)}); a plan is not moved to {mesh_text(new)} with it: plan afresh with "
+            f"autoshard.plan(model, {new.to_dict()}, ...)")
     if new.has_tp and not old.has_tp:
         raise ValueError(
             f"autoshard: the plan for mesh {mesh_text(old)} has no tp axis, so it cannot be used on {mesh_text(new)}: "

@@ -39,9 +39,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from autoshard.core.mesh import TP, MeshAxes, dp_choice
+from autoshard.core.mesh import EP, TP, MeshAxes, dp_choice
 from autoshard.core.meta_model import parameters_on_meta
 from autoshard.core.sharding import sharded_by_fsdp
 from autoshard.plans.plan import Plan
@@ -70,16 +70,17 @@ def materialize(
     _copy_buffers(root, model, device, sync_module_states, axes)
     deferred = parameters_on_meta(model)  # shards are allocated after FSDP2 has cut them
     originals = dict(model.named_parameters())
+    experts = plan.ep_weights()  # whole over the data axes ep leaves: FSDP does not cut them
     for fqn, entry in plan.params.items():
-        _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states))
+        _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states, fqn in experts))
     _wrap_quantized_gathers(root, plan)
     _tie(root, aliases, model)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
-    replicated_dp = {fqn for fqn, e in plan.params.items() if not sharded_by_fsdp(e.placements)}
+    replicated_dp = {fqn for fqn, e in plan.params.items() if not sharded_by_fsdp(e.placements)} | experts
     cast_to = mp_policy.param_dtype if mp_policy is not None and axes.has_dp else None
     for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
         _name_param_reads(gm, prefix, transposed)
-        if axes.has_tp:
+        if axes.has_tp or experts:
             _read_params_locally(gm)
         if cast_to is not None:
             _cast_reads(gm, prefix, replicated_dp, cast_to)
@@ -90,7 +91,8 @@ def materialize(
         _allocate_local_shards(root, device)
         _tie(root, aliases)
     if axes.has_dp:
-        _average_grads_over_dp(root, replicated_dp, axes)
+        _average_grads_over_dp(root, replicated_dp - experts, axes)
+    _average_expert_grads(root, experts, axes)
     sync = sync_module_states and not deferred and axes.mesh is not None and axes.mesh.size() > 1
     broadcast = (lambda values: _broadcast_objects_from_first_rank(values, axes)) if sync else None
     install_state_dict_hooks(root, plan, axes.tp, model, broadcast, aliases)  # extra state: its first rank's, if synced
@@ -117,7 +119,8 @@ def _follow_module_order(module: nn.Module, original: nn.Module) -> None:
             module._modules[name] = nn.ModuleDict(child._modules)
 
 
-def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bool) -> nn.Parameter:
+def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bool, expert: bool = False
+                 ) -> nn.Parameter:
     """A tp DTensor on ``device``, or on meta (shapes only) for a meta ``original``."""
     stored = original.detach()
     stored = stored.t() if entry.transposed else stored
@@ -129,6 +132,8 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         stored = stored.to(device=device, copy=True).contiguous()
         if sync:
             _broadcast_from_first_rank(stored, axes)
+    if expert:
+        return nn.Parameter(_split_experts(stored, entry, axes), requires_grad=original.requires_grad)
     if axes.has_tp:
         tp = entry.placements[TP]
         if axes.has_dp and not sharded_by_fsdp(entry.placements):
@@ -137,6 +142,15 @@ def _shard_param(original: torch.Tensor, entry, axes: MeshAxes, device, sync: bo
         else:
             stored = distribute_tensor(stored, axes.submesh(TP), [tp], src_data_rank=None)
     return nn.Parameter(stored, requires_grad=original.requires_grad)
+
+
+def _split_experts(stored: torch.Tensor, entry, axes: MeshAxes):
+    """An expert weight split whole over ep (``Shard(0)``), cut over tp as planned: a DTensor on the
+    ``(ep, tp)`` sub-mesh, replicated over the data axes ep leaves (see
+    :mod:`autoshard.driver.ep_axis`)."""
+    names = (EP, TP) if axes.has_tp else (EP,)
+    mesh = axes.mesh[names] if axes.mesh.ndim > 1 else axes.mesh
+    return distribute_tensor(stored, mesh, [entry.placements[a] for a in names], src_data_rank=None)
 
 
 def _wrap_quantized_gathers(root: nn.Module, plan: Plan) -> None:
@@ -317,7 +331,7 @@ def _read_params_locally(gm: fx.GraphModule) -> None:
     """Insert ``param.to_local()`` after every read of a DTensor parameter."""
     params = dict(gm.named_parameters())
     for node in list(gm.graph.nodes):
-        if node.op != "get_attr" or node.target not in params:
+        if node.op != "get_attr" or not isinstance(params.get(node.target), DTensor):
             continue
         with gm.graph.inserting_after(node):
             local = gm.graph.call_method("to_local", (node,))
@@ -379,6 +393,18 @@ def _average_grads_over_dp(root: nn.Module, replicated_dp: set[str], axes: MeshA
     groups = axes.dp_groups()
     params = dict(root.named_parameters())
     for param in {params[f] for f in replicated_dp if f in params and params[f].requires_grad}:
+        param.register_post_accumulate_grad_hook(lambda p, groups=groups: _average_grad(p, groups))
+
+
+def _average_expert_grads(root: nn.Module, experts: set[str], axes: MeshAxes) -> None:
+    """Gradients of the experts split over ep, averaged over the data axes ep leaves (each such
+    rank holds the same experts and routed other tokens to them); over ep itself they already are
+    (see :func:`autoshard.runtime.token_dispatch.ep_combine`'s ``grad_share``)."""
+    if not experts or not axes.expert_fsdp_axes:
+        return
+    groups = (axes.expert_dp_mesh().get_group(),)
+    params = dict(root.named_parameters())
+    for param in {params[f] for f in experts if f in params and params[f].requires_grad}:
         param.register_post_accumulate_grad_hook(lambda p, groups=groups: _average_grad(p, groups))
 
 

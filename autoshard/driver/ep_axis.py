@@ -1,0 +1,80 @@
+"""The ``ep`` axis in the pipeline: decide each MoE layer's experts after the dense plan is made
+(:func:`plan_experts`), and rewrite the emitted code of the layers split over ep (:func:`emit_experts`).
+
+ep's ranks are data ranks for everything but the experts: each routes its own batch's tokens, the
+dense weights are cut by FSDP over ``dp x ep`` as over any data axis (:attr:`MeshAxes.fsdp_axes`),
+and tp, where the mesh has it, plans the experts' features as on a mesh without ep. A layer split
+over ep stores its expert weights ``Shard(0)`` over ep (whole experts per rank); its rows travel by
+all-to-all (:mod:`autoshard.runtime.token_dispatch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoshard.core.mesh import EP, MeshAxes
+from autoshard.core.sharding import REPLICATED, shard_on
+from autoshard.passes.ep_regions import dispatch_experts, expert_layers
+from autoshard.plans.ep_choice import EP_CHOICE, choose
+from autoshard.plans.plan import Plan
+
+
+def plan_experts(plan: Plan, gm, param_shapes, axes: MeshAxes, reshard_after_forward: bool = True) -> Plan:
+    """``plan`` with each MoE layer's choice (:mod:`autoshard.plans.ep_choice`) and the ep
+    placements of the experts split over ep.
+
+    A mesh with an ep axis promises expert parallelism: a model without experts, experts that ep
+    does not divide, and a model none of whose layers ep can split are ``ValueError``s naming the
+    layers and their lines, not a plan that quietly runs ep as one more data axis."""
+    layers = expert_layers(gm, param_shapes)
+    if not layers:
+        raise ValueError(f"autoshard: the mesh has an 'ep' axis (ep={axes.ep}) and the model has no experts (no matmul "
+                         "reads one expert of a stacked [E, ...] weight); use a mesh without 'ep'")
+    uneven = [layer for layer in layers if layer.num_experts % axes.ep]
+    if uneven:
+        where = "; ".join(f"{layer.module}: {layer.num_experts} experts, at {layer.line}" for layer in uneven)
+        raise ValueError(f"autoshard: ep={axes.ep} does not divide the experts of {where}; every ep rank holds "
+                         "the same number of whole experts")
+    if all(layer.refused for layer in layers):
+        where = "; ".join(f"{layer.module} ({layer.line}): {layer.refused}" for layer in layers)
+        raise NotImplementedError(f"autoshard: ep cannot split any MoE layer of this model: {where}")
+    itemsize = _read_itemsize(gm, layers[0].weights[0])
+    choices = tuple(choose(layer, axes.to_dict(), itemsize, reshard_after_forward) for layer in layers)
+    params = dict(plan.params)
+    for choice in choices:
+        if choice.choice == EP_CHOICE:
+            for fqn in choice.weights:
+                params[fqn] = _split_over_ep(params[fqn], axes)
+    return dataclasses.replace(plan, params=params, experts=choices)
+
+
+def _split_over_ep(entry, axes: MeshAxes):
+    """An expert weight's entry with whole experts per ep rank (its dim 0), replicated over the data
+    axes ep leaves (each rank keeps its experts whole; their gradients are averaged over those
+    axes), its tp cut as planned."""
+    placements = dict(entry.placements)
+    for axis in axes.expert_fsdp_axes:
+        placements[axis] = REPLICATED
+    placements[EP] = shard_on(0)
+    note = "; ".join(n for n in (entry.note, "whole experts per ep rank (S(0) over ep)") if n)
+    return dataclasses.replace(entry, placements=placements, note=note)
+
+
+def _read_itemsize(gm, fqn: str) -> int:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target == fqn:
+            return node.meta["val"].dtype.itemsize
+    return 4
+
+
+def emit_experts(gm, param_shapes, plan: Plan, axes: MeshAxes) -> None:
+    """Rewrite the emitted code of every layer the plan splits over ep (see
+    :func:`autoshard.passes.ep_regions.dispatch_experts`)."""
+    weights = plan.ep_weights()
+    if not weights:
+        return
+    group = axes.group_name(EP) if axes.mesh is not None else EP
+    count = dispatch_experts(gm, param_shapes, weights, axes.ep, group)
+    expected = sum(1 for c in plan.experts if c.choice == EP_CHOICE)
+    assert count == expected, f"ep rewrote {count} MoE layers, the plan splits {expected}"
+
