@@ -41,6 +41,7 @@ from autoshard.passes.experts import (
 )
 from autoshard.passes.partition import made_like
 from autoshard.plans.ep_choice import ExpertLayer
+from autoshard.runtime.collectives import ENTER_TP, REDUCE_PARTIAL
 from autoshard.runtime.token_dispatch import EP_COMBINE, EP_DISPATCH
 
 aten = torch.ops.aten
@@ -50,6 +51,9 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _KEEPS_ROWS = frozenset({
     aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.clone.default, aten.alias.default,
     aten.contiguous.default, aten.detach.default, operator.getitem,
+    # tp's sums over the features: every tp rank of an ep rank routes the same rows, so they arrive
+    # alike and the sums stay row by row
+    REDUCE_PARTIAL, ENTER_TP,
 })
 _DIM_OPS = {  # op -> the position of its dim argument (default 0 is the rows, which none may touch)
     aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2, aten.slice.Tensor: 1,
@@ -134,12 +138,37 @@ def _region(members: list[ExpertSite], routing, param_shapes) -> _Region:
         if why:
             return _Region(refused=why)
     params |= extra
+    region = _through_the_exit(region, ends[-1] if len(ends) == 1 else max(ends, key=order.get), entry, key,
+                               members, extra, param_shapes, num_experts)
+    params |= extra
     exits = [n for n in region if any(u not in region for u in n.users)]
     if len(exits) != 1:
         leaving = ", ".join(describe(n) for n in sorted(exits, key=order.get) if n is not exits[-1])
         return _Region(refused=f"values leave the experts before their last matmul ({leaving})")
     nodes = sorted(region | {n for n in _expert_reads(region, params)}, key=order.get)
     return _Region(nodes=nodes, entry=entry, exit=exits[0], params=tuple(sorted(params)))
+
+
+def _through_the_exit(region, last, entry, key, members, extra, param_shapes, num_experts) -> set[fx.Node]:
+    """``region`` grown past its last matmul through row-wise ops that read only the rows and the
+    experts' own parameters picked by the routing (an expert bias ``b[ids]`` added after the down
+    projection), so those parameters are split with the experts; it stops at the first value from
+    outside (the routing weights) or op that mixes rows."""
+    exit_node = last
+    while len(exit_node.users) == 1:
+        user = next(iter(exit_node.users))
+        grown = set(region) | {user}
+        for arg in user.all_input_nodes:
+            if arg not in grown:
+                grown |= _picked(arg, key, num_experts, param_shapes)
+        found: set[str] = set()
+        if any(_why_not_rows(n, grown, entry, key, members, found, param_shapes) for n in grown - region):
+            break
+        if user.op != "call_function" or user.target == operator.getitem:
+            break
+        region, exit_node = grown, user
+        extra |= found
+    return region
 
 
 def _picked(node: fx.Node, key: fx.Node, num_experts: int, param_shapes) -> set[fx.Node]:
@@ -281,17 +310,20 @@ def _common_module(fqns) -> str:
 # --- the rewrite --------------------------------------------------------------------------
 
 
-def dispatch_experts(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]], weights: frozenset[str],
-                     ep: int, group_name: str) -> int:
-    """Rewrite every MoE layer whose expert weights are ``weights`` (the plan's ep layers) so its rows
-    travel to their experts' ranks and back; returns how many layers were rewritten. The graph's
-    expert weights are read as this rank's ``E / ep`` experts."""
+def dispatch_experts(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]],
+                     layers: tuple[frozenset[str], ...], ep: int, group_name: str) -> int:
+    """Rewrite every MoE layer of ``layers`` (each the expert weights of one layer the plan splits
+    over ep) so its rows travel to their experts' ranks and back; returns how many were rewritten.
+    The graph's expert weights are read as this rank's ``E / ep`` experts."""
     rewritten = 0
     for members, routing in _grouped_sites(gm, param_shapes):
-        found = _region(members, routing, param_shapes)
-        if found.refused or not set(found.params) <= weights:
+        planned = next((weights for weights in layers if members[0].weight_fqn in weights), None)
+        if planned is None:
             continue
-        assert set(found.params) == {w for w in weights if w in found.params}
+        found = _region(members, routing, param_shapes)
+        assert not found.refused and set(found.params) == planned, (
+            f"the emitted code's MoE layer reads {sorted(found.params)} ({found.refused or 'rows kept apart'}); "
+            f"the plan splits {sorted(planned)}")
         _rewrite(gm, found, routing, int(param_shapes[members[0].weight_fqn][0]), ep, group_name)
         rewritten += 1
     gm.graph.lint()

@@ -56,8 +56,9 @@ def _split_over_ep(entry, axes: MeshAxes):
     for axis in axes.expert_fsdp_axes:
         placements[axis] = REPLICATED
     placements[EP] = shard_on(0)
-    note = "; ".join(n for n in (entry.note, "whole experts per ep rank (S(0) over ep)") if n)
-    return dataclasses.replace(entry, placements=placements, note=note)
+    said = "whole experts per ep rank (S(0) over ep)"
+    why = dataclasses.replace(entry.why, about="; ".join(n for n in (entry.why.about, said) if n))
+    return dataclasses.replace(entry, placements=placements, note="; ".join(n for n in (entry.note, said) if n), why=why)
 
 
 def _read_itemsize(gm, fqn: str) -> int:
@@ -70,11 +71,10 @@ def _read_itemsize(gm, fqn: str) -> int:
 def emit_experts(gm, param_shapes, plan: Plan, axes: MeshAxes) -> None:
     """Rewrite the emitted code of every layer the plan splits over ep (see
     :func:`autoshard.passes.ep_regions.dispatch_experts`)."""
-    weights = plan.ep_weights()
-    if not weights:
+    layers = tuple(frozenset(c.weights) for c in plan.experts if c.choice == EP_CHOICE)
+    if not layers:
         return
     group = axes.group_name(EP) if axes.mesh is not None else EP
-    count = dispatch_experts(gm, param_shapes, weights, axes.ep, group)
-    expected = sum(1 for c in plan.experts if c.choice == EP_CHOICE)
-    assert count == expected, f"ep rewrote {count} MoE layers, the plan splits {expected}"
+    count = dispatch_experts(gm, param_shapes, layers, axes.ep, group)
+    assert count == len(layers), f"ep rewrote {count} MoE layers, the plan splits {len(layers)}"
 

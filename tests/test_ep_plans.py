@@ -1,0 +1,141 @@
+"""Expert parallelism in one process: which MoE layers ep splits and why, the plan's record, and the
+refusals, on the spellings experts are written in.
+
+The multi-rank runs (tests/test_expert_parallel.py) train these layers; here each spelling is
+planned on ``{"dp": 2, "ep": 2}`` and the experts' placements, choices and refusals are read back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.core.sharding import placements_text
+from autoshard.plans.ep_choice import ExpertLayer, choose
+from autoshard.plans.plan import Plan
+from tests import pattern_models as pm
+from tests.moe_cases import MOE_MODELS
+from tests.moe_cases import tokens as hf_tokens
+
+TOKENS = torch.randint(0, pm.Config().vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _plan(experts, sizes=None) -> Plan:
+    torch.manual_seed(0)
+    return autoshard.plan(pm.ExpertsMoE(pm.Config(), experts=experts), sizes or {"dp": 2, "ep": 2},
+                          example_inputs=(TOKENS,))
+
+
+@pytest.mark.parametrize("experts", ["IndexedExperts", "GroupedExperts", "InterleavedExperts"])
+def test_routed_experts_are_split_whole_over_ep(experts):
+    plan = _plan(getattr(pm, experts))
+    assert [c.choice for c in plan.experts] == ["ep", "ep"]
+    split = plan.ep_weights()
+    names = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if experts == "InterleavedExperts"
+                                             else set())
+    assert split == {f"layers.{i}.feed_forward.experts.{n}" for i in range(2) for n in names}
+    for fqn in split:
+        assert placements_text(plan.params[fqn].placements) == {"dp": "R", "ep": "S(0)"}, fqn
+    dense = plan.params["layers.0.attention.wq.weight"]
+    assert placements_text(dense.placements) == {"dp": "S(0)", "ep": "S(0)"}  # FSDP over dp x ep, as any data axis
+    assert "experts layers.0.feed_forward.experts: ep (" in str(plan)
+
+
+def test_with_tp_the_experts_keep_their_tp_cut():
+    plan = _plan(pm.IndexedExperts, {"ep": 2, "tp": 2})
+    entry = plan.params["layers.0.feed_forward.experts.gate_up_proj"]
+    assert placements_text(entry.placements)["ep"] == "S(0)"
+    assert placements_text(entry.placements)["tp"] in ("S(1)", "S(2)")
+
+
+def test_the_choice_says_both_costs_and_the_cheaper_wins():
+    layer = ExpertLayer(module="moe.experts", weights=("moe.experts.w1", "moe.experts.w2"), num_experts=64,
+                        form="grouped", rows=8192 * 8, itemsize=2, shapes=((64, 2048, 1536), (64, 768, 2048)),
+                        gemms=((2048, 1536), (768, 2048)), line="x")
+    many_tokens = choose(layer, {"dp": 2, "ep": 4}, 2)
+    assert many_tokens.choice == "ep" and many_tokens.ep_bytes < many_tokens.dp_bytes
+    moved = 2 * layer.rows * (2048 + 2048) * 2 * 3 // 4  # rows out and back, forward and backward
+    assert many_tokens.ep_bytes >= moved
+    few_weights = choose(ExpertLayer(**{**layer.__dict__, "shapes": ((64, 8, 8), (64, 8, 8))}), {"ep": 4}, 2)
+    assert few_weights.choice == "dp" and "fewer bytes than sending the rows" in few_weights.why
+    assert "16 of 64 experts" in many_tokens.why
+
+
+def test_a_loop_over_experts_is_refused_by_line():
+    with pytest.raises(NotImplementedError, match=r"ep cannot split any MoE layer.*a loop over experts.*pattern_models"):
+        _plan(pm.LoopExperts)
+
+
+def test_dense_routing_is_refused_by_line():
+    with pytest.raises(NotImplementedError, match=r"every expert reads every token \(a dense routing\)"):
+        autoshard.plan(pm.ExpertsMoE(pm.Config(), experts=pm.BatchedExperts), {"ep": 2}, example_inputs=(TOKENS,))
+
+
+def test_experts_ep_does_not_divide_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"ep=8 does not divide the experts of layers.0.feed_forward.experts: 4 "
+                                         r"experts, at node 'bmm'"):
+        _plan(pm.IndexedExperts, {"ep": 8})
+
+
+def test_a_model_without_experts_is_refused():
+    with pytest.raises(ValueError, match=r"has an 'ep' axis \(ep=2\) and the model has no experts"):
+        autoshard.plan(pm.Decoder(pm.Config(), lambda c: pm.Block(c, pm.QKVAttention, pm.SwiGLU)), {"ep": 2},
+                       example_inputs=(TOKENS,))
+
+
+def test_a_value_leaving_the_experts_midway_keeps_them_whole_with_the_reason():
+    class Leaky(pm.IndexedExperts):
+        def forward(self, x, top_idx, top_w):
+            tokens, k = top_idx.shape
+            xs = x.repeat_interleave(k, dim=0)
+            ids = top_idx.reshape(-1)
+            h = torch.bmm(self.gate_up_proj[ids], xs.unsqueeze(-1)).squeeze(-1)
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            out = torch.bmm(self.down_proj[ids], h.unsqueeze(-1)).squeeze(-1) + h.mean() * 0
+            return (out * top_w.reshape(-1, 1)).view(tokens, k, -1).sum(dim=1)
+
+    with pytest.raises(NotImplementedError, match=r"has no rule that keeps rows apart|values leave the experts"):
+        _plan(Leaky)
+
+
+def test_the_plan_keeps_its_expert_choices_through_a_dict():
+    plan = _plan(pm.GroupedExperts)
+    again = Plan.from_dict(plan.to_dict())
+    assert again == plan and again.experts == plan.experts
+    with pytest.raises(ValueError, match=r"split over ep is decided by cost on the mesh it is planned for"):
+        plan.for_mesh({"dp": 4})
+
+
+def test_check_names_the_mesh_to_check_instead():
+    with pytest.raises(NotImplementedError, match=r"does not simulate ep ranks yet.*\{'dp': 4\}"):
+        autoshard.check(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), {"dp": 2, "ep": 2},
+                        example_inputs=(TOKENS,))
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+@pytest.mark.parametrize("impl", [None, "batched_mm"])
+def test_hugging_face_experts_are_split_over_ep(name, impl):
+    torch.manual_seed(0)
+    model = MOE_MODELS[name](impl)
+    ids, _ = hf_tokens(batch=2)
+    plan = autoshard.plan(model, {"dp": 2, "ep": 2}, example_inputs=(ids,))
+    assert plan.experts and all(c.choice == "ep" for c in plan.experts), [c.line_text() for c in plan.experts]
+    experts = [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert set(experts) == plan.ep_weights()
+    shared = [fqn for fqn in plan.params if "shared_experts" in fqn]
+    assert all("ep" not in str(plan.params[f].note) for f in shared)  # a shared expert stays a dense MLP
+
+
+def test_the_mesh_order_puts_ep_between_the_data_axes_and_tp():
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  (the names are what is checked)
+
+    from autoshard.core.mesh import accepted
+
+    assert accepted(("dp", "ep")) and accepted(("ep", "tp")) and accepted(("dp", "ep", "tp"))
+    assert not accepted(("ep", "dp")) and not accepted(("tp", "ep"))
+    with pytest.raises(NotImplementedError, match="with pipeline stages"):
+        autoshard.plan(nn.Linear(2, 2), {"pp": 2, "ep": 2}, example_inputs=(torch.ones(1, 2),))
