@@ -58,7 +58,8 @@ def _split_over_ep(entry, axes: MeshAxes):
     placements[EP] = shard_on(0)
     said = "whole experts per ep rank (S(0) over ep)"
     why = dataclasses.replace(entry.why, about="; ".join(n for n in (entry.why.about, said) if n))
-    return dataclasses.replace(entry, placements=placements, note="; ".join(n for n in (entry.note, said) if n), why=why)
+    note = "; ".join(n for n in (entry.note, said) if n)
+    return dataclasses.replace(entry, placements=placements, note=note, why=why)
 
 
 def _read_itemsize(gm, fqn: str) -> int:
