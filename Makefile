@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-long lint demo spellings axis-matrix bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity zoo corpus golden clean
+.PHONY: install test test-long lint demo spellings axis-matrix bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity bench-ep zoo corpus golden clean
 
 install: $(STAMP)
 
@@ -61,6 +61,12 @@ spellings: $(STAMP)
 # sequence and loss parallelism wherever tp is present (benchmarks/results/axis_matrix.json).
 axis-matrix: $(STAMP)
 	$(PY) benchmarks/axis_matrix.py
+
+# Expert parallelism on 4 ranks: Qwen3-MoE shapes (64 experts, top 8, expert hidden 64), ep=4 against tp=4 experts
+# on the same ranks: step time, bytes per step measured and predicted (equal under balanced routing), the experts'
+# GEMM shapes, memory per rank and the rows each expert received (benchmarks/results/bench_ep.json).
+bench-ep: $(STAMP)
+	$(PY) benchmarks/bench_ep.py
 
 # suggest_mesh's ranking of the 4-rank meshes next to their measured step times.
 bench-meshes: $(STAMP)

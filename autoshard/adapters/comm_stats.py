@@ -15,6 +15,12 @@ model for bandwidth-bound collectives on ``p`` ranks:
 * all-gather producing ``N`` bytes, reduce-scatter consuming ``N`` bytes,
   all-to-all of ``N`` bytes: ``(p-1)/p * N``
 * broadcast / scatter of ``N`` bytes: ``(p-1)/p * N``
+
+An all-to-all whose split sizes are known (expert parallelism's rows: ``autoshard::ep_dispatch`` and
+``ep_combine``, and the functional ``all_to_all_single`` their backwards run) counts the bytes it
+actually sends to other ranks, which the ring model's ``(p-1)/p * N`` equals when routing is balanced.
+Each dispatch also keeps the rows each of this rank's experts received (:meth:`expert_rows`): the
+load imbalance of that step.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard.runtime.collectives  # noqa: F401  (defines torch.ops.autoshard.*)
 import autoshard.runtime.context_ops  # noqa: F401  (defines torch.ops.autoshard.cp_*)
+import autoshard.runtime.token_dispatch  # noqa: F401  (defines torch.ops.autoshard.ep_*)
 from autoshard.core.sharding import Wire, sum_on_wire, widens
 
 _funcol = torch.ops._c10d_functional
@@ -93,6 +100,14 @@ def _dtype(t) -> torch.dtype | None:
     return t.dtype if isinstance(t, torch.Tensor) else None
 
 
+def _sent_elsewhere(rows: torch.Tensor, splits, group_name: str) -> float:
+    """Bytes of ``rows`` (split ``splits`` rows per destination rank) that leave this rank."""
+    splits = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+    me = dist.get_rank(_resolve_process_group(group_name))
+    row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+    return float((sum(splits) - splits[me]) * row_bytes)
+
+
 def _wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
     if group_size <= 1:
         return 0.0
@@ -116,6 +131,7 @@ class CollectiveCounter(TorchDispatchMode):
         self._bytes: dict[str, float] = {a: 0.0 for a in axes}
         self._dtypes: dict[str, Counter] = {a: Counter() for a in axes}
         self._bytes_by_kind: dict[str, Counter] = {a: Counter() for a in axes}
+        self._expert_rows: list[list[int]] = []
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -127,7 +143,7 @@ class CollectiveCounter(TorchDispatchMode):
         """
         return True
 
-    def _record(self, kind: str, group, payload, dtype: torch.dtype | None = None) -> None:
+    def _record(self, kind: str, group, payload, dtype: torch.dtype | None = None, wire: float | None = None) -> None:
         if not isinstance(group, str):  # c10d ops carry the ProcessGroup as a ScriptObject
             group = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
             group = group.group_name
@@ -137,8 +153,9 @@ class CollectiveCounter(TorchDispatchMode):
         nbytes = _nbytes(payload)
         if dtype is not None and isinstance(payload, torch.Tensor):
             nbytes = payload.numel() * dtype.itemsize
-        self._bytes[axis] = self._bytes.get(axis, 0.0) + _wire_bytes(kind, nbytes, size)
-        self._bytes_by_kind.setdefault(axis, Counter())[kind] += _wire_bytes(kind, nbytes, size)
+        sent = _wire_bytes(kind, nbytes, size) if wire is None else wire
+        self._bytes[axis] = self._bytes.get(axis, 0.0) + sent
+        self._bytes_by_kind.setdefault(axis, Counter())[kind] += sent
         dtype = dtype or _dtype(payload)
         self._dtypes.setdefault(axis, Counter())[(kind, str(dtype).removeprefix("torch."))] += 1
 
@@ -159,6 +176,16 @@ class CollectiveCounter(TorchDispatchMode):
             widened = widens(payload.dtype, reduce_dtype)
             for wire in sum_on_wire(kind, widened, _size_of(args[group_index])):
                 self._record(wire, args[group_index], payload)
+        elif packet is torch.ops.autoshard.ep_dispatch:
+            rows, num_experts, group = args[0], args[2], args[3]
+            self._record(Wire.ALL_TO_ALL, group, torch.empty(num_experts, dtype=torch.int64, device="meta"))
+            self._record(Wire.ALL_TO_ALL, group, rows, wire=_sent_elsewhere(rows, out[5], group))
+            self._expert_rows.append(torch.diff(out[2], prepend=out[2].new_zeros(1)).tolist())
+        elif packet is torch.ops.autoshard.ep_combine:
+            rows, group = args[0], args[5]
+            self._record(Wire.ALL_TO_ALL, group, rows, wire=_sent_elsewhere(rows, args[4], group))
+        elif packet is _funcol.all_to_all_single and args[2]:  # its input's rows per destination
+            self._record(Wire.ALL_TO_ALL, args[3], args[0], wire=_sent_elsewhere(args[0], args[2], args[3]))
         elif packet in _FUNCTIONAL:
             kind, group_index = _FUNCTIONAL[packet]
             payload = out if kind == Wire.ALL_GATHER else args[0]
@@ -184,6 +211,11 @@ class CollectiveCounter(TorchDispatchMode):
     def dtypes(self, axis: str) -> dict[tuple[str, str], int]:
         """``(kind, dtype name) -> count`` of the collectives on ``axis``."""
         return dict(self._dtypes.get(axis, Counter()))
+
+    def expert_rows(self) -> list[list[int]]:
+        """Per expert-parallel dispatch seen, the rows each of this rank's experts received (in
+        order); their spread over the ranks of a step is its load imbalance."""
+        return [list(rows) for rows in self._expert_rows]
 
     def count(self, axis: str) -> int:
         return sum(self._counts.get(axis, Counter()).values())

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoshard.core.mesh import DP_REPLICATE, TP, MeshAxes, dp_choice
+from autoshard.core.mesh import DP_REPLICATE, EP, TP, MeshAxes, dp_choice
 
 
 class _Spelled(str, enum.Enum):
@@ -301,6 +301,8 @@ def rank_shape(entry, axes: MeshAxes) -> list[int]:
     dim = placement_dim(dp_choice(entry.placements))
     if dim is not None:
         shape[dim] = -(-shape[dim] // axes.dp)
+    elif placement_dim(entry.placements.get(EP)) is not None:  # experts split whole over ep, kept whole over dp
+        shape[placement_dim(entry.placements[EP])] //= axes.ep
     return shape
 
 

@@ -65,6 +65,21 @@ class ExpertChoice:
     ep_gemm: str = ""
     dp_gemm: str = ""
     line: str = ""
+    # what one dispatch moves: the rows one rank routes, their width in and out, bytes per value
+    rows: int = 0
+    width_in: int = 0
+    width_out: int = 0
+    itemsize: int = 0
+
+    def exchanges(self, ep: int) -> list[tuple[str, int]]:
+        """``(kind, bytes of the tensor)`` of each all-to-all one training step runs for this layer
+        split over ``ep`` ranks: the per-expert counts, the rows out and back in forward, and their
+        gradients back and out in backward."""
+        if self.choice != EP_CHOICE or ep <= 1:
+            return []
+        rows_in, rows_out = self.rows * self.width_in * self.itemsize, self.rows * self.width_out * self.itemsize
+        return [("all_to_all", self.num_experts * 8), ("all_to_all", rows_in), ("all_to_all", rows_out),
+                ("all_to_all", rows_out), ("all_to_all", rows_in)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"weights": list(self.weights)}
@@ -103,9 +118,10 @@ def choose(layer: ExpertLayer, sizes: Mapping[str, int], weight_itemsize: int,
     ep_bytes = moved + counts + 2 * _ring(weights // ep, others)  # its experts' gradients all-reduced over the rest
     per_expert = max(1, layer.rows // layer.num_experts)
     local = layer.num_experts // ep
-    ep_gemm = f"{local} experts of [{per_expert * ep} rows] per rank, weights {weights // ep:,} B gathered at once"
-    dp_gemm = f"{layer.num_experts} experts of [{per_expert} rows] per rank, weights {weights:,} B gathered at once"
-    gemm = ", ".join(f"[rows, {i}] x [{i}, {o // tp}]" for i, o in layer.gemms[:2])
+    shapes = ", ".join(f"[{{rows}}, {i}] x [{i}, {o // tp}]" for i, o in layer.gemms[:2])
+    ep_gemm = f"{local} experts per rank, each " + shapes.format(rows=per_expert * ep)
+    dp_gemm = f"{layer.num_experts} experts per rank, each " + shapes.format(rows=per_expert)
+    gemm = shapes.format(rows="rows")
     if ep_bytes <= dp_bytes:
         why = (f"the rows' all-to-all moves fewer bytes than gathering every expert on every rank "
                f"({ep_bytes:,} <= {dp_bytes:,}); each rank runs {local} of {layer.num_experts} experts, {gemm}")
@@ -120,7 +136,8 @@ def choose(layer: ExpertLayer, sizes: Mapping[str, int], weight_itemsize: int,
 
 def _choice(layer: ExpertLayer, choice: str, why: str) -> ExpertChoice:
     return ExpertChoice(module=layer.module, weights=layer.weights, num_experts=layer.num_experts, choice=choice,
-                        why=why, line=layer.line)
+                        why=why, line=layer.line, rows=layer.rows, width_in=layer.gemms[0][0],
+                        width_out=layer.gemms[-1][1], itemsize=layer.itemsize)
 
 
 def _ring(nbytes: int, ranks: int) -> int:

@@ -19,8 +19,12 @@ counts a running step (ring-model wire bytes per rank), without running anything
   weight with a quantized all-gather as its 1-byte values plus one fp32 scale
   per block. A parameter replicated over dp adds one gradient all-reduce per
   dp axis. Under HSDP each unit's reduced shard is all-reduced once over
-  ``dp_replicate``. On a mesh with a ``cp`` axis FSDP shards over ``dp x cp``
-  flattened and its traffic is reported as ``fsdp``.
+  ``dp_replicate``. On a mesh with a ``cp`` or ``ep`` axis FSDP shards over ``dp x cp`` (``dp x ep``)
+  flattened and its traffic is reported as ``fsdp``; the experts split over ep are averaged over the
+  data axes ep leaves (``expert_dp``).
+* **ep**: per MoE layer split over ep, at balanced routing: the per-expert counts, then the rows out
+  and the results back in forward, their gradients back and out in backward (five all-to-alls, each
+  rank keeping ``1 / ep`` of what it routes).
 * **cp**: every collective the sequence cut records (``plan.context``): per
   all-gather of keys, values or an output the bytes of the whole tensor (its tp
   shard under tp) and, where a gradient flows back, a reduce-scatter as large;
@@ -39,7 +43,7 @@ from collections import defaultdict
 
 import torch
 
-from autoshard.core.mesh import CP, DP_REPLICATE, TP, MeshAxes, axes_from_sizes, dp_choice
+from autoshard.core.mesh import CP, DP_REPLICATE, EP, TP, MeshAxes, axes_from_sizes, dp_choice
 from autoshard.core.sharding import REPLICATED, WIRE_KINDS, Wire, rank_shape, sharded_by_fsdp, sum_on_wire, widens
 
 KINDS = (Wire.ALL_REDUCE, Wire.ALL_GATHER, Wire.REDUCE_SCATTER, Wire.ALL_TO_ALL)
@@ -86,6 +90,9 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
         _fsdp(plan, axes, tally, reshard_after_forward, master_dtype, param_dtype, reduce_dtype)
     for kind, nbytes in plan.context.get("collectives", ()):  # the sequence cut over cp
         tally.add(CP, kind, nbytes, axes.cp)
+    for layer in plan.experts:  # the rows of each MoE layer split over ep, at balanced routing
+        for kind, nbytes in layer.exchanges(axes.ep):
+            tally.add(EP, kind, nbytes, axes.ep)
     return tally.result()
 
 
@@ -141,13 +148,13 @@ def _tp_sends(plan, reduce_dtype, tp: int) -> dict[str, list[tuple[str, int]]]:
 
 def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
     # with a cp axis FSDP runs on dp x cp flattened: its traffic is "fsdp", apart from the cp ops' own
-    shard_axis, shards = ("fsdp" if axes.has_cp else axes.shard_axis), axes.dp
+    shard_axis, shards = ("fsdp" if len(axes.fsdp_axes) > 1 else axes.shard_axis), axes.dp
     gathered_dtype = param_dtype or master
     reduced_dtype = reduce_dtype or master
     spec = plan.quant_spec()
     sharded_by_unit = defaultdict(list)
-    for entry in plan.params.values():
-        if sharded_by_fsdp(entry.placements):
+    for fqn, entry in plan.params.items():
+        if sharded_by_fsdp(entry.placements) and fqn not in plan.ep_weights():
             sharded_by_unit[entry.unit].append(entry)
     for unit in plan.units:
         gathered = reduced = 0.0
@@ -166,8 +173,13 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
         tally.add(shard_axis, Wire.REDUCE_SCATTER, shards * reduced, shards)
         if axes.is_hsdp:
             tally.add(DP_REPLICATE, Wire.ALL_REDUCE, reduced, axes.replicas)
-    for entry in plan.params.values():
-        if dp_choice(entry.placements) == REPLICATED:
+    experts = plan.ep_weights()
+    for fqn, entry in plan.params.items():
+        if fqn in experts:  # its experts whole on each rank: averaged over the data axes ep leaves, as one
+            ranks = math.prod(axes.size(a) for a in axes.expert_fsdp_axes)
+            numel = math.prod(rank_shape(entry, axes))
+            tally.add("expert_dp", Wire.ALL_REDUCE, numel * master.itemsize, ranks)
+        elif dp_choice(entry.placements) == REPLICATED:
             numel = math.prod(rank_shape(entry, axes))
             for axis in reversed(axes.dp_axes):
                 tally.add(axis, Wire.ALL_REDUCE, numel * master.itemsize, axes.size(axis))
