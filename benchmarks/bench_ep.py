@@ -15,19 +15,19 @@ chosen round-robin, so every rank sends every other the same rows): there the me
 bytes must equal ``plan.predicted_comm()``'s, which assumes balance. Per layout: the median step time
 (forward, backward, AdamW) after a warm-up step, the wire bytes per rank and step per axis (measured by
 ``CollectiveCounter``, predicted next to it), the experts' GEMM shapes, each rank's parameter and
-gradient bytes and its peak resident memory, and under the model's router the rows each rank's experts
+gradient bytes and the activations it keeps for backward, and under the model's router the rows each rank's experts
 received (the load imbalance).
 
 This machine has 2 cores for 4 ranks: a step takes about the ranks' total work, so the step times
-compare the work and communication each layout adds, not what 4 devices would take. Results go to
-``benchmarks/results/bench_ep.json``.
+compare the work and communication each layout adds, not what 4 devices would take. Memory is given
+as each rank's parameter and gradient bytes and the activations its forward keeps for backward
+(``tests/parity.held_for_backward``). Results go to ``benchmarks/results/bench_ep.json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -86,6 +86,7 @@ def _rank(rank: int, world: int) -> list[dict]:
 
     import autoshard
     from autoshard.adapters.comm_stats import CollectiveCounter
+    from tests.parity import held_for_backward
 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
@@ -126,7 +127,7 @@ def _rank(rank: int, world: int) -> list[dict]:
                 "predicted_ep_all_to_all": predicted.get("ep", {}).get("all_to_all", (0, 0))[1],
                 "expert_gemms": _gemms(plan, name),
                 "param_and_grad_bytes": 2 * held,
-                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "held_for_backward": held_for_backward(sharded, local_in),
                 "expert_rows": counter.expert_rows()[:LAYERS],
             })
             del sharded, optimizer
@@ -159,7 +160,7 @@ def main() -> None:
                 "ep_all_to_all_predicted": first["predicted_ep_all_to_all"],
                 "expert_gemms": first["expert_gemms"],
                 "param_and_grad_bytes_per_rank": first["param_and_grad_bytes"],
-                "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
+                "held_for_backward_per_rank": max(r["held_for_backward"] for r in mine),
                 "rows_per_expert_per_rank": [r["expert_rows"][0] if r["expert_rows"] else [] for r in mine],
             })
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
@@ -167,8 +168,9 @@ def main() -> None:
         json.dump(summary, f, indent=1)
     for s in summary:
         print(f"{s['layout']:5} {s['routing']:15} step {s['step_s']:.3f} s  measured {s['measured_bytes_per_rank']}  "
-              f"predicted {s['predicted_bytes_per_rank']}  params+grads {s['param_and_grad_bytes_per_rank']:,} B  "
-              f"peak RSS {s['peak_rss_mib']:.0f} MiB")
+              f"predicted {s['predicted_bytes_per_rank']}")
+        print(f"      per rank: parameters and gradients {s['param_and_grad_bytes_per_rank']:,} B, activations "
+              f"held for backward {s['held_for_backward_per_rank']:,} B")
         print(f"      experts: {s['expert_gemms']}")
         if s["ep_all_to_all_predicted"]:
             print(f"      ep all-to-all bytes per rank: measured {s['ep_all_to_all_measured']}, predicted "
