@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.core.mesh import CP, MeshAxes, axes_from_sizes
+from autoshard.core.mesh import CP, MeshAxes
 from autoshard.core.meta_model import parameters_on_meta
 from autoshard.core.options import Options
 from autoshard.driver.agreement import check_ranks_agree, code_lines
@@ -53,20 +53,7 @@ def prove_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, ch
                                   chosen.pipeline.as_keywords(), keep_reference=True)
         return prove_pipeline(pplan, model, axes, seed=seed, rtol=rtol)
     _refuse_pipeline_options(chosen)
-    if axes.has_ep:
-        raise NotImplementedError(
-            "autoshard: check() does not simulate ep ranks yet; check the model on the mesh without 'ep' (the dense "
-            f"and tp code is the same: {_without_ep(axes)}) and train on the ep mesh (tests/test_expert_parallel.py "
-            "shows each MoE layer at parity with one device)")
     return prove_on(model, axes, example_inputs, example_kwargs, plan_options, plan=plan, seed=seed, rtol=rtol)
-
-
-def _without_ep(axes: MeshAxes) -> dict[str, int]:
-    """The mesh's sizes with ep's ranks given to the data axis (``{"dp": 2, "ep": 2}`` -> ``{"dp": 4}``)."""
-    sizes = {a: n for a, n in axes.to_dict().items() if a != "ep"}
-    data = next((a for a in ("dp_shard", "dp") if a in sizes), "dp")
-    sizes[data] = sizes.get(data, 1) * axes.ep
-    return axes_from_sizes(sizes).to_dict()
 
 
 def shard_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, chosen: Options):
@@ -168,14 +155,8 @@ def _proves(check, model: nn.Module, axes: MeshAxes) -> bool:
     for ``"auto"`` when it costs little (see :data:`AUTO_CHECK_MAX_ELEMENTS`)."""
     if check not in (True, False, "auto"):
         raise ValueError(f"autoshard: check must be True, False or 'auto', got {check!r}")
-    if axes.has_ep:
-        if check is True:
-            raise NotImplementedError("autoshard: the one-process proof does not simulate ep ranks yet; pass "
-                                      "check=False (or 'auto'), or check the same model on the mesh without 'ep' "
-                                      f"({_without_ep(axes)})")
-        return False
     if check != "auto":
-        return bool(check) and (axes.has_tp or axes.has_cp)
-    if not (axes.has_tp or axes.has_cp) or parameters_on_meta(model):
+        return bool(check) and (axes.has_tp or axes.has_cp or axes.has_ep)
+    if not (axes.has_tp or axes.has_cp or axes.has_ep) or parameters_on_meta(model):
         return False
     return sum(p.numel() for p in model.parameters()) <= AUTO_CHECK_MAX_ELEMENTS

@@ -55,7 +55,7 @@ def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kw
     """:func:`check` on ``axes`` with ``options``; ``captured`` (this model captured with these
     inputs and options, see :func:`capture_for`) skips capturing again: the zoo proves one
     capture on several meshes."""
-    if axes.has_cp:
+    if axes.has_cp or axes.has_ep:
         planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
                               captured=captured)
         emitted = emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
@@ -71,6 +71,8 @@ def prove_emitted(planned: PlanResult, emitted: Emitted, model: nn.Module, examp
     (:func:`prove_cut`) with a cp axis, else the tp ranks (:func:`~autoshard.proof.proof.prove`)."""
     if axes.has_cp:
         return prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted, rtol=rtol)
+    if axes.has_ep:
+        return prove_split_experts(planned, model, example_inputs, example_kwargs, axes, emitted, seed=seed, rtol=rtol)
     proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
     return dataclasses.replace(proof, plan=planned.plan)
 
@@ -80,9 +82,9 @@ def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_
                rtol: float | None = None, tp_group: str = "tp", keep_values: bool = False) -> Checked:
     """Plan, emit (the tp ops name their group ``tp_group``) and prove, without a process group;
     ``keep_values`` keeps the tensors the proof ran (:class:`~autoshard.proof.proof.ProofValues`)."""
-    if axes.has_cp:
-        raise NotImplementedError("autoshard: the per-node report of a tp proof does not cover a mesh with a 'cp' "
-                                  "axis; prove it with autoshard.check(model, mesh, example_inputs=...)")
+    if axes.has_cp or axes.has_ep:
+        raise NotImplementedError("autoshard: the per-node report of a tp proof does not cover a mesh with a 'cp' or "
+                                  "'ep' axis; prove it with autoshard.check(model, mesh, example_inputs=...)")
     planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
                     captured=captured)
     emitted = emit(planned, axes, tp_group if axes.has_tp else None, options, keep_planned=True)
@@ -260,15 +262,9 @@ def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions,
                             local_outputs=options.context_output == "local")
 
 
-def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-              axes: MeshAxes, emitted: Emitted, rtol: float | None = None):
-    """The code ``emitted`` for a graph cut over cp (its tp code, or a pipeline's stages called in
-    order), every cp x tp rank simulated, against the unsharded graph (see
-    :mod:`autoshard.proof.context_proof`)."""
-    from autoshard.plans.context_plan import ContextPlan
-    from autoshard.proof.context_proof import prove_context
-    from autoshard.runtime.pipeline_stages import flat_inputs
-
+def _proof_weights(planned: PlanResult, model: nn.Module) -> dict:
+    """The model's own parameters (copies, in the dtype the graph reads them) and buffers, by the
+    reference graph's ``get_attr`` targets."""
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     weights = {}
@@ -280,6 +276,31 @@ def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, exam
                 params[node.target].requires_grad)
         elif node.op == "get_attr" and node.target in buffers:
             weights[node.target] = as_read(buffers[node.target].detach().cpu().clone(), node.meta.get("val"))
+    return weights
+
+
+def prove_split_experts(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+                        axes: MeshAxes, emitted: Emitted, *, seed: int = 0, rtol: float | None = None):
+    """The code ``emitted`` for a plan that splits experts over ep, every ep x tp rank simulated on a
+    batch of its own, against the unsharded graph (see :mod:`autoshard.proof.expert_proof`)."""
+    from autoshard.proof.expert_proof import prove_experts
+    from autoshard.runtime.pipeline_stages import flat_inputs
+
+    inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
+    return prove_experts(planned.reference, emitted.parts.root, planned.plan, axes.ep, axes.tp, inputs,
+                         _proof_weights(planned, model), seed=seed, rtol=rtol)
+
+
+def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+              axes: MeshAxes, emitted: Emitted, rtol: float | None = None):
+    """The code ``emitted`` for a graph cut over cp (its tp code, or a pipeline's stages called in
+    order), every cp x tp rank simulated, against the unsharded graph (see
+    :mod:`autoshard.proof.context_proof`)."""
+    from autoshard.plans.context_plan import ContextPlan
+    from autoshard.proof.context_proof import prove_context
+    from autoshard.runtime.pipeline_stages import flat_inputs
+
+    weights = _proof_weights(planned, model)
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
     cut = ContextPlan.from_dict(planned.plan.context)
     proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,

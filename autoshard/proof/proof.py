@@ -88,6 +88,9 @@ class Proof:
     # on a mesh with a cp axis: the cp ranks simulated beside the tp ones, and the cp collectives they ran
     cp: int = 1
     cp_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
+    # on a mesh with an ep axis: the ep ranks simulated beside the tp ones, and the all-to-alls they ran
+    ep: int = 1
+    ep_collectives: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def ok(self) -> bool:

@@ -35,11 +35,11 @@ import torch.utils._pytree as pytree
 from torch.fx.node import map_aggregate
 
 from autoshard.core.errors import describe
-from autoshard.core.mesh import CP, TP
+from autoshard.core.mesh import CP, EP, TP
 from autoshard.core.sharding import Wire, sum_on_wire, widens
 from autoshard.plans.predict import Tally
 from autoshard.proof.rank_grid import RankGrid
-from autoshard.runtime import collectives, context_ops, whole_sections
+from autoshard.runtime import collectives, context_ops, token_dispatch, whole_sections
 from autoshard.runtime.whole_sections import section_order
 
 aten = torch.ops.aten
@@ -250,6 +250,79 @@ def _cp_all_reduce(tally, xs, cp, group_name):
     return _across(forward, backward, xs)
 
 
+def _ep_routing(ids: list[torch.Tensor], num_experts: int, by_offsets: bool, rows: list[int]):
+    """What :func:`autoshard.runtime.token_dispatch.routing` works out on each of ``ep`` ranks, from all
+    their ids at once: per rank ``(order, arrival, send, receive, local_ids, local_offsets)``."""
+    ep = len(ids)
+    local = num_experts // ep
+    flat = [(token_dispatch.expert_of_rows(i, n) if by_offsets else i.reshape(-1)).to(torch.int64)
+            for i, n in zip(ids, rows, strict=True)]
+    per_expert = [torch.bincount(f, minlength=num_experts).view(ep, local) for f in flat]  # [dest, local expert]
+    out = []
+    for me in range(ep):
+        arrived = torch.stack([per_expert[src][me] for src in range(ep)])  # [source, local expert]
+        arrived_ids = torch.repeat_interleave(torch.arange(local).repeat(ep), arrived.reshape(-1))
+        arrival = torch.argsort(arrived_ids, stable=True)
+        out.append((torch.argsort(flat[me], stable=True), arrival, per_expert[me].sum(1), arrived.sum(1),
+                    arrived_ids[arrival], torch.cumsum(arrived.sum(0), 0).to(torch.int32)))
+    return out
+
+
+def _moved(xs: list[torch.Tensor], splits: list[list[int]]) -> list[torch.Tensor]:
+    """An all-to-all: rank ``s`` sends ``splits[s][d]`` rows (in order) to rank ``d``; each rank gets
+    its parts source by source."""
+    parts = [torch.split(x, s) for x, s in zip(xs, splits, strict=True)]
+    return [torch.cat([parts[src][dest] for src in range(len(xs))]) for dest in range(len(xs))]
+
+
+def _rows_out(xs, handles):
+    """Each rank's rows to their experts' ranks, expert-major on arrival (the dispatch's rows)."""
+    sent = _moved([x[h[0]] for x, h in zip(xs, handles, strict=True)], [h[2].tolist() for h in handles])
+    return [r[h[1]] for r, h in zip(sent, handles, strict=True)]
+
+
+def _rows_back(xs, handles):
+    """Expert-major rows back to the ranks that sent them, each in its row's place (the combine)."""
+    source_major = [torch.empty_like(x).index_copy(0, h[1], x) for x, h in zip(xs, handles, strict=True)]
+    back = _moved(source_major, [h[3].tolist() for h in handles])
+    return [torch.empty_like(b).index_copy(0, h[0], b) for b, h in zip(back, handles, strict=True)]
+
+
+def _ep_tally(tally: Tally, xs, handles, sent: int) -> None:
+    """One all-to-all's bytes, as ranks 0 of the group sends them to the others."""
+    row = xs[0][0].numel() * xs[0].element_size() if xs[0].shape[0] else 0
+    splits = handles[0][sent].tolist()
+    tally.counts[EP][Wire.ALL_TO_ALL] += 1
+    tally.bytes[EP][Wire.ALL_TO_ALL] += (sum(splits) - splits[0]) * row
+
+
+def _ep_dispatch(tally: Tally, xs, ids, num_experts, share, by_offsets) -> list:
+    """ep_dispatch on one group's ranks: ``(local_rows, local_ids, local_offsets, order, arrival, send,
+    receive)`` per rank; the rows' backward brings their gradients back divided by ``share``."""
+    handles = _ep_routing(ids, num_experts, by_offsets, [x.shape[0] for x in xs])
+    tally.counts[EP][Wire.ALL_TO_ALL] += 1
+    tally.bytes[EP][Wire.ALL_TO_ALL] += num_experts * 8 * (len(xs) - 1) / len(xs)
+    _ep_tally(tally, xs, handles, 2)
+
+    def backward(grads):
+        _ep_tally(tally, grads, handles, 3)
+        return [g / share for g in _rows_back(grads, handles)]
+
+    local = _across(lambda v: _rows_out(v, handles), backward, xs).values
+    return [(rows, h[4], h[5], h[0], h[1], h[2], h[3]) for rows, h in zip(local, handles, strict=True)]
+
+
+def _ep_combine(tally: Tally, xs, handles, share) -> list:
+    """ep_combine on one group's ranks; its backward sends the gradients out again, times ``share``."""
+    _ep_tally(tally, xs, handles, 3)
+
+    def backward(grads):
+        _ep_tally(tally, grads, handles, 2)
+        return _rows_out([g * share for g in grads], handles)
+
+    return _across(lambda v: _rows_back(v, handles), backward, xs).values
+
+
 _CP_COLLECTIVES = (context_ops.CP_GATHER, context_ops.CP_ALL_REDUCE)
 _TENSOR_COLLECTIVES = {
     context_ops.CP_GATHER: _cp_gather,
@@ -351,11 +424,12 @@ class RankSimulator(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, tp: int, param: Callable[[str], PerRank | None],
                  prefix: str = "", values: dict[str, PerRank] | None = None, tally: Tally | None = None,
-                 widen: torch.dtype | None = None, cp: int = 1):
+                 widen: torch.dtype | None = None, cp: int = 1, ep: int = 1):
         super().__init__(gm, garbage_collect_values=False)
         self.tp = tp
         self.cp = cp
-        self.grid = RankGrid.of(cp=cp, tp=tp)  # rank i is cp rank i // tp, tp rank i % tp
+        self.ep = ep
+        self.grid = RankGrid.of(ep=ep, cp=cp, tp=tp)  # row-major in mesh order: on cp x tp rank i is (i // tp, i % tp)
         self.ranks = self.grid.ranks
         self.widen = widen  # run every float op in this dtype (a proof's exact reference); None: as written
         self.tally = tally if tally is not None else Tally()  # the tp collectives run, forward and backward
@@ -396,6 +470,8 @@ class RankSimulator(fx.Interpreter):
             rest = map_aggregate(on_rank(args[1:], 0), lambda a: _as_simulated(a, self.widen))
             grouped = _take_shards if target is collectives.TAKE_SHARDS else _enter_tps
             return self._grouped(False, list(args[0]), lambda tally, xs: grouped(tally, xs, *rest))
+        if target in (token_dispatch.EP_DISPATCH, token_dispatch.EP_COMBINE):
+            return self._exchanged(target, args)
         if target is context_ops.CP_POSITIONS:
             return _cp_positions(args[0], *on_rank(args[1:], 0), grid=self.grid)
         if target is context_ops.CP_CAUSAL_ATTENTION:
@@ -433,6 +509,28 @@ class RankSimulator(fx.Interpreter):
             sharded_dim = result.sharded_dim
         return PerRank(out, sharded_dim)
 
+    def _exchanged(self, target, args) -> PerRank:
+        """ep's dispatch or combine within each ep group: the routing worked out on every rank's ids,
+        the rows moved as the all-to-all moves them, and the backward the op's own (the other
+        exchange, with the experts' gradient share)."""
+        rows = args[0]
+        out: list = [None] * self.ranks
+        for k, group in enumerate(self.grid.groups(EP)):
+            tally = self.tally if k == 0 else Tally()  # one group's traffic, as a real rank counts it
+            if target is token_dispatch.EP_DISPATCH:
+                num_experts = on_rank(args[2], 0)
+                share = on_rank(args[4], 0) if len(args) > 4 else 1.0
+                by_offsets = on_rank(args[5], 0) if len(args) > 5 else False
+                result = _ep_dispatch(tally, [rows.values[i] for i in group], [args[1].values[i] for i in group],
+                                      num_experts, share, by_offsets)
+            else:
+                handles = [tuple(args[j].values[i] for j in range(1, 5)) for i in group]
+                share = on_rank(args[6], 0) if len(args) > 6 else 1.0
+                result = _ep_combine(tally, [rows.values[i] for i in group], handles, share)
+            for i, value in zip(group, result, strict=True):
+                out[i] = value
+        return PerRank(out)
+
     def _cp_causal_attention(self, args, kwargs) -> PerRank:
         """k and v gathered over the cp ranks (again in backward, then their gradients
         reduce-scattered), each rank's chunks attending with its own cp rank."""
@@ -456,7 +554,8 @@ class RankSimulator(fx.Interpreter):
         if isinstance(module, fx.GraphModule):
             # a pipeline stage holds its parameters at the model's own FQNs (passes.stages.stitched)
             prefix = self.prefix if getattr(module, "holds_model_fqns", False) else f"{self.prefix}{target}."
-            nested = RankSimulator(module, self.tp, self.param, prefix, self.values, self.tally, self.widen, self.cp)
+            nested = RankSimulator(module, self.tp, self.param, prefix, self.values, self.tally, self.widen, self.cp,
+                                   self.ep)
             return nested.run(*args, **kwargs)
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 
