@@ -1,10 +1,12 @@
 """Every mesh the axis order allows on 8 ranks, proven in one process.
 
 For each accepted mesh shape (``autoshard.core.mesh.MESH_SHAPES``: any of ``pp, dp_replicate,
-dp_shard, dp, cp, tp`` in that order, one data-parallel form) and every size of its axes (each at
+dp_shard, dp, ep, cp, tp`` in that order, one data-parallel form) and every size of its axes (each at
 least 2) whose product is 8, ``autoshard.check`` runs on three models: the example Llama, a
 Hugging Face Llama and a Hugging Face Qwen2 (8 blocks, so that pp=8 has one per stage; 8 heads of
-which 2 are kv heads, fewer than tp=4 and tp=8), in fp32 and in bf16, and on every mesh with tp
+which 2 are kv heads, fewer than tp=4 and tp=8), and every mesh with an ``ep`` axis on three
+mixtures of experts (``tests/moe_cases.py``: Qwen3-MoE and DeepSeek-V3 with 64 experts, top 8,
+Mixtral with 8), in fp32 and in bf16, and on every mesh with tp
 also with sequence parallelism and with loss parallelism. bf16 is FSDP2's ``mp_policy``
 (``param_dtype=bfloat16, reduce_dtype=float32``) where the mesh has an FSDP axis (dp, HSDP or cp),
 else the model cast to bf16 (a tp- or pp-only mesh has no FSDP to cast it).
@@ -74,7 +76,22 @@ def _hf(kind: str):
     return hf.Qwen2ForCausalLM(hf.Qwen2Config(**config))
 
 
-MODELS = {"example Llama": _example_llama, "HF Llama": lambda: _hf("llama"), "HF Qwen2": lambda: _hf("qwen2")}
+def _moe(kind: str):
+    from tests.moe_cases import MOE_MODELS
+
+    return MOE_MODELS[kind]()
+
+
+MODELS = {"example Llama": _example_llama, "HF Llama": lambda: _hf("llama"), "HF Qwen2": lambda: _hf("qwen2"),
+          "HF Qwen3-MoE": lambda: _moe("qwen3_moe"), "HF Mixtral": lambda: _moe("mixtral"),
+          "HF DeepSeek-V3": lambda: _moe("deepseek_v3")}
+# the mixtures of experts run every mesh with an ep axis (the dense models every mesh without: ep on a
+# model without experts is refused by design)
+EXPERTS = {"HF Qwen3-MoE", "HF Mixtral", "HF DeepSeek-V3"}
+
+
+def meshes_of(name: str, mesh_list: list[dict[str, int]]) -> list[dict[str, int]]:
+    return [m for m in mesh_list if ("ep" in m) == (name in EXPERTS)]
 
 
 def runs_of(mesh: dict[str, int]) -> list[str]:
@@ -132,7 +149,7 @@ def _model_rows(name: str, dtype: str, mesh_list: list[dict[str, int]]) -> list[
     built = MODELS[name]()
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     rows = []
-    for mesh in mesh_list:
+    for mesh in meshes_of(name, mesh_list):
         for option in runs_of(mesh):
             row = _run_one(copy.deepcopy(built), mesh, dtype, option, tokens)
             row["model"] = name

@@ -105,12 +105,20 @@ def _errors(reference, code, plan, ep, tp, batches, weights, trained, seed, wide
     per_rank_inputs = [PerRank([widened(batches[grid.coordinate(r, EP)][i], widen) for r in grid])
                        if isinstance(batches[0][i], torch.Tensor) else batches[0][i] for i in range(len(batches[0]))]
     got = _flat(RankSimulator(code, tp, rank_params.get, tally=tally, widen=widen, ep=ep).run(*per_rank_inputs))
-    _backward(got, [[cotangents[grid.coordinate(r, EP)][i] for r in grid] for i in range(len(got))])
+    tp_dims = [o.sharded_dim if isinstance(o, PerRank) else None for o in got]
+
+    def on_rank(whole, i, rank):  # what rank ``rank`` holds of output ``i`` (its tp chunk, left cut: loss parallel)
+        if whole is None or tp_dims[i] is None:
+            return whole
+        return whole.chunk(tp, dim=tp_dims[i])[grid.coordinate(rank, TP)]
+
+    _backward(got, [[on_rank(cotangents[grid.coordinate(r, EP)][i], i, r) for r in grid] for i in range(len(got))])
     errors = {}
     for i, out in enumerate(got):
         if isinstance(out, PerRank) and isinstance(out.values[0], torch.Tensor):
-            errors[f"output {i}"] = max(_rel(v.detach(), ref_outs[grid.coordinate(r, EP)][i].values[0].detach())
-                                        for r, v in enumerate(out.values))
+            errors[f"output {i}"] = max(
+                _rel(v.detach(), on_rank(ref_outs[grid.coordinate(r, EP)][i].values[0].detach(), i, r))
+                for r, v in enumerate(out.values))
     floor = 0.1 * _typical_rms([ref_params[name].values[0].grad for name in trained])
     for name in sorted(trained, key=list(weights).index):
         ref_grad = ref_params[name].values[0].grad
