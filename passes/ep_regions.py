@@ -311,10 +311,14 @@ def _common_module(fqns) -> str:
 
 
 def dispatch_experts(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]],
-                     layers: tuple[frozenset[str], ...], ep: int, group_name: str) -> int:
+                     layers: tuple[frozenset[str], ...], ep: int, group_name: str,
+                     outlined: frozenset[str] = frozenset()) -> int:
     """Rewrite every MoE layer of ``layers`` (each the expert weights of one layer the plan splits
     over ep) so its rows travel to their experts' ranks and back; returns how many were rewritten.
-    The graph's expert weights are read as this rank's ``E / ep`` experts."""
+    The graph's expert weights are read as this rank's ``E / ep`` experts. A layer whose experts'
+    module is in ``outlined`` has its experts' code moved into a GraphModule at that module's path,
+    called between the dispatch and the combine: the unit FSDP cuts the experts by over the data
+    axes ep leaves (see :func:`owns_its_module`)."""
     rewritten = 0
     for members, routing in _grouped_sites(gm, param_shapes):
         planned = next((weights for weights in layers if members[0].weight_fqn in weights), None)
@@ -325,10 +329,71 @@ def dispatch_experts(gm: fx.GraphModule, param_shapes: dict[str, tuple[int, ...]
             f"the emitted code's MoE layer reads {sorted(found.params)} ({found.refused or 'rows kept apart'}); "
             f"the plan splits {sorted(planned)}")
         _rewrite(gm, found, routing, int(param_shapes[members[0].weight_fqn][0]), ep, group_name)
+        module = _common_module(found.params)
+        if module in outlined:
+            _outline(gm, [n for n in gm.graph.nodes if n in set(found.nodes)], found.exit, module)
         rewritten += 1
     gm.graph.lint()
     gm.recompile()
     return rewritten
+
+
+def owns_its_module(weights, param_fqns) -> str:
+    """The experts' module path when it holds these weights and no other parameter (Hugging Face's
+    ``mlp.experts``, torchtitan's ``moe.experts``): its code can become one module FSDP cuts the
+    experts by; else ``""`` (the weights sit beside a router or other weights)."""
+    module = _common_module(weights)
+    if not module:
+        return ""
+    inside = {f for f in param_fqns if f.startswith(module + ".")}
+    return module if inside == set(weights) else ""
+
+
+def _outline(gm: fx.GraphModule, nodes: list[fx.Node], exit_node: fx.Node, module: str) -> None:
+    """Move ``nodes`` (the experts' code and their parameter reads, graph order) into a GraphModule
+    registered at ``module`` (replacing the container that held the parameters), called in their
+    place with the values they read and returning ``exit_node``'s value."""
+    members = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    assert all(u in members for n in nodes if n is not exit_node for u in n.users), "a value leaves the experts"
+    graph = fx.Graph()
+    env = {}
+    for value in inputs:
+        env[value] = graph.placeholder(value.name)
+        env[value].meta.update(value.meta)
+    attrs, prefix = {}, module + "."
+    for node in nodes:
+        copied = graph.node_copy(node, lambda a: env[a])
+        if node.op == "get_attr":
+            copied.target = node.target[len(prefix):]
+            attrs[copied.target] = _fetch(gm, node.target)
+        env[node] = copied
+    graph.output(env[exit_node])
+    experts = fx.GraphModule(attrs, graph, class_name=_class_of(exit_node, module))
+    gm.add_submodule(module, experts)
+    with gm.graph.inserting_after(exit_node):
+        call = gm.graph.call_module(module, tuple(inputs))
+    made_like(call, exit_node)
+    call.meta["val"] = exit_node.meta.get("val")
+    exit_node.replace_all_uses_with(call, delete_user_cb=lambda user: user not in members)
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)
+    call._rename(module.replace(".", "_"))
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _class_of(node: fx.Node, module: str) -> str:
+    """The experts module's own class name, read from ``nn_module_stack``."""
+    for path, type_name in (node.meta.get("nn_module_stack") or {}).values():
+        if path == module:
+            return str(type_name).rsplit(".", 1)[-1].strip("'>")
+    return "Experts"
 
 
 def _rewrite(gm: fx.GraphModule, found: _Region, routing, num_experts: int, ep: int, group_name: str) -> None:

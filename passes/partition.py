@@ -95,7 +95,7 @@ def partition(gm: fx.GraphModule, block_fqns: tuple[str, ...]) -> Partitioned:
                 root_graph.output(fx.map_arg(item.args[0], lambda n: env[n]))
                 continue
             env[item] = root_graph.node_copy(item, lambda n: env[n])
-            if item.op == "get_attr":
+            if item.op in ("get_attr", "call_module"):  # a module: experts outlined for their own FSDP unit
                 root_attrs[item.target] = _fetch(gm, item.target)
             continue
         block, nodes = item
@@ -210,7 +210,7 @@ def _extract(gm: fx.GraphModule, block: str, nodes: list[fx.Node]):
     prefix = block + "."
     for n in nodes:
         copied = graph.node_copy(n, lambda a: env[a])
-        if n.op == "get_attr":
+        if n.op == "get_attr" or n.op == "call_module" and n.target.startswith(prefix):
             copied.target = n.target[len(prefix):]
             attrs[copied.target] = _fetch(gm, n.target)
         env[n] = copied

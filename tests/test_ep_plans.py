@@ -37,8 +37,9 @@ def test_routed_experts_are_split_whole_over_ep(experts):
     names = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if experts == "InterleavedExperts"
                                              else set())
     assert split == {f"layers.{i}.feed_forward.experts.{n}" for i in range(2) for n in names}
+    assert all(c.fsdp for c in plan.experts)  # each layer's experts module is their own FSDP unit over dp
     for fqn in split:
-        assert placements_text(plan.params[fqn].placements) == {"dp": "R", "ep": "S(0)"}, fqn
+        assert placements_text(plan.params[fqn].placements) == {"dp": "S(1)", "ep": "S(0)"}, fqn
     dense = plan.params["layers.0.attention.wq.weight"]
     assert placements_text(dense.placements) == {"dp": "S(0)", "ep": "S(0)"}  # FSDP over dp x ep, as any data axis
     assert "experts layers.0.feed_forward.experts: ep (" in str(plan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from tests import pattern_models as pm
 from tests.distributed import distributed_tests
@@ -55,7 +55,9 @@ def _assert_experts_split(sharded, mesh) -> None:
         placements = dict(zip(param.device_mesh.mesh_dim_names, param.placements, strict=True))
         assert placements["ep"] == Shard(0), (fqn, placements)
         assert param.to_local().shape[0] == param.shape[0] // mesh["ep"].size(), fqn
-        assert all(p == Replicate() or (a == "tp" and isinstance(p, Shard)) for a, p in placements.items() if a != "ep")
+        # FSDP cuts the experts over dp on a dim ep and tp leave; tp cuts their features
+        assert all(isinstance(p, Shard) and p.dim != 0 for a, p in placements.items() if a != "ep"), (fqn, placements)
+        assert set(placements) == {a for a in mesh.mesh_dim_names}, (fqn, placements)
 
 
 def _pattern_check(experts: str, mesh_name: str):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 
 import torch
@@ -299,10 +300,16 @@ def rank_shape(entry, axes: MeshAxes) -> list[int]:
     to a multiple of the shard degree and divided (FSDP2 pads the last shard)."""
     shape = tp_local_shape(entry, axes)
     dim = placement_dim(dp_choice(entry.placements))
+    ep_dim = placement_dim(entry.placements.get(EP))
+    if ep_dim is not None and (dim is None or dim != ep_dim or not axes.expert_fsdp_axes):
+        # experts split whole over ep, cut by FSDP over the data axes ep leaves on another dim (or kept whole)
+        shape[ep_dim] = -(-shape[ep_dim] // axes.ep)
+        if dim is not None and dim != ep_dim:
+            degree = math.prod(axes.size(a) for a in axes.expert_fsdp_axes)
+            shape[dim] = -(-shape[dim] // degree)
+        return shape
     if dim is not None:
         shape[dim] = -(-shape[dim] // axes.dp)
-    elif placement_dim(entry.placements.get(EP)) is not None:  # experts split whole over ep, kept whole over dp
-        shape[placement_dim(entry.placements[EP])] //= axes.ep
     return shape
 
 

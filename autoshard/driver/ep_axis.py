@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoshard.core.mesh import EP, MeshAxes
-from autoshard.core.sharding import REPLICATED, shard_on
-from autoshard.passes.ep_regions import dispatch_experts, expert_layers
+from autoshard.core.mesh import EP, TP, MeshAxes
+from autoshard.core.sharding import REPLICATED, placement_dim, shard_on
+from autoshard.passes.ep_regions import dispatch_experts, expert_layers, owns_its_module
 from autoshard.plans.ep_choice import EP_CHOICE, choose
 from autoshard.plans.plan import Plan
 
@@ -40,21 +40,25 @@ def plan_experts(plan: Plan, gm, param_shapes, axes: MeshAxes, reshard_after_for
         raise NotImplementedError(f"autoshard: ep cannot split any MoE layer of this model: {where}")
     itemsize = _read_itemsize(gm, layers[0].weights[0])
     choices = tuple(choose(layer, axes.to_dict(), itemsize, reshard_after_forward) for layer in layers)
+    own_unit = {c.module for c in choices if axes.expert_fsdp_axes and owns_its_module(c.weights, param_shapes)}
+    choices = tuple(dataclasses.replace(c, fsdp=c.module in own_unit) if c.choice == EP_CHOICE else c for c in choices)
     params = dict(plan.params)
     for choice in choices:
         if choice.choice == EP_CHOICE:
             for fqn in choice.weights:
-                params[fqn] = _split_over_ep(params[fqn], axes)
+                params[fqn] = _split_over_ep(params[fqn], axes, choice.fsdp)
     return dataclasses.replace(plan, params=params, experts=choices)
 
 
-def _split_over_ep(entry, axes: MeshAxes):
-    """An expert weight's entry with whole experts per ep rank (its dim 0), replicated over the data
-    axes ep leaves (each rank keeps its experts whole; their gradients are averaged over those
-    axes), its tp cut as planned."""
+def _split_over_ep(entry, axes: MeshAxes, fsdp: bool):
+    """An expert weight's entry with whole experts per ep rank (its dim 0), its tp cut as planned, and
+    over the data axes ep leaves cut by FSDP on its first dim neither ep nor tp cuts (``fsdp``: the
+    experts' module is their own unit), else kept whole there (their gradients averaged)."""
     placements = dict(entry.placements)
+    tp_dim = placement_dim(placements.get(TP))
+    free = [d for d in range(1, len(entry.stored_shape)) if d != tp_dim]
     for axis in axes.expert_fsdp_axes:
-        placements[axis] = REPLICATED
+        placements[axis] = shard_on(free[0]) if fsdp and free else REPLICATED
     placements[EP] = shard_on(0)
     said = "whole experts per ep rank (S(0) over ep)"
     why = dataclasses.replace(entry.why, about="; ".join(n for n in (entry.why.about, said) if n))
@@ -76,6 +80,7 @@ def emit_experts(gm, param_shapes, plan: Plan, axes: MeshAxes) -> None:
     if not layers:
         return
     group = axes.group_name(EP) if axes.mesh is not None else EP
-    count = dispatch_experts(gm, param_shapes, layers, axes.ep, group)
+    outlined = frozenset(c.module for c in plan.experts if c.choice == EP_CHOICE and c.fsdp)
+    count = dispatch_experts(gm, param_shapes, layers, axes.ep, group, outlined)
     assert count == len(layers), f"ep rewrote {count} MoE layers, the plan splits {len(layers)}"
 

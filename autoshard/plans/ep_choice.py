@@ -70,6 +70,9 @@ class ExpertChoice:
     width_in: int = 0
     width_out: int = 0
     itemsize: int = 0
+    # the experts' module (its path, holding these weights alone) is one FSDP unit over the data axes
+    # ep leaves; else its experts are kept whole there and their gradients all-reduced
+    fsdp: bool = False
 
     def exchanges(self, ep: int) -> list[tuple[str, int]]:
         """``(kind, bytes of the tensor)`` of each all-to-all one training step runs for this layer

@@ -20,8 +20,9 @@ counts a running step (ring-model wire bytes per rank), without running anything
   per block. A parameter replicated over dp adds one gradient all-reduce per
   dp axis. Under HSDP each unit's reduced shard is all-reduced once over
   ``dp_replicate``. On a mesh with a ``cp`` or ``ep`` axis FSDP shards over ``dp x cp`` (``dp x ep``)
-  flattened and its traffic is reported as ``fsdp``; the experts split over ep are averaged over the
-  data axes ep leaves (``expert_dp``).
+  flattened and its traffic is reported as ``fsdp``; each layer's experts split over ep are one FSDP
+  unit over the data axes ep leaves (reported under those axes' name, ``dp``), or, where their module
+  holds other weights too, kept whole there with their gradients all-reduced.
 * **ep**: per MoE layer split over ep, at balanced routing: the per-expert counts, then the rows out
   and the results back in forward, their gradients back and out in backward (five all-to-alls, each
   rank keeping ``1 / ep`` of what it routes).
@@ -173,12 +174,20 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
         tally.add(shard_axis, Wire.REDUCE_SCATTER, shards * reduced, shards)
         if axes.is_hsdp:
             tally.add(DP_REPLICATE, Wire.ALL_REDUCE, reduced, axes.replicas)
-    experts = plan.ep_weights()
+    experts, ranks = plan.ep_weights(), math.prod(axes.size(a) for a in axes.expert_fsdp_axes)
+    expert_axis = "_".join(axes.expert_fsdp_axes)  # the data axes ep leaves, as one
+    for layer in plan.experts:  # a layer's experts as their own FSDP unit over those axes
+        if layer.choice == "ep" and layer.fsdp:
+            entries = [plan.params[f] for f in layer.weights if sharded_by_fsdp(plan.params[f].placements)]
+            gathered = sum(math.prod(rank_shape(e, axes)) for e in entries) * (param_dtype or master).itemsize
+            reduced = sum(math.prod(rank_shape(e, axes)) for e in entries) * (reduce_dtype or master).itemsize
+            tally.add(expert_axis, Wire.ALL_GATHER, ranks * gathered, ranks, 2 if reshard else 1)
+            tally.add(expert_axis, Wire.REDUCE_SCATTER, ranks * reduced, ranks)
     for fqn, entry in plan.params.items():
-        if fqn in experts:  # its experts whole on each rank: averaged over the data axes ep leaves, as one
-            ranks = math.prod(axes.size(a) for a in axes.expert_fsdp_axes)
-            numel = math.prod(rank_shape(entry, axes))
-            tally.add("expert_dp", Wire.ALL_REDUCE, numel * master.itemsize, ranks)
+        if fqn in experts:
+            if not sharded_by_fsdp(entry.placements) or dp_choice(entry.placements) == entry.placements.get(EP):
+                # kept whole over the data axes ep leaves: its gradient all-reduced over them
+                tally.add(expert_axis, Wire.ALL_REDUCE, math.prod(rank_shape(entry, axes)) * master.itemsize, ranks)
         elif dp_choice(entry.placements) == REPLICATED:
             numel = math.prod(rank_shape(entry, axes))
             for axis in reversed(axes.dp_axes):

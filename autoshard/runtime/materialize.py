@@ -70,15 +70,19 @@ def materialize(
     _copy_buffers(root, model, device, sync_module_states, axes)
     deferred = parameters_on_meta(model)  # shards are allocated after FSDP2 has cut them
     originals = dict(model.named_parameters())
-    experts = plan.ep_weights()  # whole over the data axes ep leaves: FSDP does not cut them
+    experts = plan.ep_weights()
+    units = {c.module: c.weights for c in plan.experts if c.choice == "ep" and c.fsdp}  # experts FSDP cuts over dp
+    whole_experts = experts - {fqn for weights in units.values() for fqn in weights}  # kept whole over dp
     for fqn, entry in plan.params.items():
         _set(root, fqn, _shard_param(originals[fqn], entry, axes, device, sync_module_states, fqn in experts))
     _wrap_quantized_gathers(root, plan)
     _tie(root, aliases, model)
     transposed = frozenset(f for f, e in plan.params.items() if e.transposed)
-    replicated_dp = {fqn for fqn, e in plan.params.items() if not sharded_by_fsdp(e.placements)} | experts
+    replicated_dp = {fqn for fqn, e in plan.params.items() if not sharded_by_fsdp(e.placements)} - experts
+    replicated_dp |= whole_experts
     cast_to = mp_policy.param_dtype if mp_policy is not None and axes.has_dp else None
-    for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items())):
+    for prefix, gm in (("", root), *((f"{b}.", g) for b, g in part.blocks.items()),
+                       *((f"{m}.", root.get_submodule(m)) for m in units)):
         _name_param_reads(gm, prefix, transposed)
         if axes.has_tp or experts:
             _read_params_locally(gm)
@@ -86,13 +90,13 @@ def materialize(
             _cast_reads(gm, prefix, replicated_dp, cast_to)
     _create_tensors_on(root, device)
     if axes.has_dp:
-        _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy)
+        _apply_fsdp(root, part, plan, axes, replicated_dp, reshard_after_forward, mp_policy, tuple(units))
     if deferred:
         _allocate_local_shards(root, device)
         _tie(root, aliases)
     if axes.has_dp:
         _average_grads_over_dp(root, replicated_dp - experts, axes)
-    _average_expert_grads(root, experts, axes)
+    _average_expert_grads(root, whole_experts, axes)
     sync = sync_module_states and not deferred and axes.mesh is not None and axes.mesh.size() > 1
     broadcast = (lambda values: _broadcast_objects_from_first_rank(values, axes)) if sync else None
     install_state_dict_hooks(root, plan, axes.tp, model, broadcast, aliases)  # extra state: its first rank's, if synced
@@ -342,7 +346,8 @@ def _read_params_locally(gm: fx.GraphModule) -> None:
 
 
 def _apply_fsdp(
-    root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_dp: set, reshard: bool, mp_policy=None
+    root, part: Partitioned, plan: Plan, axes: MeshAxes, replicated_dp: set, reshard: bool, mp_policy=None,
+    expert_units: tuple[str, ...] = (),
 ):
     dp_mesh = axes.dp_mesh()  # 2-D under HSDP: FSDP2 shards over dp_shard, replicates over dp_replicate
     params = dict(root.named_parameters())
@@ -358,6 +363,11 @@ def _apply_fsdp(
 
     policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
 
+    for module in expert_units:  # each MoE layer's experts split over ep, cut by FSDP over the data axes ep leaves
+        experts = root.get_submodule(module)
+        own = {p for p in experts.parameters() if p in ignored}
+        fully_shard(experts, mesh=axes.expert_dp_mesh(), reshard_after_forward=reshard, ignored_params=own or None,
+                    shard_placement_fn=shard_dim, **policy)
     for gm in part.blocks.values():
         own = {p for p in gm.parameters() if p in ignored}
         fully_shard(gm, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=own or None,
