@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# torchtitan without its dependencies: bench-titan, the corpus and the second tier's mixture of experts
+TITAN_STAMP := $(VENV)/.titan-stamp
 
 .PHONY: install test test-long lint demo spellings axis-matrix bench bench-titan bench-quant bench-meshes bench-check bench-depth bench-pp pp-parity bench-cp cp-parity bench-ep zoo corpus golden clean
 
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not long"
 
-test-long: $(STAMP)
+test-long: $(STAMP) $(TITAN_STAMP)
 	$(PY) -m pytest -q -m long
 
 lint: $(STAMP)
@@ -38,8 +40,6 @@ bench: $(STAMP)
 
 # torchtitan 0.3.0's own Llama-3 under its own parallelize_llama next to autoshard (2x2 and tp=4, fp32 and bf16).
 # torchtitan comes without its dependencies (the `bench` extra's pins; see benchmarks/bench_titan.py).
-TITAN_STAMP := $(VENV)/.titan-stamp
-
 $(TITAN_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps torchtitan==0.3.0 spmd_types==0.3.1
 	touch $(TITAN_STAMP)

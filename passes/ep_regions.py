@@ -121,10 +121,10 @@ def _region(members: list[ExpertSite], routing, param_shapes) -> _Region:
     if key is None:
         return _Region(refused=form)
     order = {n: i for i, n in enumerate(members[0].node.graph.nodes)}
-    entry = members[0].input
+    entry = _rows_source(members)
     ends = [s.node for s in members]
-    if any(not _descends(s.input, entry) for s in members):
-        return _Region(refused=f"the experts' matmuls read other rows than {describe(entry)}'s")
+    if entry is None:
+        return _Region(refused=f"the experts' matmuls read other rows than {describe(members[0].input)}'s")
     chains = {n for s in members for n in s.chain}
     region = _between(entry, ends) | chains
     params, extra = set(s.weight_fqn for s in members), set()
@@ -185,6 +185,19 @@ def _picked(node: fx.Node, key: fx.Node, num_experts: int, param_shapes) -> set[
         inner = _picked(node.args[0], key, num_experts, param_shapes) if isinstance(node.args[0], fx.Node) else set()
         return inner | {node} if inner and len(node.all_input_nodes) == 1 else set()
     return set()
+
+
+def _rows_source(members: list[ExpertSite]) -> fx.Node | None:
+    """The rows every matmul of the layer reads: the first matmul's input, or the value it is cast or
+    copied from when the others read their own cast of it (torchtitan's ``x.bfloat16()`` per matmul)."""
+    candidate = members[0].input
+    while candidate is not None:
+        if all(_descends(s.input, candidate) for s in members):
+            return candidate
+        inputs = candidate.all_input_nodes
+        keeps = candidate.op == "call_function" and candidate.target in _KEEPS_ROWS and len(inputs) == 1
+        candidate = inputs[0] if keeps else None
+    return None
 
 
 def _descends(node: fx.Node, ancestor: fx.Node) -> bool:

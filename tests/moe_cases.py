@@ -41,6 +41,35 @@ def deepseek_v3(impl: str | None = None) -> torch.nn.Module:
 MOE_MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
 
 
+def titan_qwen3_moe() -> torch.nn.Module:
+    """torchtitan 0.3.0's own Qwen3-MoE (8 experts, top 2, its ``GroupedExperts``: ``torch._grouped_mm``
+    in bf16 over the rows its local dispatcher sorts by expert, a fused ``wqkv``), built from its own
+    layer helper at this file's size with SDPA attention (torchtitan imports stubbed as
+    :mod:`tests.corpus` stubs them; ``make test-long`` installs torchtitan without its dependencies)."""
+    from tests.corpus import install_stubs
+
+    install_stubs("torchtitan")
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    dim, head_dim = 64, 16
+    layers = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=32,
+        num_experts=8, top_k=2, attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6),
+        moe_comm_backend="standard")
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT))
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
 def tokens(batch: int = 8, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, seq), generator=gen), torch.randint(0, VOCAB, (batch, seq), generator=gen)

@@ -234,7 +234,8 @@ def read_mesh(mesh: DeviceMesh) -> MeshAxes:
         raise ValueError(
             f"autoshard: mesh axes must be named ('dp', 'tp') (dp outer), ('dp',) or ('tp',), or for HSDP "
             f"('dp_replicate', 'dp_shard', 'tp') or ('dp_replicate', 'dp_shard'), each with 'pp' in front for "
-            f"pipeline stages (or ('pp',) alone), or with 'cp' before 'tp' for context parallelism "
+            f"pipeline stages (or ('pp',) alone), with 'ep' after the data axes for expert parallelism "
+            f"(('dp', 'ep', 'tp'), ('ep',), ...), or with 'cp' before 'tp' for context parallelism "
             f"(('dp', 'cp', 'tp'), ('cp',), ...); got mesh_dim_names={names or None} with shape "
             f"{tuple(mesh.shape)}. Create it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
         )
@@ -250,7 +251,8 @@ def axes_from_sizes(sizes: dict[str, int]) -> MeshAxes:
         what = f"unknown mesh axes {unknown}" if unknown else f"mesh axes {sorted(sizes)} do not go together"
         raise ValueError(
             f"autoshard: {what}; expected 'dp' and/or 'tp', or 'dp_replicate' and 'dp_shard' (HSDP) "
-            "with or without 'tp', each with or without 'pp', or with 'cp' (context parallelism) before 'tp'"
+            "with or without 'tp', each with or without 'pp', 'ep' (expert parallelism) after the data axes, or "
+            "'cp' (context parallelism) before 'tp'"
         )
     refuse_not_yet(order)
     return MeshAxes(tuple((a, int(sizes[a])) for a in order))
