@@ -105,7 +105,53 @@ def _titan_check(mesh_name: str):
     return check
 
 
+def check_the_exchange_is_exact_and_its_own_adjoint_with_a_rank_receiving_nothing(ctx):
+    """ep_dispatch -> each row through its expert -> ep_combine on 4 ranks, routed unevenly (no row for the
+    last rank's experts, one rank sending nothing at all): every output row and every gradient (rows and
+    the local experts) equals one process computing the same rows; the counter counts the bytes that
+    leave each rank, and each dispatch's rows per local expert."""
+    import torch.distributed as dist
+
+    from autoshard.adapters.comm_stats import CollectiveCounter
+    from autoshard.runtime.token_dispatch import ep_combine, ep_dispatch
+
+    mesh = _mesh("ep4")
+    group = mesh.get_group("ep")
+    experts, width, out_width, rank = 8, 4, 3, ctx.rank
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(experts, width, out_width, dtype=torch.float64, generator=gen)
+    rows = [torch.randn(n, width, dtype=torch.float64, generator=gen) for n in (5, 0, 7, 3)]
+    ids = [torch.randint(0, 6, (len(r),), generator=gen) for r in rows]  # experts 6, 7 (rank 3's) get nothing
+    whole = weights.clone().requires_grad_()
+    inputs = [r.clone().requires_grad_() for r in rows]
+    expected = [torch.einsum("nd,ndo->no", x, whole[i]) for x, i in zip(inputs, ids, strict=True)]
+    sum((e ** 2).sum() for e in expected).backward()
+    local_weights = weights[2 * rank: 2 * rank + 2].clone().requires_grad_()
+    mine = rows[rank].clone().requires_grad_()
+    counter = CollectiveCounter({"ep": group})
+    with counter:
+        local, local_ids, offsets, order, arrival, send, receive = ep_dispatch(mine, ids[rank], experts,
+                                                                               group.group_name, 0.25)
+        out = ep_combine(torch.einsum("nd,ndo->no", local, local_weights[local_ids]), order, arrival, send,
+                         receive, group.group_name, 0.25)
+        (out ** 2).sum().backward()
+    assert torch.equal(out.detach(), expected[rank].detach())
+    assert torch.allclose(mine.grad, inputs[rank].grad, rtol=1e-12, atol=0)
+    assert torch.allclose(local_weights.grad * 4, whole.grad[2 * rank: 2 * rank + 2], rtol=1e-12, atol=1e-12)
+    arrived = [sum(int((i // 2 == rank).sum()) for i in ids)]
+    assert len(local) == arrived[0] and offsets.tolist()[-1] == arrived[0]
+    assert counter.expert_rows() == [torch.bincount(local_ids, minlength=2).tolist()]
+    away = int((ids[rank] // 2 != rank).sum())  # rows this rank routes to other ranks' experts
+    from_others = arrived[0] - int((ids[rank] // 2 == rank).sum())  # rows other ranks route to this one's
+    forward = away * width * 8 + from_others * out_width * 8  # rows out, results back
+    backward = away * out_width * 8 + from_others * width * 8  # their gradients, the other way
+    counts = experts * 8 * 3 / 4
+    assert counter.wire_bytes("ep", "all_to_all") == round(forward + backward + counts)
+    dist.barrier()
+
+
 CHECKS = [
+    check_the_exchange_is_exact_and_its_own_adjoint_with_a_rank_receiving_nothing,
     *(_hf_check(model, impl, mesh) for model in MOE_MODELS for impl in (None, "batched_mm")
       for mesh in ("ep4", "dp2_ep2")),
     _hf_check("qwen3_moe", None, "ep2_tp2"),
