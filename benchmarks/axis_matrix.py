@@ -111,7 +111,11 @@ def _run_one(model, mesh: dict[str, int], dtype: str, option: str, tokens) -> di
     if option != "plain":
         keywords[option] = True
     if dtype == "bf16":
-        if axes_from_sizes(mesh).stage_axes().has_dp:
+        try:
+            has_dp = axes_from_sizes(mesh).stage_axes().has_dp
+        except NotImplementedError as err:  # a combination of axes not built yet: refused by name
+            return row | {"status": "refused", "detail": str(err).splitlines()[0][:300], "seconds": 0.0}
+        if has_dp:
             keywords["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             model = model.to(torch.bfloat16)
