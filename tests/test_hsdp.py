@@ -196,7 +196,37 @@ def check_hsdp_all_gather_is_quantized(ctx):
     assert gathered_bytes(run.sharded) <= 0.30 * gathered_bytes(plain)
 
 
+def check_hsdp_with_expert_parallelism(ctx):
+    """``("dp_replicate", "dp_shard", "ep") = (2, 2, 2)``: 8 batches, each MoE layer's experts split whole
+    over ep and their own FSDP unit over (dp_replicate, dp_shard) (HSDP); 3 SGD steps of the W[ids] experts
+    and Hugging Face's Qwen3-MoE within 1e-5 of one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests import pattern_models as pm
+    from tests.moe_cases import qwen3_moe
+    from tests.moe_cases import tokens as moe_tokens
+    from tests.parity import hf_loss
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
+    ids, targets = moe_tokens()
+    torch.manual_seed(0)
+    run = train_both(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), mesh, ids % pm.Config().vocab,
+                     torch.randn(8, 16, pm.Config().vocab), mse_loss, steps=3, lr=0.5)
+    assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
+    torch.manual_seed(0)
+    run = train_both(qwen3_moe(), mesh, ids, targets, hf_loss, steps=3, lr=0.5)
+    assert_parity(run, loss_tol=1e-5, param_tol=1e-5)
+    plan = run.sharded.autoshard_plan
+    assert plan.experts and all(c.choice == "ep" and c.fsdp for c in plan.experts)
+    for fqn in plan.ep_weights():
+        param = run.sharded.get_parameter(fqn)
+        placements = dict(zip(param.device_mesh.mesh_dim_names, param.placements, strict=True))
+        assert placements["ep"] == Shard(0) and placements["dp_replicate"] == Replicate(), (fqn, placements)
+        assert isinstance(placements["dp_shard"], Shard) and placements["dp_shard"].dim != 0, (fqn, placements)
+
+
 CHECKS = [
+    check_hsdp_with_expert_parallelism,
     check_hsdp_3d_parity_placements_and_collectives,
     check_hsdp_all_gather_is_quantized,
     check_hsdp_without_tp_averages_replicated_gradients_over_both_axes,

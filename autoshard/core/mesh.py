@@ -55,7 +55,6 @@ NOT_YET: dict[frozenset, str] = {
     frozenset({EP, CP}): "expert parallelism ('ep') with context parallelism ('cp') is not built yet: use "
                          "('dp', 'ep', 'tp') and cut long sequences without cp",
     frozenset({EP, PP}): "expert parallelism ('ep') with pipeline stages ('pp') is not built yet",
-    frozenset({EP, DP_REPLICATE}): "expert parallelism ('ep') under HSDP is not built yet: use ('dp', 'ep', ...)",
 }
 
 
@@ -203,8 +202,17 @@ class MeshAxes:
         if not axes:
             return None
         if len(axes) > 1:
-            return self.mesh[axes]._flatten("_".join(axes))
-        return self.mesh[axes[0]]
+            flat = self.mesh[axes]._flatten("_".join(axes))
+            return self.mesh[(DP_REPLICATE, flat.mesh_dim_names[0])] if self.is_hsdp else flat
+        return self.mesh[(DP_REPLICATE, axes[0])] if self.is_hsdp else self.mesh[axes[0]]
+
+    def expert_dp_groups(self) -> tuple:
+        """The process groups the gradient of an expert kept whole over the data axes ep leaves is
+        averaged over, inner first (under HSDP: dp_shard, then dp_replicate)."""
+        mesh = self.expert_dp_mesh()
+        if mesh is None:
+            return ()
+        return tuple(mesh.get_group(i) for i in reversed(range(mesh.ndim)))
 
     def dp_groups(self) -> tuple:
         """The process groups a gradient FSDP2 ignores is averaged over, inner first (FSDP2's order)."""

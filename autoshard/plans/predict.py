@@ -183,6 +183,8 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
             reduced = sum(math.prod(rank_shape(e, axes)) for e in entries) * (reduce_dtype or master).itemsize
             tally.add(expert_axis, Wire.ALL_GATHER, ranks * gathered, ranks, 2 if reshard else 1)
             tally.add(expert_axis, Wire.REDUCE_SCATTER, ranks * reduced, ranks)
+            if axes.is_hsdp:
+                tally.add(DP_REPLICATE, Wire.ALL_REDUCE, reduced, axes.replicas)
     for fqn, entry in plan.params.items():
         if fqn in experts:
             if not sharded_by_fsdp(entry.placements) or dp_choice(entry.placements) == entry.placements.get(EP):

@@ -412,7 +412,7 @@ def _average_expert_grads(root: nn.Module, experts: set[str], axes: MeshAxes) ->
     (see :func:`autoshard.runtime.token_dispatch.ep_combine`'s ``grad_share``)."""
     if not experts or not axes.expert_fsdp_axes:
         return
-    groups = (axes.expert_dp_mesh().get_group(),)
+    groups = axes.expert_dp_groups()
     params = dict(root.named_parameters())
     for param in {params[f] for f in experts if f in params and params[f].requires_grad}:
         param.register_post_accumulate_grad_hook(lambda p, groups=groups: _average_grad(p, groups))
