@@ -282,8 +282,8 @@ def _proof_weights(planned: PlanResult, model: nn.Module) -> dict:
 def prove_split_experts(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                         axes: MeshAxes, emitted: Emitted, *, seed: int = 0, rtol: float | None = None):
     """The code ``emitted`` for a plan that splits experts over ep, every ep x tp rank simulated on a
-    batch of its own, against the unsharded graph (see :mod:`autoshard.proof.expert_proof`)."""
-    from autoshard.proof.expert_proof import prove_experts
+    batch of its own, against the unsharded graph (see :mod:`autoshard.proof.ep_proof`)."""
+    from autoshard.proof.ep_proof import prove_experts
     from autoshard.runtime.pipeline_stages import flat_inputs
 
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
