@@ -105,9 +105,10 @@ def _routing_of(site: ExpertSite) -> tuple[str, fx.Node | None]:
 
 @dataclasses.dataclass
 class _Region:
-    """The rows' stretch of one layer: ``nodes`` (graph order), ``entry`` (the first matmul's input
-    rows), ``exit`` (the last matmul's output), the ``picks`` (chain nodes reading a weight by the
-    routing) and the expert parameters it reads; or ``refused``."""
+    """The rows' stretch of one layer: ``nodes`` (graph order, the experts' parameter reads and picks by
+    the routing included), ``entry`` (the rows every matmul reads), ``exit`` (the last value computed
+    row by row: the last matmul's output, or past it through an expert bias), the expert parameters it
+    reads; or why not (``refused``)."""
 
     nodes: list[fx.Node] = dataclasses.field(default_factory=list)
     entry: fx.Node | None = None

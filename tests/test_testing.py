@@ -185,6 +185,6 @@ def test_cli_usage_errors_exit_2(example_on_path, capsys, args, message):
 
 
 def test_cli_reports_what_autoshard_refuses_as_a_usage_error(example_on_path, capsys):
-    assert _cli("--mesh", "ep=2") == 2
+    assert _cli("--mesh", "xp=2") == 2
     assert capsys.readouterr().err.startswith(
-        "autoshard check: error: tiny_lm:build_model on ep2: autoshard: unknown mesh axes ['ep']")
+        "autoshard check: error: tiny_lm:build_model on xp2: autoshard: unknown mesh axes ['xp']")
