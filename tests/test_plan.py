@@ -682,3 +682,20 @@ def test_the_accepted_mesh_shapes_follow_from_the_axis_order():
         else:
             assert axes_from_sizes(sizes).names == shape
     assert len(MESH_SHAPES) == 47 and all(a in _ORDER for s in MESH_SHAPES for a in s)
+
+
+def test_no_function_body_is_longer_than_80_lines():
+    """A function of the package reads in one screen: its body (docstring aside) at most 80 lines."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    long_ones = []
+    for path in sorted([*root.joinpath("autoshard").rglob("*.py"), *root.joinpath("passes").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            if body and body[-1].end_lineno - body[0].lineno + 1 > 80:
+                long_ones.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    assert not long_ones, long_ones
