@@ -1,7 +1,7 @@
 """The ranks a proof simulates side by side: an N-D grid named by mesh axes.
 
-A proof runs every rank of the mesh axes that cut values inside one step (today ``cp`` and
-``tp``; an expert-parallel axis would be one more) in one process. The grid numbers them
+A proof runs every rank of the mesh axes that cut values inside one step (``ep``, ``cp`` and
+``tp``) in one process. The grid numbers them
 row-major in the mesh's axis order, as a ``DeviceMesh`` does: on ``cp x tp`` rank ``i`` is cp
 rank ``i // tp`` and tp rank ``i % tp``. A collective of one axis combines the values of the
 ranks that differ only in that axis's coordinate (:meth:`RankGrid.groups`), as the axis's
