@@ -134,12 +134,7 @@ class _Ranks:
         # a gradient zero in exact arithmetic (a key bias under softmax) is rounding noise on both sides:
         # held to a floor of a tenth of the model's typical gradient, as the tp proof does
         floor = 0.1 * _typical_rms([ref_params[name].values[0].grad for name in trained])
-        for name in sorted(trained, key=list(weights).index):
-            ref_grad = ref_params[name].values[0].grad
-            grads = [p.grad for p in cp_params[name].values]
-            if ref_grad is None and all(g is None for g in grads):
-                continue
-            ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(weights[name])
+        for name, ref_grad, grads in compared_gradients(ref_params, cp_params, trained, weights):
             expected = self.per_tp_rank(name, ref_grad)
             scale = ref_grad.double().norm().item()
             worst = 0.0
@@ -149,6 +144,18 @@ class _Ranks:
                 worst = max(worst, rel_error(total, expected[t], scale, floor))
             errors[f"grad {name}"] = worst
         return errors, tally
+
+
+def compared_gradients(ref_params: dict, rank_params: dict, trained: set, weights: dict):
+    """``(name, reference gradient, each simulated rank's gradient)`` of every trained weight, in the
+    weights' order; a weight no path reached on any side is skipped, one reached only on the ranks is
+    compared with a zero reference."""
+    for name in sorted(trained, key=list(weights).index):
+        ref_grad = ref_params[name].values[0].grad
+        grads = [p.grad for p in rank_params[name].values]
+        if ref_grad is None and all(g is None for g in grads):
+            continue
+        yield name, (ref_grad if ref_grad is not None else torch.zeros_like(weights[name])), grads
 
 
 def _first_divergence(ranks: _Ranks, tolerance: float) -> str | None:

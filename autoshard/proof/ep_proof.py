@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from autoshard.core.mesh import EP, TP
 from autoshard.plans.predict import Tally
-from autoshard.proof.context_proof import WIDE_TOLERANCE, _backward, _flat, _rel
+from autoshard.proof.context_proof import WIDE_TOLERANCE, _backward, _flat, _rel, compared_gradients
 from autoshard.proof.proof import TOLERANCE, Proof, _compute_dtype, _typical_rms, rel_error, stored_shards
 from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.rounding import Measure
@@ -120,12 +120,7 @@ def _errors(reference, code, plan, ep, tp, batches, weights, trained, seed, wide
                 _rel(v.detach(), on_rank(ref_outs[grid.coordinate(r, EP)][i].values[0].detach(), i, r))
                 for r, v in enumerate(out.values))
     floor = 0.1 * _typical_rms([ref_params[name].values[0].grad for name in trained])
-    for name in sorted(trained, key=list(weights).index):
-        ref_grad = ref_params[name].values[0].grad
-        grads = [p.grad for p in rank_params[name].values]
-        if ref_grad is None and all(g is None for g in grads):
-            continue
-        ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(weights[name])
+    for name, ref_grad, grads in compared_gradients(ref_params, rank_params, trained, weights):
         scale, worst = ref_grad.double().norm().item(), 0.0
         for r in grid:
             if name in experts:
