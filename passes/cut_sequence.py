@@ -448,12 +448,15 @@ class _Rewriter:
         if target in _SAME_SHAPE or target in _ELEMENTWISE or (isinstance(target, torch._ops.OpOverload)
                                                                 and torch.Tag.pointwise in target.tags):
             return self._pointwise(node, node.all_input_nodes)
-        if target in (aten.topk.default, aten.sort.default, aten.argsort.default):
+        if target is aten.index.Tensor:
+            return self._pick(node)
+        if target in (aten.topk.default, aten.sort.default, aten.argsort.default, aten.sort.stable,
+                      aten.argsort.stable):
             return self._along_other_dim(node)
         if target is aten.repeat_interleave.self_int:
             return self._repeat_interleave(node)
         if target in (aten.pad.default, aten.constant_pad_nd.default, aten.convolution.default,
-                      aten.conv1d.default, aten.index.Tensor, aten.gather.default, aten.scatter.src,
+                      aten.conv1d.default, aten.gather.default, aten.scatter.src,
                       aten.scatter_add.default):
             raise _Gather(f"{_op_name(target)} may mix positions along the sequence")
         raise NotImplementedError(
@@ -616,11 +619,12 @@ class _Rewriter:
         cut = self._cut_of(src)
         nd = len(_shape(src))
         names = {aten.topk.default: ("self", "k", "dim"), aten.sort.default: ("self", "dim"),
-                 aten.argsort.default: ("self", "dim")}[node.target]
+                 aten.argsort.default: ("self", "dim"), aten.sort.stable: ("self",),
+                 aten.argsort.stable: ("self",)}[node.target]
         args = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
         if int(args.get("dim", -1)) % nd == cut.dim:
             raise _Gather(f"{_op_name(node.target)} along the sequence")
-        return cut if node.target is aten.argsort.default else (cut, cut)
+        return cut if node.target in (aten.argsort.default, aten.argsort.stable) else (cut, cut)
 
     def _repeat_interleave(self, node: fx.Node) -> Cut:
         """Each row repeated ``repeats`` times (an MoE's tokens, once per chosen expert): along the cut
@@ -787,6 +791,17 @@ class _Rewriter:
         if cut is None:
             raise _Gather("an embedding table cut along the sequence")
         return cut
+
+    def _pick(self, node: fx.Node) -> Cut:
+        """``table[index]``: a whole table picked by a cut index along its first dim (an expert's
+        weights per row, ``W[ids]``) is cut as the index is, its dims leading the result, as an
+        embedding is; a cut table, or a pick along another dim, may mix positions."""
+        table, indices = node.args[0], node.args[1]
+        first = indices[0] if indices else None
+        cut = self._cut_of(first) if isinstance(first, fx.Node) else None
+        if (self._cut_of(table) is None and isinstance(cut, Cut) and len(indices) == 1):
+            return cut
+        raise _Gather(f"{_op_name(node.target)} may mix positions along the sequence")
 
     def _norm(self, node: fx.Node):
         src = node.args[0]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 import autoshard
 from autoshard.core.sharding import placements_text
@@ -153,9 +154,9 @@ def _emitted(sizes):
 
 
 def _prove(model, axes, planned, emitted):
-    from autoshard.driver.planning import prove_split_experts
+    from autoshard.driver.planning import prove_grid
 
-    return prove_split_experts(planned, model, (TOKENS,), None, axes, emitted)
+    return prove_grid(planned, model, (TOKENS,), None, axes, emitted)
 
 
 def test_a_misordered_exchange_is_caught():
@@ -217,5 +218,26 @@ def test_the_mesh_order_puts_ep_between_the_data_axes_and_tp():
 
     assert accepted(("dp", "ep")) and accepted(("ep", "tp")) and accepted(("dp", "ep", "tp"))
     assert not accepted(("ep", "dp")) and not accepted(("tp", "ep"))
-    with pytest.raises(NotImplementedError, match="with pipeline stages"):
-        autoshard.plan(nn.Linear(2, 2), {"pp": 2, "ep": 2}, example_inputs=(torch.ones(1, 2),))
+    with pytest.raises(NotImplementedError, match="with context parallelism"):
+        autoshard.plan(nn.Linear(2, 2), {"ep": 2, "cp": 2}, example_inputs=(torch.ones(1, 2),))
+
+
+@pytest.mark.parametrize("sizes", [{"pp": 2, "ep": 2, "tp": 2}, {"pp": 2, "dp": 2, "ep": 2}])
+def test_pipeline_stages_split_their_experts_over_ep(sizes):
+    """A pp mesh plans its stages on the stage mesh: each MoE layer's experts split over the stage's ep,
+    with the layer's block on one stage; the stages called in order are proven against the unsharded
+    model with every ep (x tp) rank simulated on its own batch (five all-to-alls per layer and
+    microbatch). Planning the stages' crossings runs the code on fake tensors, where the rows an
+    expert receives are data: the crossing is the combine's output, of its input's shape."""
+    torch.manual_seed(0)
+    proof = autoshard.check(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), sizes, example_inputs=(TOKENS,))
+    assert proof.ok, str(proof)
+    plan = proof.plan
+    assert proof.ep == 2 and proof.ep_collectives["all_to_all"][0] == 2 * 5
+    assert [c.choice for c in plan.experts] == ["ep", "ep"]
+    stage_of = {unit: stage.index for stage in plan.pipeline.stages for unit in stage.units}
+    assert [stage_of[c.module.rsplit(".feed_forward", 1)[0]] for c in plan.experts] == [0, 1]
+    for fqn in plan.ep_weights():
+        assert plan.params[fqn].placements["ep"] == Shard(0), fqn
+    (_, hidden, _, _), = plan.pipeline.sends  # one microbatch row of 8 positions, 64 wide, float32
+    assert hidden == 1 * 8 * 64 * 4, plan.pipeline.sends

@@ -52,9 +52,6 @@ MESH_SHAPES = tuple(s for s in _subsequences(_ORDER) if accepted(s))
 # axes the order allows together that are not built yet, and why (docs/limits.md lists them); every
 # combination the order allows is built today, so a new axis adds its gaps here until it composes
 NOT_YET: dict[frozenset, str] = {
-    frozenset({EP, CP}): "expert parallelism ('ep') with context parallelism ('cp') is not built yet: use "
-                         "('dp', 'ep', 'tp') and cut long sequences without cp",
-    frozenset({EP, PP}): "expert parallelism ('ep') with pipeline stages ('pp') is not built yet",
 }
 
 

@@ -109,7 +109,7 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
     parts = emitted.parts
     split = split_stages(parts, stage_of_block, count, frozenset(planned.plan.params))
     flat = flat_inputs(captured, micro_inputs, micro_kwargs)
-    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat, stage_axes.cp)
+    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat, stage_axes.cp, stage_axes.ep)
     output = next(n for n in parts.root.graph.nodes if n.op == "output")
     output_names = tuple(n.name for n in pytree.tree_leaves(output.args[0]))
     root = {fqn for fqn, entry in planned.plan.params.items() if not entry.unit}
@@ -121,14 +121,17 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
                         output_names, tuple(costs))
 
 
-def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, cp: int = 1) -> dict[str, Crossing]:
+def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, cp: int = 1,
+                 ep: int = 1) -> dict[str, Crossing]:
     """Every root value as one rank holds it, from running the emitted code on fake tensors
     (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run).
 
     Every rank of the stage's ``cp x tp`` grid is simulated (:class:`~autoshard.proof.rank_grid.RankGrid`,
     as the proof lays them out); all take the whole inputs, and a
     value cut over the sequence crosses a boundary at its cp-local length. Rank 0's shapes are every
-    rank's: tp shards and the balanced sequence chunks are equal."""
+    rank's: tp shards and the balanced sequence chunks are equal. Under ``ep`` each rank holds its
+    experts and the exchanges keep every rank's row count (:meth:`RankSimulator._exchanged_shapes`):
+    the rows an expert gets are data, and only the combine's output, of its input's shape, crosses."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -139,16 +142,20 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
     if device.type == "meta":
         device = torch.device("cpu")
     dtypes = _param_dtypes(root)
-    grid = RankGrid.of(cp=cp, tp=tp)
+    grid = RankGrid.of(ep=ep, cp=cp, tp=tp)
+    experts = plan.ep_weights()
     with mode, torch.enable_grad():
         weights = {}
         for fqn, entry in plan.params.items():
             full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
-            shards = [s.requires_grad_(True) for s in stored_shards(entry, full, tp)]
+            shards = stored_shards(entry, full, tp)
+            if fqn in experts:
+                shards = [s.chunk(ep)[0] for s in shards]
+            shards = [s.requires_grad_(True) for s in shards]
             weights[fqn] = PerRank([shards[grid.coordinate(i, TP)] for i in grid])
         inputs = [PerRank([_fake(mode, v, device) if isinstance(v, torch.Tensor) else v] * grid.ranks)
                   for v in flat_inputs]
-        simulator = RankSimulator(root, tp, weights.get, cp=cp)
+        simulator = RankSimulator(root, tp, weights.get, cp=cp, ep=ep)
         simulator.run(*inputs)
     crossings = {}
     for name, value in simulator.values.items():

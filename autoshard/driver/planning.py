@@ -46,6 +46,7 @@ from autoshard.plans.block_quant import with_quantized_gathers
 from autoshard.plans.plan import Plan, mixed_precision_of
 from autoshard.plans.retarget import retarget
 from autoshard.proof.proof import Proof, Subject, as_read, prove, vocabularies
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.runtime.graph_parts import Partitioned
 
 
@@ -67,12 +68,10 @@ def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kw
 def prove_emitted(planned: PlanResult, emitted: Emitted, model: nn.Module, example_inputs: tuple,
                   example_kwargs: dict | None, axes: MeshAxes, *, seed: int = 0, rtol: float | None = None) -> Proof:
     """The one proof of the code ``emitted`` for ``planned``, against the unsharded graph: every rank
-    of the axes' grid simulated (:class:`~autoshard.proof.rank_grid.RankGrid`): the cp x tp grid
-    (:func:`prove_cut`) with a cp axis, else the tp ranks (:func:`~autoshard.proof.proof.prove`)."""
-    if axes.has_cp:
-        return prove_cut(planned, model, example_inputs, example_kwargs, axes, emitted, rtol=rtol)
-    if axes.has_ep:
-        return prove_split_experts(planned, model, example_inputs, example_kwargs, axes, emitted, seed=seed, rtol=rtol)
+    of the axes' grid simulated (:class:`~autoshard.proof.rank_grid.RankGrid`): the ep x cp x tp grid
+    (:func:`prove_grid`) with a cp or an ep axis, else the tp ranks (:func:`~autoshard.proof.proof.prove`)."""
+    if axes.has_cp or axes.has_ep:
+        return prove_grid(planned, model, example_inputs, example_kwargs, axes, emitted, seed=seed, rtol=rtol)
     proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
     return dataclasses.replace(proof, plan=planned.plan)
 
@@ -279,33 +278,21 @@ def _proof_weights(planned: PlanResult, model: nn.Module) -> dict:
     return weights
 
 
-def prove_split_experts(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-                        axes: MeshAxes, emitted: Emitted, *, seed: int = 0, rtol: float | None = None):
-    """The code ``emitted`` for a plan that splits experts over ep, every ep x tp rank simulated on a
-    batch of its own, against the unsharded graph (see :mod:`autoshard.proof.ep_proof`)."""
-    from autoshard.proof.ep_proof import prove_experts
-    from autoshard.runtime.pipeline_stages import flat_inputs
-
-    inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    return prove_experts(planned.reference, emitted.parts.root, planned.plan, axes.ep, axes.tp, inputs,
-                         _proof_weights(planned, model), seed=seed, rtol=rtol)
-
-
-def prove_cut(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-              axes: MeshAxes, emitted: Emitted, rtol: float | None = None):
-    """The code ``emitted`` for a graph cut over cp (its tp code, or a pipeline's stages called in
-    order), every cp x tp rank simulated, against the unsharded graph (see
-    :mod:`autoshard.proof.context_proof`)."""
+def prove_grid(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+               axes: MeshAxes, emitted: Emitted, *, seed: int = 0, rtol: float | None = None):
+    """The code ``emitted`` for a mesh with a cp or an ep axis (its tp code, or a pipeline's stages
+    called in order), every rank of the ``ep x cp x tp`` grid simulated, each ep rank on a batch of its
+    own, against the unsharded graph (see :mod:`autoshard.proof.grid_proof`)."""
     from autoshard.plans.context_plan import ContextPlan
-    from autoshard.proof.context_proof import prove_context
+    from autoshard.proof.grid_proof import prove_on_grid
     from autoshard.runtime.pipeline_stages import flat_inputs
 
-    weights = _proof_weights(planned, model)
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    cut = ContextPlan.from_dict(planned.plan.context)
-    proof = prove_context(planned.reference, emitted.parts.root, axes.cp, inputs, weights, rtol=rtol,
-                          output_cuts=cut.output_cuts, seq=cut.seq, plan=planned.plan, tp=axes.tp)
-    return dataclasses.replace(proof, plan=planned.plan)
+    cut = ContextPlan.from_dict(planned.plan.context) if axes.has_cp else None
+    grid = RankGrid.of(ep=axes.ep, cp=axes.cp, tp=axes.tp)
+    return prove_on_grid(planned.reference, emitted.parts.root, planned.plan, grid, inputs,
+                         _proof_weights(planned, model), seed=seed, rtol=rtol,
+                         output_cuts=cut.output_cuts if cut is not None else (), seq=cut.seq if cut is not None else 0)
 
 
 def emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,

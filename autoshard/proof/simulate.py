@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import map_aggregate
 
 from autoshard.core.errors import describe
@@ -514,6 +515,8 @@ class RankSimulator(fx.Interpreter):
         the rows moved as the all-to-all moves them, and the backward the op's own (the other
         exchange, with the experts' gradient share)."""
         rows = args[0]
+        if isinstance(rows.values[0], FakeTensor):
+            return self._exchanged_shapes(target, args)
         out: list = [None] * self.ranks
         for k, group in enumerate(self.grid.groups(EP)):
             tally = self.tally if k == 0 else Tally()  # one group's traffic, as a real rank counts it
@@ -530,6 +533,25 @@ class RankSimulator(fx.Interpreter):
             for i, value in zip(group, result, strict=True):
                 out[i] = value
         return PerRank(out)
+
+    def _exchanged_shapes(self, target, args) -> PerRank:
+        """The exchange on fake tensors (shapes only, as pipeline planning runs the code): which rows go
+        where is data, so every rank is taken to receive as many rows as it sends, as under balanced
+        routing; the values a boundary carries (the combine's output) have their true shape anyway."""
+        ep = self.grid.size(EP)
+
+        def dispatch(rows, num_experts):
+            long = dict(dtype=torch.int64, device=rows.device)
+            count = rows.shape[0]
+            return (rows.clone(), torch.zeros((count,), **long),
+                    torch.full((num_experts // ep,), count, dtype=torch.int32, device=rows.device),
+                    torch.arange(count, **long), torch.arange(count, **long),
+                    torch.full((ep,), count // ep, **long), torch.full((ep,), count // ep, **long))
+
+        if target is token_dispatch.EP_DISPATCH:
+            num_experts = on_rank(args[2], 0)
+            return PerRank([dispatch(rows, num_experts) for rows in args[0].values])
+        return PerRank([rows.clone() for rows in args[0].values])
 
     def _cp_causal_attention(self, args, kwargs) -> PerRank:
         """k and v gathered over the cp ranks (again in backward, then their gradients

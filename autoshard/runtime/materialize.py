@@ -352,10 +352,12 @@ def _apply_fsdp(
     dp_mesh = axes.dp_mesh()  # 2-D under HSDP: FSDP2 shards over dp_shard, replicates over dp_replicate
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
-    dp_dim = {
-        params[fqn]: dp_choice(entry.placements)
+    experts = plan.ep_weights()
+    expert_axis = axes.expert_fsdp_axes[0] if axes.expert_fsdp_axes else None
+    dp_dim = {  # an expert's FSDP cut is on the data axes ep leaves, not on ep's whole experts
+        params[fqn]: entry.placements.get(expert_axis) if fqn in experts else dp_choice(entry.placements)
         for fqn, entry in plan.params.items()
-        if sharded_by_fsdp(entry.placements)
+        if fqn in params and sharded_by_fsdp(entry.placements)
     }
 
     def shard_dim(param):  # S(1) where tp already cuts dim 0 (a tied vocabulary table)

@@ -303,7 +303,8 @@ def materialize_pipeline(pplan, model: nn.Module, axes: MeshAxes, loss_fn: Calla
             continue
         held = set(graph.params)
         plan = dataclasses.replace(stage_plan, params={f: e for f, e in stage_plan.params.items() if f in held},
-                                   units=tuple(u for u in stage_plan.units if u == "" or u in graph.blocks))
+                                   units=tuple(u for u in stage_plan.units if u == "" or u in graph.blocks),
+                                   experts=tuple(c for c in stage_plan.experts if set(c.weights) <= held))
         part = stage_part(graph, parts.blocks)
         module = materialize(part, model, plan, stage_axes, {a: c for a, c in aliases.items() if c in held},
                              sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
