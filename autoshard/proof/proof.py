@@ -126,7 +126,8 @@ class Proof:
         factor = self.worst_factor
         against = (f"sharding costs at most x{factor:.2g} one device's error against float64"
                    if factor is not None else f"tolerance {self.tolerance:.0e}")
-        ranks = " x ".join([f"{axis}={n}" for axis, n in (("ep", self.ep), ("cp", self.cp)) if n > 1] + [f"tp={self.tp}"])
+        grid = [f"{axis}={n}" for axis, n in (("ep", self.ep), ("cp", self.cp)) if n > 1]
+        ranks = " x ".join([*grid, f"tp={self.tp}"])
         head = (f"autoshard proof on {ranks}: {verdict} ({len(self.outputs)} outputs max error "
                 f"{self.max_output_error:.1e}, {len(self.gradients)} gradients max error "
                 f"{self.max_gradient_error:.1e}, {against}, {self.seconds:.2f} s)")
