@@ -64,8 +64,8 @@ LONG = (
     # expert parallelism trained on 4 gloo ranks (its plans, choices and refusals are checked in one process
     # in tests/test_ep_plans.py)
     "tests/test_expert_parallel.py::test_check",
-    # expert parallelism inside pipeline stages on 8 gloo ranks (proven in one process in tests/test_ep_plans.py)
-    "tests/test_pipeline_experts.py::test_check",
+    # expert parallelism with pp and cp on 8 gloo ranks (proven in one process in tests/test_ep_plans.py)
+    "tests/test_expert_meshes.py::test_check",
 )
 
 

@@ -130,6 +130,28 @@ def test_every_ep_rank_is_simulated_on_every_mesh(experts, sizes):
     _proven(experts, sizes)
 
 
+@pytest.mark.parametrize(("experts", "sizes"), [("IndexedExperts", {"ep": 2, "cp": 2}),
+                                                ("GroupedExperts", {"ep": 2, "cp": 2, "tp": 2}),
+                                                ("InterleavedExperts", {"dp": 2, "ep": 2, "cp": 2})])
+def test_ep_with_cp_is_simulated_on_the_ep_x_cp_x_tp_grid(experts, sizes):
+    """Each ep rank on its own batch, each cp rank of it on its sequence chunks: every cp rank routes
+    its own positions' tokens and exchanges them within its ep group; an expert's gradient is summed
+    over cp (its FSDP unit's average) and held to its experts' rows of the reference's."""
+    _proven(experts, sizes)
+
+
+def test_an_expert_pick_by_ids_cut_along_the_sequence_stays_cut():
+    """``W[ids]`` with ``ids`` cut over cp (each rank's tokens' choices) is cut as the ids are, as an
+    embedding is: no gather of the ids and no re-cut of the picked weights, and ep finds the pick
+    next to its matmul."""
+    torch.manual_seed(0)
+    plan = autoshard.plan(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), {"cp": 2}, example_inputs=(TOKENS,))
+    assert plan.context["gathered_whole"] == [], plan.context["gathered_whole"]
+    plan = autoshard.plan(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), {"ep": 2, "cp": 2},
+                          example_inputs=(TOKENS,))
+    assert [c.choice for c in plan.experts] == ["ep", "ep"] and all(c.fsdp for c in plan.experts)
+
+
 def _proven(experts, sizes):
     torch.manual_seed(0)
     proof = autoshard.check(pm.ExpertsMoE(pm.Config(), experts=getattr(pm, experts)), sizes, example_inputs=(TOKENS,))

@@ -1,13 +1,13 @@
 """Expert parallelism trained on 4 gloo ranks against one device.
 
-Meshes ``("ep",) = (4,)``, ``("dp", "ep") = (2, 2)`` and ``("ep", "tp") = (2, 2)``: each rank routes
-its own slice of the batch (``autoshard.data_parallel_rank``), the experts are split whole over ep
-and the rows travel by all-to-all. Hugging Face Qwen3-MoE, Mixtral and DeepSeek-V3 (shared expert,
-top 8 of 64) in both of transformers' exportable experts implementations, torchtitan's own Qwen3-MoE
-(its ``GroupedExperts`` and local token dispatcher), and the grouped-GEMM,
-``W[ids]`` and biased (gpt-oss) spellings of :mod:`tests.pattern_models`: the loss over 3 AdamW steps
-and every parameter after 3 SGD steps within 1e-5 of one device, the experts' placements, and the
-all-to-alls counted.
+Meshes ``("ep",) = (4,)``, ``("dp", "ep") = (2, 2)``, ``("ep", "tp") = (2, 2)`` and ``("ep", "cp") =
+(2, 2)``: each rank routes its own slice of the batch (``autoshard.data_parallel_rank``; under cp its
+sequence chunks of it), the experts are split whole over ep and the rows travel by all-to-all.
+Hugging Face Qwen3-MoE, Mixtral and DeepSeek-V3 (shared expert, top 8 of 64) in both of
+transformers' exportable experts implementations, torchtitan's own Qwen3-MoE (its ``GroupedExperts``
+and local token dispatcher), and the grouped-GEMM, ``W[ids]`` and biased (gpt-oss) spellings of
+:mod:`tests.pattern_models`: the loss over 3 AdamW steps and every parameter after 3 SGD steps within
+1e-5 of one device, the experts' placements, and the all-to-alls counted.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tests.distributed import distributed_tests
 from tests.moe_cases import MOE_MODELS, tokens
 from tests.parity import assert_parity, hf_loss, lm_loss, mse_loss, train_both
 
-MESHES = {"ep4": ((4,), ("ep",)), "dp2_ep2": ((2, 2), ("dp", "ep")), "ep2_tp2": ((2, 2), ("ep", "tp"))}
+MESHES = {"ep4": ((4,), ("ep",)), "dp2_ep2": ((2, 2), ("dp", "ep")), "ep2_tp2": ((2, 2), ("ep", "tp")),
+          "ep2_cp2": ((2, 2), ("ep", "cp"))}
 
 
 def _mesh(name: str):
@@ -57,9 +58,10 @@ def _assert_experts_split(sharded, mesh) -> None:
         assert placements["ep"] == Shard(0), (fqn, placements)
         assert param.to_local().shape[0] == param.shape[0] // mesh["ep"].size(), fqn
         assert set(placements) == set(mesh.mesh_dim_names), (fqn, placements)
-        if "dp" in placements:  # the experts' own FSDP unit cuts another dim than the experts'
-            assert isinstance(placements["dp"], Shard) and placements["dp"].dim != 0, (fqn, placements)
-    assert all(c.fsdp == ("dp" in mesh.mesh_dim_names) for c in plan.experts)
+        for axis in ("dp", "cp"):  # the experts' own FSDP unit cuts another dim than the experts'
+            if axis in placements:
+                assert isinstance(placements[axis], Shard) and placements[axis].dim != 0, (fqn, placements)
+    assert all(c.fsdp == any(a in mesh.mesh_dim_names for a in ("dp", "cp")) for c in plan.experts)
 
 
 def _pattern_check(experts: str, mesh_name: str):
@@ -155,6 +157,8 @@ CHECKS = [
     *(_hf_check(model, impl, mesh) for model in MOE_MODELS for impl in (None, "batched_mm")
       for mesh in ("ep4", "dp2_ep2")),
     _hf_check("qwen3_moe", None, "ep2_tp2"),
+    _hf_check("qwen3_moe", None, "ep2_cp2"),
+    _hf_check("mixtral", "batched_mm", "ep2_cp2"),
     *(_pattern_check(experts, mesh) for experts in ("IndexedExperts", "GroupedExperts", "InterleavedExperts")
       for mesh in ("ep4", "dp2_ep2", "ep2_tp2")),
     *(_titan_check(mesh) for mesh in ("ep4", "dp2_ep2", "ep2_tp2")),

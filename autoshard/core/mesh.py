@@ -51,8 +51,7 @@ MESH_SHAPES = tuple(s for s in _subsequences(_ORDER) if accepted(s))
 
 # axes the order allows together that are not built yet, and why (docs/limits.md lists them); every
 # combination the order allows is built today, so a new axis adds its gaps here until it composes
-NOT_YET: dict[frozenset, str] = {
-}
+NOT_YET: dict[frozenset, str] = {}
 
 
 def refuse_not_yet(names) -> None:

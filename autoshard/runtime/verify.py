@@ -37,9 +37,12 @@ def verify(sharded: fx.GraphModule, plan: Plan, axes: MeshAxes) -> None:
 def _placements_by_axis(param, axes: MeshAxes) -> dict:
     """``{"dp": Shard(0), "tp": Shard(1)}``; an axis the tensor is not on counts as replicated."""
     got = {axis: REPLICATED for axis in axes.names}
-    flattened = "_".join(axes.fsdp_axes)  # FSDP's one axis over dp x cp (MeshAxes.dp_mesh)
+    # FSDP's one axis over the data axes flattened (MeshAxes.dp_mesh), and the experts' over those ep
+    # leaves (MeshAxes.expert_dp_mesh)
+    flattened = {"_".join(group): group for group in (axes.fsdp_axes, axes.expert_fsdp_axes) if len(group) > 1}
     if isinstance(param, DTensor):
-        for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements, strict=True):
-            for name in (axes.fsdp_axes if axis == flattened else (axis,)):
+        pairs = list(zip(param.device_mesh.mesh_dim_names, param.placements, strict=True))
+        for axis, placement in sorted(pairs, key=lambda pair: pair[0] in flattened):  # a flattened axis last
+            for name in flattened.get(axis, (axis,)):
                 got[name] = placement
     return got
