@@ -47,6 +47,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from autoshard.core.errors import user_frame
 from autoshard.core.meta_model import parameters_on_meta
+from autoshard.passes.filled_buffers import filled_buffers_as_cats
 from autoshard.passes.functions import CheckedFunction, check_functions, keeping_whole, recording_calls
 from autoshard.passes.mixed_dtypes import buffer_dtype_hint
 from autoshard.passes.partition import callable_blocks, made_like
@@ -364,8 +365,9 @@ def _cache_in_output(err: Exception) -> str | None:
 
 
 def _clean(graph: fx.Graph, aliases) -> None:
-    """Drop export's guards and dtype asserts, read each tied parameter by one name, and remove
-    what nothing uses."""
+    """Drop export's guards and dtype asserts, read each tied parameter by one name, write a buffer
+    filled by slice copies as the cat it is (:mod:`autoshard.passes.filled_buffers`), and remove what
+    nothing uses."""
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
@@ -374,6 +376,7 @@ def _clean(graph: fx.Graph, aliases) -> None:
             # the check would expect uncast (a block's inputs), and the `.to` stays a no-op
             graph.erase_node(node)
     _read_tied_parameters_by_one_name(graph, aliases)
+    filled_buffers_as_cats(graph)
     graph.eliminate_dead_code()
 
 

@@ -88,6 +88,10 @@ _LIKE_FIRST = {aten.type_as.default, aten.to.other}
 # a new tensor of the size given, in the dtype and device of a value that gives nothing else (``x.new_ones(s)``)
 _NEW = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
         aten.new_empty_strided.default}
+_IN_PLACE_SCATTERS = {aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default, aten.scatter_reduce_.two}
+# ops writing or reading each position's entries along ``dim`` (arg 1), by an index of the input's shape
+_SCATTERS = {aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two,
+             aten.gather.default, *_IN_PLACE_SCATTERS}
 _SUMS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
 _REDUCTIONS = {aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
                aten.logsumexp.default, aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default,
@@ -450,14 +454,15 @@ class _Rewriter:
             return self._pointwise(node, node.all_input_nodes)
         if target is aten.index.Tensor:
             return self._pick(node)
+        if target in _SCATTERS:
+            return self._scatter(node)
         if target in (aten.topk.default, aten.sort.default, aten.argsort.default, aten.sort.stable,
                       aten.argsort.stable):
             return self._along_other_dim(node)
         if target is aten.repeat_interleave.self_int:
             return self._repeat_interleave(node)
         if target in (aten.pad.default, aten.constant_pad_nd.default, aten.convolution.default,
-                      aten.conv1d.default, aten.gather.default, aten.scatter.src,
-                      aten.scatter_add.default):
+                      aten.conv1d.default):
             raise _Gather(f"{_op_name(target)} may mix positions along the sequence")
         raise NotImplementedError(
             f"autoshard: context parallelism has no rule for {describe(node)}, which reads values cut along the "
@@ -802,6 +807,22 @@ class _Rewriter:
         if (self._cut_of(table) is None and isinstance(cut, Cut) and len(indices) == 1):
             return cut
         raise _Gather(f"{_op_name(node.target)} may mix positions along the sequence")
+
+    def _scatter(self, node: fx.Node) -> Cut:
+        """``scatter``/``gather`` along ``dim`` (a router's mask made by ``zeros_like(scores).scatter_(1,
+        top, 1)``): along another dim than the cut one, with every tensor operand cut alike, each
+        position's entries stay its own. An in-place one whose buffer is not cut alike cannot be
+        read whole instead (its writes would go to a copy): refused by line."""
+        tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+        cuts = [self._cut_of(a) for a in tensors]
+        dim = int(node.args[1]) % len(_shape(node.args[0]))
+        if all(isinstance(c, Cut) for c in cuts) and len(set(cuts)) == 1 and cuts[0].dim != dim:
+            return cuts[0]
+        why = f"{_op_name(node.target)} along the sequence, or of values cut otherwise"
+        if node.target in _IN_PLACE_SCATTERS:
+            raise NotImplementedError(f"autoshard: context parallelism cannot cut {describe(node)}: {why}, writes "
+                                      "into its buffer in place")
+        raise _Gather(why)
 
     def _norm(self, node: fx.Node):
         src = node.args[0]
