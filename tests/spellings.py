@@ -220,7 +220,8 @@ def rope_tables(seq: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, how: str) -> torch.Tensor:
     """Rotary embedding on ``[b, h, s, d]``, rotating pairs ``(x[2i], x[2i+1])``: one function,
-    written over real pairs, as a complex multiply, or over halves of a de-interleaved copy. The
+    written over real pairs, as a complex multiply, over halves of a de-interleaved copy, or into a
+    buffer filled slice by slice. The
     tables (float32 buffers) are cast to ``x``'s dtype, as models do to run under bf16."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if how == "pairs":
@@ -234,6 +235,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, how: str) 
         pairs = x.unflatten(-1, (-1, 2))
         x1, x2 = pairs.unbind(-1)
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if how == "filled_buffer":  # each pair's two halves copied into a fresh buffer, as DeepSeek-V3 builds its keys
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        out = x.new_empty(*x1.shape, 2)
+        out[..., :1].copy_((x1 * cos - x2 * sin).unsqueeze(-1))
+        out[..., 1:].copy_((x1 * sin + x2 * cos).unsqueeze(-1))
+        return out.flatten(-2)
     raise ValueError(how)
 
 
@@ -442,7 +449,7 @@ LLAMA_AXES = {
     "heads": ("view", "reshape", "unflatten", "rearrange"),
     "transpose": ("transpose", "permute", "movedim", "swapaxes"),
     "merge": ("reshape", "contiguous_view", "flatten", "rearrange"),
-    "rope": ("pairs", "complex", "unflatten_pairs"),
+    "rope": ("pairs", "complex", "unflatten_pairs", "filled_buffer"),
     "attention": ("sdpa", "softmax", "einsum"),
     "norm": ("rms_hand", "rms_fn", "rms_float", "rms_norm_div"),
     "mlp": ("swiglu", "swiglu_functional", "fused_chunk", "fused_split", "fused_slice", "fused_unbind"),

@@ -296,3 +296,50 @@ def test_a_broken_cp_gather_is_caught_at_the_node_it_feeds(monkeypatch):
     assert not proof.ok
     assert proof.first_divergence and "modeling_llama.py" in proof.first_divergence, proof.first_divergence
     assert "cp rank 1" in proof.first_divergence or "cp rank 0" in proof.first_divergence
+
+
+def test_a_buffer_filled_slice_by_slice_is_cut_as_the_cat_it_is():
+    """Rotary pairs written into a fresh buffer by ``copy_`` into its slices (as DeepSeek-V3 builds its
+    keys) are captured as their cat: cut as the reference spelling is, with its cp collectives."""
+    from tests.spellings import FAMILIES, Spelling
+
+    ref = FAMILIES["llama_gqa"].reference("llama_gqa")
+    filled = Spelling("llama_gqa", tuple((a, "filled_buffer" if a == "rope" else o) for a, o in ref.choices))
+    x = ref.inputs()[0]
+    proofs = [_proven(s.build(), {"cp": 2}, x) for s in (ref, filled)]
+    assert proofs[1].plan.context["gathered_whole"] == proofs[0].plan.context["gathered_whole"] == []
+    assert proofs[1].cp_collectives == proofs[0].cp_collectives
+    graph = capture(filled.build(), (x,)).gm.graph
+    assert not [n for n in graph.nodes if n.target is torch.ops.aten.copy_.default]
+
+
+class _GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's group-limited routing, as written there: the best groups' mask built by an in-place
+    ``scatter_`` into ``zeros_like`` of the group scores, along the groups (not the tokens)."""
+
+    def __init__(self, dim: int = 32, experts: int = 8, groups: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.groups = groups
+
+    def forward(self, x):
+        scores = self.gate(x).sigmoid()  # [b, s, E]
+        grouped = scores.view(*scores.shape[:-1], self.groups, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [b, s, G]
+        top_groups = group_scores.topk(2, dim=-1)[1]
+        mask = torch.zeros_like(group_scores)
+        mask.scatter_(-1, top_groups, 1)
+        kept = (grouped * mask.unsqueeze(-1)).flatten(-2)
+        picked = kept.gather(-1, kept.topk(2, dim=-1)[1])
+        return self.out(x * picked.sum(-1, keepdim=True))
+
+
+def test_a_mask_scattered_along_another_dim_than_the_sequence_keeps_its_cut():
+    """``scatter_`` and ``gather`` along the experts' dim keep each token's entries on its cp rank: no
+    gather of the sequence."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    proof = autoshard.check(_GroupLimitedRouter(), {"cp": 2}, example_inputs=(x,))
+    assert proof.ok, proof
+    assert proof.plan.context["gathered_whole"] == [], proof.plan.context["gathered_whole"]

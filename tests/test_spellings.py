@@ -45,6 +45,7 @@ SAMPLE = [
     ("per_head", "tp4", {"per_head": "bmm", "heads": "unflatten"}),
     ("llama_mqa", "2x2", {"qkv": "fused_split"}),
     ("llama_mqa", "tp8", {"attention": "softmax"}),
+    ("llama_gqa", "tp4", {"rope": "filled_buffer"}),
 ]
 
 
