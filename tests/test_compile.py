@@ -545,8 +545,79 @@ def test_a_table_cast_to_the_inputs_dtype_is_refused_under_bf16_by_line(fake_wor
         backend(gm, example)
 
 
+def _against_one_device(mesh, model, x, steps=3):
+    """The backend (aot_eager) trained ``steps`` SGD steps on this rank's slice of ``x`` next to one
+    device on all of it: each step's loss over the data ranks, and every parameter after."""
+    from autoshard.core.mesh import data_parallel_rank
+
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    index, count = data_parallel_rank(mesh)
+    local = x.chunk(count)[index]
+    backend = autoshard.backend(mesh, compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    optimizer = backend.attach(torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(steps):
+        loss = compiled(local).float().pow(2).mean()
+        ref_loss = sum(reference(c).float().pow(2).mean() for c in x.chunk(count)) / count
+        loss.backward()
+        ref_loss.backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+        got = mean_over_dp(loss.detach(), mesh).item()
+        assert abs(got - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), (got, ref_loss.item())
+    state = backend.state_dict()
+    for fqn, value in reference.state_dict().items():
+        assert rel_error(full(state[fqn]), value, 1e-2) <= 1e-5, fqn
+    return backend
+
+
+def check_backend_on_a_dp_mesh_reads_each_gathered_parameter(ctx):
+    """On a mesh without tp every parameter is a plain tensor inside a block: each compiled block
+    reads the one FSDP2 gathered for this call, not the shard it held when it was built."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests import pattern_models as pm
+
+    torch.manual_seed(0)
+    model = pm.Decoder(pm.Config(), lambda cfg: pm.Block(cfg, pm.QKVAttention))
+    x = torch.randint(0, pm.Config().vocab, (8, 8), generator=torch.Generator().manual_seed(1))
+    backend = _against_one_device(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), model, x)
+    assert all(isinstance(m.forward, _compiled_types()) for m in _blocks(backend))
+
+
+def check_backend_on_an_ep_mesh_runs_the_exchanging_blocks_eagerly(ctx):
+    """On ``dp x ep`` the blocks whose experts exchange rows run eagerly (the rows each rank receives
+    are data: no compiler's fake tensor has their size); 3 SGD steps within 1e-5 of one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests import pattern_models as pm
+
+    torch.manual_seed(0)
+    model = pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts)
+    x = torch.randint(0, pm.Config().vocab, (8, 8), generator=torch.Generator().manual_seed(1))
+    backend = _against_one_device(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep")), model, x)
+    assert [c.choice for c in backend.plan.experts] == ["ep", "ep"]
+    assert not any(isinstance(m.forward, _compiled_types()) for m in _blocks(backend))
+
+
+def _blocks(backend):
+    (sharded,) = backend.sharded
+    return [sharded.get_submodule(unit) for unit in sharded.autoshard_plan.units if unit]
+
+
+def _compiled_types():
+    from autoshard.adapters.compiled_blocks import _FirstCallOutside, _LocalCompiled
+
+    return (_LocalCompiled, _FirstCallOutside)
+
+
 CHECKS = [
     check_backend_trains_like_eager,
+    check_backend_on_a_dp_mesh_reads_each_gathered_parameter,
+    check_backend_on_an_ep_mesh_runs_the_exchanging_blocks_eagerly,
     check_backend_with_mixed_precision_and_selective_checkpointing,
     check_backend_on_cp2_tp2_trains_like_one_device,
     check_backend_with_a_quantized_all_gather,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch._dynamo.backends.registry import lookup_backend
 
+from autoshard.runtime import token_dispatch
 from autoshard.runtime.activation_checkpointing import checkpointed
 
 
@@ -19,13 +20,22 @@ def compile_blocks(sharded: fx.GraphModule, compiler: str, activation_checkpoint
     compiled function runs under ``torch.utils.checkpoint``: compiled once, at
     the first call and outside it, then recomputed in backward (the selective
     policy keeps the outputs of the matmuls and collectives it runs).
+
+    A block whose experts exchange their rows over ep (:mod:`autoshard.runtime.token_dispatch`) runs
+    eagerly: how many rows each rank receives is data, which the compilers' fake tensors have no size
+    for, and the experts' own FSDP unit inside it needs its hooks around its call.
     """
     for fqn in sharded.autoshard_plan.units:
-        if fqn:
+        if fqn and not exchanges_rows(sharded.get_submodule(fqn)):
             block = sharded.get_submodule(fqn)
             compiled = _LocalCompiled(block, compiler)
             block.forward = compiled if activation_checkpointing is None else _FirstCallOutside(
                 compiled, checkpointed(compiled, activation_checkpointing))
+
+
+def exchanges_rows(block: fx.GraphModule) -> bool:
+    """Whether ``block``'s code sends rows to their experts' ranks (an ep dispatch)."""
+    return any(n.target is token_dispatch.EP_DISPATCH for n in block.graph.nodes)
 
 
 class _FirstCallOutside:
@@ -54,8 +64,15 @@ class _LocalCompiled:
     def __init__(self, block: fx.GraphModule, compiler: str):
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
+        params = dict(block.named_parameters())
+        # every parameter read is an input: a DTensor's local tensor (its ``to_local``), and a plain one
+        # read as it is at the call (FSDP2 swaps the module's parameter between its shard and the
+        # gathered tensor, so a reference kept now would be the shard)
         reads = [n for n in block.graph.nodes if n.op == "call_method" and n.target == "to_local"]
-        self._param_names = tuple(n.args[0].target for n in reads)
+        reads += [n for n in block.graph.nodes if n.op == "get_attr" and n.target in params
+                  and not all(u.op == "call_method" and u.target == "to_local" for u in n.users)]
+        self._param_names = tuple(n.args[0].target if n.op == "call_method" else n.target for n in reads)
+        self._local = tuple(n.op == "call_method" for n in reads)
         for node in reads:
             env[node] = graph.placeholder(node.name)
         for node in block.graph.nodes:
@@ -75,14 +92,17 @@ class _LocalCompiled:
     def ready(self) -> bool:
         return self._compiled is not None
 
+    def _params(self) -> list:
+        block = self._block
+        return [block.get_parameter(name).to_local() if local else block.get_parameter(name)
+                for name, local in zip(self._param_names, self._local, strict=True)]
+
     def compile(self, *args) -> None:
         """Compile for these inputs' metadata (the block's first call)."""
-        inputs = [*(self._block.get_parameter(name).to_local() for name in self._param_names), *args]
-        self._compiled = lookup_backend(self._compiler)(self._local_graph, inputs)
+        self._compiled = lookup_backend(self._compiler)(self._local_graph, [*self._params(), *args])
 
     def __call__(self, *args):
-        block = self._block
-        inputs = [*(block.get_parameter(name).to_local() for name in self._param_names), *args]
+        inputs = [*self._params(), *args]
         if self._compiled is None:
             self._compiled = lookup_backend(self._compiler)(self._local_graph, inputs)
         out = self._compiled(*inputs)
