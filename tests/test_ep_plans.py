@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
@@ -239,9 +238,8 @@ def test_the_mesh_order_puts_ep_between_the_data_axes_and_tp():
     from autoshard.core.mesh import accepted
 
     assert accepted(("dp", "ep")) and accepted(("ep", "tp")) and accepted(("dp", "ep", "tp"))
-    assert not accepted(("ep", "dp")) and not accepted(("tp", "ep"))
-    with pytest.raises(NotImplementedError, match="with context parallelism"):
-        autoshard.plan(nn.Linear(2, 2), {"ep": 2, "cp": 2}, example_inputs=(torch.ones(1, 2),))
+    assert accepted(("pp", "ep", "cp", "tp")) and accepted(("dp_replicate", "dp_shard", "ep", "cp"))
+    assert not accepted(("ep", "dp")) and not accepted(("tp", "ep")) and not accepted(("cp", "ep"))
 
 
 @pytest.mark.parametrize("sizes", [{"pp": 2, "ep": 2, "tp": 2}, {"pp": 2, "dp": 2, "ep": 2}])
