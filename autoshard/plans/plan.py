@@ -245,7 +245,7 @@ class Plan:
         """``{axis: {kind: (num_collectives, wire_bytes)}}`` of one training step, computed from
         this plan alone (see :mod:`autoshard.plans.predict`). On a plan with pipeline stages, ``pp`` holds
         ``{"send": (messages, bytes)}`` of pp coordinate ``pp_rank`` (default: the rank that sends
-        most), and ``tp`` and ``dp`` are those of one microbatch through the whole model."""
+        most), and the other axes' (tp, dp, ep) are those of one microbatch through the whole model."""
         import torch
 
         comm = predicted_comm(self, reshard_after_forward=reshard_after_forward,
