@@ -128,7 +128,10 @@ def autoshard(
         mesh: a ``DeviceMesh`` with axes ``("dp", "tp")``, ``("dp",)``, ``("tp",)``, or for HSDP
             ``("dp_replicate", "dp_shard"[, "tp"])``; ``"pp"`` in front for pipeline stages, ``"cp"``
             before ``"tp"`` for context parallelism (``("dp", "cp", "tp")``, ``("cp",)``, ...): the
-            sequence (dim 1 of the first input) cut over cp, see ``docs/context-parallel.md``.
+            sequence (dim 1 of the first input) cut over cp, see ``docs/context-parallel.md``;
+            ``"ep"`` after the data axes for expert parallelism (``("dp", "ep")``, ``("ep", "cp", "tp")``,
+            ...): each mixture-of-experts layer's experts split whole over ep, their tokens sent by
+            all-to-all, see ``docs/expert-parallel.md``. Any accepted order composes with the others.
 
     Keyword Args:
         example_inputs: one rank's dp-local batch (a tuple of positional inputs).
