@@ -5,8 +5,9 @@ dp_shard, dp, ep, cp, tp`` in that order, one data-parallel form) and every size
 least 2) whose product is 8, ``autoshard.check`` runs on three models: the example Llama, a
 Hugging Face Llama and a Hugging Face Qwen2 (8 blocks, so that pp=8 has one per stage; 8 heads of
 which 2 are kv heads, fewer than tp=4 and tp=8), and every mesh with an ``ep`` axis on three
-mixtures of experts (``tests/moe_cases.py``: Qwen3-MoE and DeepSeek-V3 with 64 experts, top 8,
-Mixtral with 8), in fp32 and in bf16, and on every mesh with tp
+mixtures of experts (``tests/moe_cases.py`` at 4 blocks, so that pp=4 has one per stage: Qwen3-MoE and
+DeepSeek-V3 with 64 experts, top 8, DeepSeek-V3's first block dense, Mixtral with 8), in fp32 and in
+bf16, and on every mesh with tp
 also with sequence parallelism and with loss parallelism. bf16 is FSDP2's ``mp_policy``
 (``param_dtype=bfloat16, reduce_dtype=float32``) where the mesh has an FSDP axis (dp, HSDP or cp),
 else the model cast to bf16 (a tp- or pp-only mesh has no FSDP to cast it).
@@ -79,7 +80,7 @@ def _hf(kind: str):
 def _moe(kind: str):
     from tests.moe_cases import MOE_MODELS
 
-    return MOE_MODELS[kind]()
+    return MOE_MODELS[kind](layers=4)  # pp=4 x ep=2 needs a block per stage
 
 
 MODELS = {"example Llama": _example_llama, "HF Llama": lambda: _hf("llama"), "HF Qwen2": lambda: _hf("qwen2"),

@@ -17,23 +17,24 @@ def _implementation(impl: str | None) -> dict:
     return {"experts_implementation": impl} if impl else {}
 
 
-def qwen3_moe(impl: str | None = None) -> torch.nn.Module:
-    config = hf.Qwen3MoeConfig(**_DECODER, head_dim=16, num_experts=64, num_experts_per_tok=8,
-                               moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
-                               norm_topk_prob=True)
+def qwen3_moe(impl: str | None = None, layers: int = 2) -> torch.nn.Module:
+    config = hf.Qwen3MoeConfig(**_DECODER | {"num_hidden_layers": layers}, head_dim=16, num_experts=64,
+                               num_experts_per_tok=8, moe_intermediate_size=32, decoder_sparse_step=1,
+                               mlp_only_layers=[], norm_topk_prob=True)
     return hf.Qwen3MoeForCausalLM._from_config(config, **_implementation(impl))
 
 
-def mixtral(impl: str | None = None) -> torch.nn.Module:
-    config = hf.MixtralConfig(**_DECODER, num_local_experts=8, num_experts_per_tok=2)
+def mixtral(impl: str | None = None, layers: int = 2) -> torch.nn.Module:
+    config = hf.MixtralConfig(**_DECODER | {"num_hidden_layers": layers}, num_local_experts=8, num_experts_per_tok=2)
     return hf.MixtralForCausalLM._from_config(config, **_implementation(impl))
 
 
-def deepseek_v3(impl: str | None = None) -> torch.nn.Module:
+def deepseek_v3(impl: str | None = None, layers: int = 2) -> torch.nn.Module:
     config = hf.DeepseekV3Config(
-        **{**_DECODER, "num_key_value_heads": 4}, n_routed_experts=64, num_experts_per_tok=8, n_shared_experts=1,
-        moe_intermediate_size=32, first_k_dense_replace=1, n_group=8, topk_group=4, q_lora_rank=32,
-        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rope_interleave=False,
+        **{**_DECODER, "num_key_value_heads": 4, "num_hidden_layers": layers}, n_routed_experts=64,
+        num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=8,
+        topk_group=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        rope_interleave=False,
     )
     return hf.DeepseekV3ForCausalLM._from_config(config, **_implementation(impl))
 
