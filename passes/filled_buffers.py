@@ -12,7 +12,7 @@ from an op every axis has a rule for, and the rewrite happens once, right after 
 Rewritten only when it is exactly a cat: the buffer is fresh (``new_empty``, ``empty``, ``new_zeros``,
 ``zeros``), every one of its uses before its reads is a slice along one dim written by one
 ``copy_`` whose result nothing reads, the slices tile the dim with no gap or overlap, each source
-has the buffer's dtype, and every read comes after the last copy. Anything else is left as written.
+has the buffer's dtype and device, and every read comes after the last copy. Anything else is left as written.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def _write(buffer: fx.Node, user: fx.Node, val: torch.Tensor) -> tuple[int, _Wri
         return None
     source = copy.args[1]
     source_val = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if not isinstance(source_val, torch.Tensor) or source_val.dtype != val.dtype:
-        return None
+    if not isinstance(source_val, torch.Tensor) or (source_val.dtype, source_val.device) != (val.dtype, val.device):
+        return None  # copy_ would cast or move it: a cat would not
     dim = user.args[1] if len(user.args) > 1 else 0
     dim %= val.dim()
     size = val.shape[dim]
