@@ -804,7 +804,7 @@ class _Rewriter:
         table, indices = node.args[0], node.args[1]
         first = indices[0] if indices else None
         cut = self._cut_of(first) if isinstance(first, fx.Node) else None
-        if (self._cut_of(table) is None and isinstance(cut, Cut) and len(indices) == 1):
+        if self._cut_of(table) is None and isinstance(cut, Cut) and len(indices) == 1:
             return cut
         raise _Gather(f"{_op_name(node.target)} may mix positions along the sequence")
 

@@ -48,13 +48,15 @@ def filled_buffers_as_cats(graph: fx.Graph) -> int:
             if found is not None:
                 _as_cat(graph, node, *found)
                 rewritten += 1
+                order = {n: i for i, n in enumerate(graph.nodes)}  # the cat and its expands are new nodes
     if rewritten:
         graph.eliminate_dead_code()
     return rewritten
 
 
-def _writes(buffer: fx.Node, order: dict) -> tuple[int, list[_Write]] | None:
-    """``(dim, writes in dim order)`` when ``buffer`` is filled as a cat (see the module docstring)."""
+def _writes(buffer: fx.Node, order: dict) -> tuple[int, list[_Write], fx.Node] | None:
+    """``(dim, writes in dim order, the last copy)`` when ``buffer`` is filled as a cat (see the module
+    docstring)."""
     val = buffer.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() == 0:
         return None
@@ -72,10 +74,10 @@ def _writes(buffer: fx.Node, order: dict) -> tuple[int, list[_Write]] | None:
     edges = [0, *(w.end for w in ordered)]
     if [w.start for w in ordered] != edges[:-1] or edges[-1] != val.shape[dim]:
         return None  # a gap or an overlap: not every element is written exactly once
-    last_copy = max(order[w.copy] for w in ordered)
-    if any(order[r] < last_copy for r in reads):
+    last = max((w.copy for w in ordered), key=order.__getitem__)
+    if any(order[r] < order[last] for r in reads):
         return None
-    return dim, ordered
+    return dim, ordered, last
 
 
 def _write(buffer: fx.Node, user: fx.Node, val: torch.Tensor) -> tuple[int, _Write] | None:
@@ -102,10 +104,9 @@ def _write(buffer: fx.Node, user: fx.Node, val: torch.Tensor) -> tuple[int, _Wri
     return dim, _Write(start, end, user, copy)
 
 
-def _as_cat(graph: fx.Graph, buffer: fx.Node, dim: int, writes: list[_Write]) -> None:
-    """Replace ``buffer``'s reads by the cat of what ``writes`` copy into it, placed after the last
-    copy; the copies, slices and the allocation are left for dead-code elimination."""
-    last = max(writes, key=lambda w: list(graph.nodes).index(w.copy)).copy
+def _as_cat(graph: fx.Graph, buffer: fx.Node, dim: int, writes: list[_Write], last: fx.Node) -> None:
+    """Replace ``buffer``'s reads by the cat of what ``writes`` copy into it, placed after ``last`` (the
+    last copy); the copies and slices are erased, the allocation left for dead-code elimination."""
     parts = []
     with graph.inserting_before(last.next):
         for write in writes:

@@ -26,11 +26,12 @@ def compile_blocks(sharded: fx.GraphModule, compiler: str, activation_checkpoint
     for, and the experts' own FSDP unit inside it needs its hooks around its call.
     """
     for fqn in sharded.autoshard_plan.units:
-        if fqn and not exchanges_rows(sharded.get_submodule(fqn)):
-            block = sharded.get_submodule(fqn)
-            compiled = _LocalCompiled(block, compiler)
-            block.forward = compiled if activation_checkpointing is None else _FirstCallOutside(
-                compiled, checkpointed(compiled, activation_checkpointing))
+        block = sharded.get_submodule(fqn) if fqn else None
+        if block is None or exchanges_rows(block):
+            continue
+        compiled = _LocalCompiled(block, compiler)
+        block.forward = compiled if activation_checkpointing is None else _FirstCallOutside(
+            compiled, checkpointed(compiled, activation_checkpointing))
 
 
 def exchanges_rows(block: fx.GraphModule) -> bool:
@@ -71,8 +72,8 @@ class _LocalCompiled:
         reads = [n for n in block.graph.nodes if n.op == "call_method" and n.target == "to_local"]
         reads += [n for n in block.graph.nodes if n.op == "get_attr" and n.target in params
                   and not all(u.op == "call_method" and u.target == "to_local" for u in n.users)]
-        self._param_names = tuple(n.args[0].target if n.op == "call_method" else n.target for n in reads)
-        self._local = tuple(n.op == "call_method" for n in reads)
+        # (parameter name, whether its local tensor is read) per input
+        self._reads = tuple((n.args[0].target, True) if n.op == "call_method" else (n.target, False) for n in reads)
         for node in reads:
             env[node] = graph.placeholder(node.name)
         for node in block.graph.nodes:
@@ -95,7 +96,7 @@ class _LocalCompiled:
     def _params(self) -> list:
         block = self._block
         return [block.get_parameter(name).to_local() if local else block.get_parameter(name)
-                for name, local in zip(self._param_names, self._local, strict=True)]
+                for name, local in self._reads]
 
     def compile(self, *args) -> None:
         """Compile for these inputs' metadata (the block's first call)."""

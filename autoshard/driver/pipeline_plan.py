@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.core.mesh import PP, TP, MeshAxes
+from autoshard.core.mesh import PP, MeshAxes
 from autoshard.core.options import PlanOptions
 from autoshard.driver import planning
 from autoshard.passes.stage_graphs import StageSplit, split_stages, stitched
@@ -31,7 +31,8 @@ from autoshard.plans.stage_costs import (
     schedule_of,
     unit_costs,
 )
-from autoshard.proof.proof import Proof, stored_shards
+from autoshard.proof.grid_proof import rank_shard
+from autoshard.proof.proof import Proof
 from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.simulate import PerRank, RankSimulator
 from autoshard.runtime.pipeline_stages import Crossing, flat_inputs
@@ -143,16 +144,11 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
         device = torch.device("cpu")
     dtypes = _param_dtypes(root)
     grid = RankGrid.of(ep=ep, cp=cp, tp=tp)
-    experts = plan.ep_weights()
     with mode, torch.enable_grad():
         weights = {}
         for fqn, entry in plan.params.items():
             full = torch.empty(entry.shape, dtype=dtypes.get(fqn, torch.float32), device=device)
-            shards = stored_shards(entry, full, tp)
-            if fqn in experts:
-                shards = [s.chunk(ep)[0] for s in shards]
-            shards = [s.requires_grad_(True) for s in shards]
-            weights[fqn] = PerRank([shards[grid.coordinate(i, TP)] for i in grid])
+            weights[fqn] = PerRank([rank_shard(plan, grid, fqn, full, i).requires_grad_(True) for i in grid])
         inputs = [PerRank([_fake(mode, v, device) if isinstance(v, torch.Tensor) else v] * grid.ranks)
                   for v in flat_inputs]
         simulator = RankSimulator(root, tp, weights.get, cp=cp, ep=ep)

@@ -79,6 +79,17 @@ def prove_on_grid(reference: fx.GraphModule, code: fx.GraphModule, plan, grid: R
                  ep=grid.size(EP), ep_collectives=result.get(EP, {}))
 
 
+def rank_shard(plan, grid: RankGrid, name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """What grid rank ``rank`` stores of weight ``name``: its tp shard, and its experts' rows of an
+    expert split over ep (a weight the plan does not list, whole)."""
+    local = full
+    if plan is not None and name in plan.params:
+        local = stored_shards(plan.params[name], full, grid.size(TP))[grid.coordinate(rank, TP)]
+    if plan is not None and name in plan.ep_weights():
+        local = local.chunk(grid.size(EP))[grid.coordinate(rank, EP)]
+    return local
+
+
 def _wide_errors(run: _GridRun, batches, weights, trained, seed):
     """The errors of a run with every float widened: float64 (held to float64's rounding), or float32
     where an op has no float64 kernel (``torch._grouped_mm``), held to float32's tolerance."""
@@ -116,14 +127,7 @@ class _GridRun:
     values: dict = dataclasses.field(default_factory=dict)  # ep rank 0's node values, by name, once run
 
     def shard(self, name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """What ``rank`` stores of weight ``name``: its tp shard, and its experts' rows of an expert."""
-        grid, plan = self.grid, self.plan
-        local = full
-        if plan is not None and name in plan.params:
-            local = stored_shards(plan.params[name], full, grid.size(TP))[grid.coordinate(rank, TP)]
-        if plan is not None and name in plan.ep_weights():
-            local = local.chunk(grid.size(EP))[grid.coordinate(rank, EP)]
-        return local
+        return rank_shard(self.plan, self.grid, name, full, rank)
 
     def errors(self, batches: list, weights: dict, trained: set, seed: int,
                widen: torch.dtype | None) -> tuple[dict, Tally]:

@@ -357,7 +357,7 @@ def _apply_fsdp(
     dp_dim = {  # an expert's FSDP cut is on the data axes ep leaves, not on ep's whole experts
         params[fqn]: entry.placements.get(expert_axis) if fqn in experts else dp_choice(entry.placements)
         for fqn, entry in plan.params.items()
-        if fqn in params and sharded_by_fsdp(entry.placements)
+        if sharded_by_fsdp(entry.placements)
     }
 
     def shard_dim(param):  # S(1) where tp already cuts dim 0 (a tied vocabulary table)
