@@ -407,7 +407,7 @@ def check_backend_on_cp2_tp2_trains_like_one_device(ctx):
                 opt.step()
                 opt.zero_grad()
             assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), (loss.item(), ref_loss.item())
-        assert backend.plan.context["seq"] == tokens.shape[1]
+        assert backend.plan.context.seq == tokens.shape[1]
         if checkpointing is None:
             continue
         state = backend.state_dict()

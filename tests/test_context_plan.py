@@ -61,7 +61,7 @@ def test_example_llama_is_proven_on_every_cp_mesh(mesh):
     # one result type on every axis: the cp ranks are counted beside the tp ones
     assert isinstance(proof, autoshard.Proof) and (proof.cp, proof.tp) == (mesh["cp"], mesh.get("tp", 1))
     assert str(proof).startswith(f"autoshard proof on cp={mesh['cp']} x tp={mesh.get('tp', 1)}: proven")
-    assert plan.context["cp"] == mesh["cp"] and len(plan.context["attention"]) == 2
+    assert plan.context.cp == mesh["cp"] and len(plan.context.attention) == 2
     predicted = plan.predicted_comm()
     assert predicted["cp"] == proof.cp_collectives  # what the simulated ranks ran, cp x tp ones included
     if "tp" in mesh:
@@ -112,7 +112,7 @@ def test_encoder_with_a_pooler_and_a_mixture_of_experts():
     mask[0, -4:] = 0
     _proven(hf_cases._bert(), {"cp": 2}, ids, {"attention_mask": mask})
     proof = _proven(hf_cases._qwen3_moe(), {"cp": 2, "tp": 2}, ids)
-    assert all("index.Tensor" in why for _, why in proof.plan.context["gathered_whole"])
+    assert all("index.Tensor" in why for _, why in proof.plan.context.gathered_whole)
 
 
 def test_hugging_face_loss_from_labels_padding_mask_and_eager_attention():
@@ -133,7 +133,7 @@ def test_outputs_left_cut_are_proven_at_each_ranks_positions():
     torch.manual_seed(0)
     ids = _ids(hf_cases.VOCAB, batch=2, seq=32)
     proof = _proven(hf_cases._llama(), {"cp": 2, "tp": 2}, ids, {"labels": ids}, context_output="local")
-    assert proof.plan.context["output_cuts"] == [None, 1]  # the loss whole, the logits cut
+    assert proof.plan.context.output_cuts == (None, 1)  # the loss whole, the logits cut
     assert proof.cp_collectives["all_gather"][0] == 4  # keys and values of 2 blocks; no logits gathered
     with pytest.raises(ValueError, match="context_output configures context parallelism"):
         autoshard.plan(hf_cases._llama(), {"tp": 2}, example_inputs=(ids,), context_output="local")
@@ -213,7 +213,7 @@ def test_an_op_mixing_positions_reads_its_input_whole_and_the_plan_says_so():
     torch.manual_seed(0)
     ids = _ids(64, batch=2, seq=16)
     plan = _proven(PrefixSum(), {"cp": 2}, ids).plan
-    assert [name for name, _ in plan.context["gathered_whole"]] == ["cumsum"]
+    assert [name for name, _ in plan.context.gathered_whole] == ["cumsum"]
     assert "read whole (all-gathered): cumsum: cumsum.default along the sequence" in str(plan)
     assert Plan.from_dict(plan.to_dict()).context == plan.context
 
@@ -307,7 +307,7 @@ def test_a_buffer_filled_slice_by_slice_is_cut_as_the_cat_it_is():
     filled = Spelling("llama_gqa", tuple((a, "filled_buffer" if a == "rope" else o) for a, o in ref.choices))
     x = ref.inputs()[0]
     proofs = [_proven(s.build(), {"cp": 2}, x) for s in (ref, filled)]
-    assert proofs[1].plan.context["gathered_whole"] == proofs[0].plan.context["gathered_whole"] == []
+    assert proofs[1].plan.context.gathered_whole == proofs[0].plan.context.gathered_whole == ()
     assert proofs[1].cp_collectives == proofs[0].cp_collectives
     graph = capture(filled.build(), (x,)).gm.graph
     assert not [n for n in graph.nodes if n.target is torch.ops.aten.copy_.default]
@@ -342,4 +342,4 @@ def test_a_mask_scattered_along_another_dim_than_the_sequence_keeps_its_cut():
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
     proof = autoshard.check(_GroupLimitedRouter(), {"cp": 2}, example_inputs=(x,))
     assert proof.ok, proof
-    assert proof.plan.context["gathered_whole"] == [], proof.plan.context["gathered_whole"]
+    assert proof.plan.context.gathered_whole == (), proof.plan.context.gathered_whole

@@ -230,8 +230,8 @@ MODELS = {
 def test_rotary_tables_are_proven_on_cp_meshes(name, mesh):
     torch.manual_seed(0)
     proof = _proven(MODELS[name](), mesh, _tokens())
-    assert len(proof.plan.context["attention"]) == 2
-    assert proof.plan.context["gathered_whole"] == []  # no position table read whole: each rank builds its own
+    assert len(proof.plan.context.attention) == 2
+    assert proof.plan.context.gathered_whole == ()  # no position table read whole: each rank builds its own
 
 
 def test_positions_from_data_are_cut_before_the_table_is_built():
@@ -279,7 +279,7 @@ class PositionOps(nn.Module):
 def test_outer_einsum_matmul_and_repeat_keep_the_cut(mesh):
     torch.manual_seed(0)
     proof = _proven(PositionOps(), mesh, _tokens())
-    assert proof.plan.context["gathered_whole"] == []
+    assert proof.plan.context.gathered_whole == ()
 
 
 class DifferentlyCut(nn.Module):
@@ -355,7 +355,7 @@ def test_an_op_mixing_positions_is_read_by_its_argument_names():
     sequence, it reads its input whole."""
     torch.manual_seed(0)
     proof = _proven(RolledPositions(), {"cp": 2}, _tokens())
-    assert proof.plan.context["gathered_whole"] == [["roll", "roll.default along the sequence"]]
+    assert proof.plan.context.gathered_whole == (("roll", "roll.default along the sequence"),)
 
 
 # --- attention outputs and norms as torchtune and x-transformers write them ------------------------
@@ -429,8 +429,8 @@ EXPORTED_MODELS = {
 def test_contiguous_views_and_expand_as_are_proven(name, mesh):
     torch.manual_seed(0)
     proof = _proven(EXPORTED_MODELS[name](), mesh, _tokens())
-    assert len(proof.plan.context["attention"]) == 2
-    assert proof.plan.context["gathered_whole"] == []
+    assert len(proof.plan.context.attention) == 2
+    assert proof.plan.context.gathered_whole == ()
 
 
 def test_a_view_the_local_layout_cannot_take_becomes_a_reshape():

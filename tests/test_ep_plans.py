@@ -145,7 +145,7 @@ def test_an_expert_pick_by_ids_cut_along_the_sequence_stays_cut():
     next to its matmul."""
     torch.manual_seed(0)
     plan = autoshard.plan(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), {"cp": 2}, example_inputs=(TOKENS,))
-    assert plan.context["gathered_whole"] == [], plan.context["gathered_whole"]
+    assert plan.context.gathered_whole == (), plan.context.gathered_whole
     plan = autoshard.plan(pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts), {"ep": 2, "cp": 2},
                           example_inputs=(TOKENS,))
     assert [c.choice for c in plan.experts] == ["ep", "ep"] and all(c.fsdp for c in plan.experts)

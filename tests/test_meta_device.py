@@ -310,7 +310,7 @@ def test_a_hugging_face_llama_on_meta_plans_every_axis_as_built_on_the_cpu(mesh)
     for example in (tokens, tokens.to("meta")):
         got = autoshard.plan(on_meta, mesh, example_inputs=(example,), **pipelined)
         assert got.params == want.params and got.units == want.units and got.context == want.context
-        assert got.context["seq"] == 16
+        assert got.context.seq == 16
         if "pp" in mesh:  # the same stages, sending the same values; the activation estimate differs: on meta
             # export keeps each attention output's `.contiguous()` copy, a no-op it drops on the CPU
             # (docs/pipeline.md)

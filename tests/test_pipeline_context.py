@@ -29,7 +29,7 @@ def _check(shape: tuple[int, int, int], names: tuple[str, str, str]):
             run.assert_parity(loss_tol=1e-5, param_tol=param_tol)
         pipe = run.pipeline
         plan = pipe.autoshard_plan
-        assert plan.mesh == dict(zip(names, shape, strict=True)) and plan.context["seq"] == SEQ, plan.mesh
+        assert plan.mesh == dict(zip(names, shape, strict=True)) and plan.context.seq == SEQ, plan.mesh
         assert [s.rank for s in plan.pipeline.stages] == [0, 1]
         # the hidden states' gradient crosses back at its cp-local length: a microbatch of 2 rows,
         # SEQ / cp positions, 64 wide, float32 (one message; pp2 x tp2 sends the whole 2 x 16 x 64)

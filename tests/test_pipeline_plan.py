@@ -173,7 +173,7 @@ def test_pipeline_stages_with_context_parallelism_are_proven_on_the_cp_grid(size
     assert proof.ok, str(proof)
     assert (proof.cp, proof.tp) == (sizes["cp"], sizes.get("tp", 1)) and proof.cp_collectives
     plan = proof.plan
-    assert dict(plan.mesh) == sizes and plan.context["seq"] == 16 and len(plan.pipeline.stages) == 2
+    assert dict(plan.mesh) == sizes and plan.context.seq == 16 and len(plan.pipeline.stages) == 2
     # one microbatch of 2 rows: the hidden states' gradient sent back at 16 / cp positions, 64 wide
     (_, _, back_messages, back_bytes), = plan.pipeline.sends
     assert (back_messages, back_bytes) == (1, 2 * (16 // sizes["cp"]) * 64 * 4), plan.pipeline.sends

@@ -100,7 +100,7 @@ def shard_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, ch
     if axes.has_cp:  # the global positions of this rank's part of the sequence (its outputs', if left cut)
         from autoshard.runtime.context_ops import local_positions
 
-        sharded.cp_positions = local_positions(axes.mesh.get_local_rank(CP), axes.cp, final_plan.context["seq"],
+        sharded.cp_positions = local_positions(axes.mesh.get_local_rank(CP), axes.cp, final_plan.context.seq,
                                                torch.device(axes.mesh.device_type))  # as materialize places tensors
     sharded.register_forward_pre_hook(captured.inputs.check, with_kwargs=True, prepend=True)
     return sharded

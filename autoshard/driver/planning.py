@@ -235,7 +235,7 @@ def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, optio
         from autoshard.passes.cut_sequence import cp_traffic
 
         traffic = cp_traffic(captured.gm, layout_plan.layouts, axes.tp)
-        final = dataclasses.replace(final, context=context.to_dict() | {"collectives": [list(t) for t in traffic]})
+        final = dataclasses.replace(final, context=dataclasses.replace(context, collectives=traffic))
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:
@@ -283,12 +283,11 @@ def prove_grid(planned: PlanResult, model: nn.Module, example_inputs: tuple, exa
     """The code ``emitted`` for a mesh with a cp or an ep axis (its tp code, or a pipeline's stages
     called in order), every rank of the ``ep x cp x tp`` grid simulated, each ep rank on a batch of its
     own, against the unsharded graph (see :mod:`autoshard.proof.grid_proof`)."""
-    from autoshard.plans.context_plan import ContextPlan
     from autoshard.proof.grid_proof import prove_on_grid
     from autoshard.runtime.pipeline_stages import flat_inputs
 
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    cut = ContextPlan.from_dict(planned.plan.context) if axes.has_cp else None
+    cut = planned.plan.context
     grid = RankGrid.of(ep=axes.ep, cp=axes.cp, tp=axes.tp)
     return prove_on_grid(planned.reference, emitted.parts.root, planned.plan, grid, inputs,
                          _proof_weights(planned, model), seed=seed, rtol=rtol,

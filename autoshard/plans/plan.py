@@ -54,6 +54,7 @@ from autoshard.core.sharding import (
     rank_shape,
 )
 from autoshard.plans.block_quant import BlockQuant, TileQuant
+from autoshard.plans.context_plan import ContextPlan
 from autoshard.plans.ep_choice import ExpertChoice
 from autoshard.plans.export import to_hf_tp_plan, to_parallelize_plan
 from autoshard.plans.predict import predicted_comm, tp_traffic_by_unit
@@ -209,8 +210,8 @@ class Plan:
     trace_note: str = ""
     # on a mesh with a pp axis: the stages, their costs and the schedule (see autoshard.plans.stage_costs)
     pipeline: PipelineStages | None = None
-    # on a mesh with a cp axis: how the sequence is cut (autoshard.plans.context_plan.ContextPlan.to_dict())
-    context: Mapping = dataclasses.field(default_factory=dict)
+    # on a mesh with a cp axis: how the sequence is cut and what cp moves (autoshard.plans.context_plan)
+    context: ContextPlan | None = None
     # parameters the model does not train (requires_grad=False: LoRA's base weights, a frozen embedding):
     # no gradient is made or reduced for them over tp or dp, and the optimizer holds no state for them
     frozen: tuple[str, ...] = ()
@@ -279,7 +280,7 @@ class Plan:
         } | ({"all_gather_quant": dict(self.all_gather_quant)} if self.all_gather_quant else {}) | (
             {"trace_note": self.trace_note} if self.trace_note else {}) | (
             {"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}) | (
-            {"context": dict(self.context)} if self.context else {}) | (
+            {"context": self.context.to_dict()} if self.context is not None else {}) | (
             {"frozen": list(self.frozen)} if self.frozen else {}) | (
             {"branches": list(self.branches)} if self.branches else {}) | (
             {"experts": [e.to_dict() for e in self.experts]} if self.experts else {})
@@ -314,7 +315,7 @@ class Plan:
             all_gather_quant={str(k): str(v) for k, v in data.get("all_gather_quant", {}).items()},
             trace_note=str(data.get("trace_note", "")),
             pipeline=PipelineStages.from_dict(data["pipeline"]) if data.get("pipeline") else None,
-            context=dict(data.get("context", {})),
+            context=ContextPlan.from_dict(data["context"]) if data.get("context") else None,
             frozen=tuple(str(f) for f in data.get("frozen", ())),
             branches=tuple(str(b) for b in data.get("branches", ())),
             experts=tuple(ExpertChoice.from_dict(e) for e in data.get("experts", ())),
@@ -388,10 +389,8 @@ class Plan:
             out += self.tp_traffic_lines()
         if self.pipeline is not None:
             out += self.pipeline.lines()
-        if self.context:
-            from autoshard.plans.context_plan import ContextPlan
-
-            out += ContextPlan.from_dict(self.context).lines()
+        if self.context is not None:
+            out += self.context.lines()
         out += [e.line_text() for e in self.experts]
         return "\n".join(out)
 

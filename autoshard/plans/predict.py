@@ -89,7 +89,7 @@ def predicted_comm(plan, *, reshard_after_forward: bool = True,
                 tally.add(TP, kind, nbytes, axes.tp)
     if axes.has_dp:
         _fsdp(plan, axes, tally, reshard_after_forward, master_dtype, param_dtype, reduce_dtype)
-    for kind, nbytes in plan.context.get("collectives", ()):  # the sequence cut over cp
+    for kind, nbytes in (plan.context.collectives if plan.context is not None else ()):  # the sequence cut over cp
         tally.add(CP, kind, nbytes, axes.cp)
     for layer in plan.experts:  # the rows of each MoE layer split over ep, at balanced routing
         for kind, nbytes in layer.exchanges(axes.ep):
