@@ -15,6 +15,7 @@ from autoshard import testing
 from autoshard.adapters.backend import backend, register_backend_name
 from autoshard.adapters.checkpoint import full_state_dict, load_latest, save_checkpoint
 from autoshard.adapters.launch import PeerFailed, RankFailed
+from autoshard.advice.suggest import Links, suggest_mesh
 from autoshard.api import autoshard, check, plan
 from autoshard.core.errors import InternalError
 from autoshard.core.mesh import data_parallel_rank
@@ -28,7 +29,6 @@ from autoshard.core.options import (
     TensorOptions,
 )
 from autoshard.core.quant_format import BlockQuant
-from autoshard.driver.suggest import Links, suggest_mesh
 from autoshard.passes.capture import CaptureError
 from autoshard.plans.plan import ParamSharding, Plan
 from autoshard.proof.proof import Proof, ProofError

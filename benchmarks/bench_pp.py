@@ -101,7 +101,7 @@ def _rank(rank: int, world: int, vocab: int = VOCAB, with_2d: bool = True) -> di
     from torch.distributed.device_mesh import init_device_mesh
 
     import autoshard
-    from autoshard.driver.suggest import _measure_flops
+    from autoshard.advice.suggest import _measure_flops
     from autoshard.plans.stage_costs import equal_split
 
     rate = _measure_flops(torch.device("cpu"))

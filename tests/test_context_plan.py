@@ -272,13 +272,13 @@ def test_a_broken_cp_gather_is_caught_at_the_node_it_feeds(monkeypatch):
     """A plan broken on purpose: the first gather of keys over cp hands each rank its own part
     repeated instead of every rank's. The proof fails and names the first node whose value differs
     from one device's at the rank's positions, with its source line."""
-    from autoshard.driver import planning
+    from autoshard.axes.cp_axis import ContextAxis
     from autoshard.runtime.context_ops import CP_GATHER
 
-    cut = planning._cut_sequence
+    cut = ContextAxis.cut
 
-    def broken(captured, axes, options, example_inputs):
-        plan = cut(captured, axes, options, example_inputs)
+    def broken(self, captured, axes, options, example_inputs):
+        plan = cut(self, captured, axes, options, example_inputs)
         graph = captured.gm.graph
         gather = next(n for n in graph.nodes if n.target is CP_GATHER)
         x, dim, cp = gather.args[:3]
@@ -290,7 +290,7 @@ def test_a_broken_cp_gather_is_caught_at_the_node_it_feeds(monkeypatch):
         captured.gm.recompile()
         return plan
 
-    monkeypatch.setattr(planning, "_cut_sequence", broken)
+    monkeypatch.setattr(ContextAxis, "cut", broken)
     torch.manual_seed(0)
     proof = autoshard.check(hf_cases._llama(), {"cp": 2}, example_inputs=(_ids(hf_cases.VOCAB, seq=16),))
     assert not proof.ok

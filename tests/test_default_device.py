@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autoshard
 from autoshard import BlockQuant
 from autoshard.adapters import checkpoint, launch
-from autoshard.driver import suggest
+from autoshard.advice import suggest
 from autoshard.passes import dtensor_rules
 from autoshard.runtime import collectives
 from autoshard.runtime.quantized_gather import QuantizedGatherWeight

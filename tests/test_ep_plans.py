@@ -171,7 +171,7 @@ def _emitted(sizes):
     model = pm.ExpertsMoE(pm.Config(), experts=pm.IndexedExperts)
     axes, options = axes_from_sizes(sizes), Options().plan_options()
     planned = plan_result(model, axes, (TOKENS,), None, None, options, keep_reference=True)
-    return model, axes, planned, emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
+    return model, axes, planned, emit(planned, axes, options, keep_planned=True)
 
 
 def _prove(model, axes, planned, emitted):

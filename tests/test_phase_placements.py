@@ -259,7 +259,7 @@ def _materialize(model: nn.Module, mesh, inputs: tuple) -> Materialized:
     """Plan and emit as ``autoshard.autoshard`` does, then materialize on ``mesh``."""
     axes, options = mesh_axes(mesh), PlanOptions()
     planned = plan_result(model, axes, inputs, None, None, options)
-    emitted = emit(planned, axes, axes.group_name("tp") if axes.has_tp else None, options)
+    emitted = emit(planned, axes, options)
     before = snapshot(model)
     sharded = materialize(emitted.parts, model, planned.plan, axes, planned.captured.aliases)
     return Materialized(model, before, planned.plan, sharded)

@@ -108,7 +108,7 @@ def llama_tp():
     model = Llama(LlamaConfig(num_layers=4))
     axes = planning.mesh_axes({"tp": 2})
     planned = planning.plan_result(model, axes, (TOKENS,), None, None, PlanOptions())
-    emitted = planning.emit(planned, axes, "tp", PlanOptions())
+    emitted = planning.emit(planned, axes, PlanOptions())
     return planned, emitted.parts
 
 
@@ -308,7 +308,7 @@ def test_the_stitched_stages_of_dp_code_emitted_by_the_driver_compute_exactly_th
         expected = model(TOKENS)
     axes = planning.mesh_axes({"dp": 2})
     planned = planning.plan_result(model, axes, (TOKENS,), None, None, PlanOptions())
-    parts = planning.emit(planned, axes, None, PlanOptions()).parts
+    parts = planning.emit(planned, axes, PlanOptions()).parts
     split = split_stages(parts, TWO_BY_TWO, 2, frozenset(planned.plan.params))
     params = dict(model.named_parameters())
     transposed = [fqn for fqn, entry in planned.plan.params.items() if entry.transposed]

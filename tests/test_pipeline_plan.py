@@ -16,9 +16,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard import Plan
-from autoshard.core.options import PlanOptions
+from autoshard.axes.pp_axis import plan_pipeline
+from autoshard.core.options import PipelineOptions, PlanOptions
 from autoshard.driver import planning
-from autoshard.driver.pipeline_plan import plan_pipeline
+from autoshard.driver.entry_points import INNER
 from autoshard.plans.stage_costs import UnitCost, balance, equal_split, schedule_of
 from examples.models import Llama, LlamaConfig
 from tests import hf_cases
@@ -33,10 +34,9 @@ def _llama(layers: int = 4, vocab: int = 256) -> Llama:
 
 
 def _pplan(model, sizes, inputs=(TOKENS,), kwargs=None, loss_parallel=False, **pipelined):
-    options = dict(schedule="1F1B", microbatches=2, stages_per_rank=None, pp_split=None, memory_per_rank=None)
-    options |= pipelined
-    return plan_pipeline(model, planning.mesh_axes(sizes), inputs, kwargs, None,
-                         PlanOptions(loss_parallel=loss_parallel), tp_group="tp", keep_reference=True, **options)
+    pipelined = {"split" if k == "pp_split" else k: v for k, v in ({"microbatches": 2} | pipelined).items()}
+    return plan_pipeline(INNER, model, planning.mesh_axes(sizes), inputs, kwargs, None,
+                         PlanOptions(loss_parallel=loss_parallel), PipelineOptions(**pipelined), keep_reference=True)
 
 
 def test_plan_lists_the_stages_and_survives_a_round_trip():
@@ -147,14 +147,14 @@ def _swap_two_float_inputs_of_the_last_stage(pplan) -> None:
 
 def test_a_stage_cut_that_loses_a_value_fails_the_proof():
     """Hand the last stage its two inputs swapped: the stitched proof fails, naming a node."""
-    from autoshard.driver.pipeline_plan import prove_pipeline
+    from autoshard.axes.pp_axis import prove_pipeline
 
     torch.manual_seed(0)
     model = EmbeddingMixDecoder(Config2())
     tokens = torch.randint(1, 128, (4, 16))
     pplan = _pplan(model, {"pp": 2, "tp": 2}, inputs=(tokens,), microbatches=2)
     _swap_two_float_inputs_of_the_last_stage(pplan)
-    proof = prove_pipeline(pplan, model, planning.mesh_axes({"pp": 2, "tp": 2}))
+    proof = prove_pipeline(INNER, pplan, model, planning.mesh_axes({"pp": 2, "tp": 2}))
     assert not proof.ok and "node" in str(proof)
 
 
@@ -196,16 +196,16 @@ def test_loss_parallelism_through_the_stages_leaves_the_logits_cut_over_tp(sizes
 def test_swapped_stage_values_under_context_parallelism_are_caught_at_a_node():
     """The last stage handed two of its float inputs swapped, on pp2 x cp2 x tp2: the cp grid's proof
     of the stitched stages fails and names the first node whose value differs."""
-    from autoshard.driver.pipeline_plan import prove_pipeline
+    from autoshard.axes.pp_axis import prove_pipeline
 
     torch.manual_seed(0)
     model = EmbeddingMixDecoder(Config2())
     tokens = torch.randint(1, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     sizes = {"pp": 2, "cp": 2, "tp": 2}
     pplan = _pplan(model, sizes, inputs=(tokens,), microbatches=2)
-    assert prove_pipeline(pplan, model, planning.mesh_axes(sizes)).ok
+    assert prove_pipeline(INNER, pplan, model, planning.mesh_axes(sizes)).ok
     _swap_two_float_inputs_of_the_last_stage(pplan)
-    proof = prove_pipeline(pplan, model, planning.mesh_axes(sizes))
+    proof = prove_pipeline(INNER, pplan, model, planning.mesh_axes(sizes))
     assert not proof.ok
     divergence = proof.first_divergence or ""
     assert re.match(r"node '\w+' \(.*\) at pattern_models\.py:\d+ .*differs from the reference's", divergence), \

@@ -450,7 +450,7 @@ def test_modules_import_each_other_without_cycles():
 
 
 # docs/design.md's layers, bottom up; the door (``autoshard``, ``autoshard.api``, ``__main__``) above all
-_LAYERS = ("core", "plans", "runtime", "passes", "proof", "driver", "testing", "adapters")
+_LAYERS = ("core", "plans", "runtime", "passes", "proof", "axes", "driver", "advice", "testing", "adapters")
 
 
 def _layer(module: str) -> int:
@@ -466,6 +466,68 @@ def test_no_module_imports_a_layer_above_its_own():
     assert not upward, "imports up a layer:\n" + "\n".join(upward)
 
 
+def _axis_mentions(path) -> list[str]:
+    """Where the code of ``path`` names a mesh axis: an identifier, attribute, argument or keyword
+    with an axis's name as one of its words (``has_tp``, ``CP``, ``dp_mesh``, ``pipeline``), or a
+    string other than a docstring holding one as a word. Docstrings and comments may speak of axes."""
+    import ast
+    import re
+
+    words = {"pp", "tp", "cp", "ep", "dp", "hsdp", "fsdp", "pipeline", "context", "expert", "experts"}
+    word = re.compile(r"\b(" + "|".join(sorted(words)) + r")\b", re.IGNORECASE)
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if word.search(node.value):
+                found.append(f"{path.name}:{node.lineno}: {node.value[:60]!r}")
+            continue
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.arg if isinstance(node, (ast.arg, ast.keyword)) else
+                node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                (node.asname or node.name) if isinstance(node, ast.alias) else None)
+        if name and words & {part.lower() for part in name.split("_")} | {name.lower().split(".")[-1]} & words:
+            found.append(f"{path.name}:{node.lineno}: {name}")
+    return found
+
+
+def test_the_door_names_no_axis_and_the_driver_only_in_its_list():
+    """Every axis lives in its own module of ``autoshard/axes``; the public door and the driver run
+    them through their contract, naming none but in the driver's one list of them."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "autoshard"
+    modules = [root / "api.py", *sorted(p for p in (root / "driver").glob("*.py") if p.name != "axis_list.py")]
+    named = [hit for path in modules for hit in _axis_mentions(path)]
+    assert not named, "the door or the driver names an axis:\n" + "\n".join(named)
+    assert _axis_mentions(root / "axes" / "dp_axis.py"), "the check finds an axis where one is named"
+
+
+def test_each_axis_is_one_module_that_imports_no_other_axis():
+    """Adding an axis touches no other axis's module: each imports only the contract from the axes,
+    and the driver's list holds one of each, in the mesh's order."""
+    import ast
+    import pathlib
+
+    from autoshard.core.mesh import _ORDER
+    from autoshard.driver.axis_list import AXES
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "autoshard" / "axes"
+    for path in folder.glob("*_axis.py"):
+        imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autoshard.axes")}
+        assert imported <= {"autoshard.axes.contract"}, (path.name, imported)
+    modules = sorted(type(axis).__module__.rsplit(".", 1)[1] for axis in AXES)
+    assert modules == sorted(p.stem for p in folder.glob("*_axis.py")), modules
+    names = [name for axis in AXES for name in axis.names]
+    assert sorted(names) == sorted(_ORDER) and len(names) == len(set(names))
+    assert [min(_ORDER.index(n) for n in axis.names) for axis in AXES] == sorted(
+        min(_ORDER.index(n) for n in axis.names) for axis in AXES), "AXES is not in mesh order"
+
+
 def test_the_package_is_grouped_by_layer_with_no_clashing_names():
     """``autoshard/`` holds the public door and one folder per layer; no two modules share a
     name, and no one-word name is the first word of another (``stages`` and ``stages``,
@@ -476,7 +538,7 @@ def test_the_package_is_grouped_by_layer_with_no_clashing_names():
     top = sorted(p.stem for p in root.glob("*.py"))
     assert top == ["__init__", "__main__", "api"], top
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
-    assert folders == ["adapters", "core", "driver", "plans", "proof", "runtime", "testing"], folders
+    assert folders == ["adapters", "advice", "axes", "core", "driver", "plans", "proof", "runtime", "testing"], folders
     stems = [p.stem for p in (*root.rglob("*.py"), *(root.parent / "passes").glob("*.py")) if p.stem != "__init__"]
     assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
     bare = {s.rstrip("s"): s for s in stems if "_" not in s.strip("_")}

@@ -46,7 +46,7 @@ for name, sizes in json.loads(sys.argv[1]):
         model, inputs = PATTERNS[what](), (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)),)
     axes, options = planning.mesh_axes(sizes), PlanOptions()
     planned = planning.plan_result(model, axes, inputs, None, None, options)
-    parts = planning.emit(planned, axes, "tp", options).parts
+    parts = planning.emit(planned, axes, options).parts
     code = [parts.root.code] + [parts.blocks[b].code for b in sorted(parts.blocks)]
     text = str(planned.plan) + json.dumps(planned.plan.to_dict(), sort_keys=False) + "".join(code)
     print(name, hashlib.sha256(text.encode()).hexdigest(), flush=True)

@@ -56,7 +56,7 @@ def test_patterns_are_proven(name, tp):
 def _emitted(model, inputs, tp=2, options=DEFAULT_OPTIONS, dp=None):
     axes = planning.mesh_axes({"tp": tp} if dp is None else {"dp": dp, "tp": tp})
     planned = planning.plan_result(model, axes, inputs, None, None, options, keep_reference=True)
-    return planning.emit(planned, axes, "tp", options, keep_planned=True)
+    return planning.emit(planned, axes, options, keep_planned=True)
 
 
 def _break_first(emitted, target, change) -> None:

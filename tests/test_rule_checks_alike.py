@@ -34,7 +34,7 @@ def _emitted_digest() -> str:
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     axes, options = planning.mesh_axes({"dp": 2, "tp": 2}), PlanOptions()
     planned = planning.plan_result(model, axes, (tokens,), None, None, options)
-    parts = planning.emit(planned, axes, "tp", options).parts
+    parts = planning.emit(planned, axes, options).parts
     code = parts.root.code + "".join(parts.blocks[b].code for b in sorted(parts.blocks))
     return hashlib.sha256(code.encode()).hexdigest()
 

@@ -119,10 +119,6 @@ class PipelineOptions:
         return [_PIPELINE_KEYWORD.get(f.name, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(default, f.name)]
 
-    def as_keywords(self) -> dict:
-        """By today's keyword names (``pp_split`` for ``split``), as the pipeline planner reads them."""
-        return {_PIPELINE_KEYWORD.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
-
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionOptions:

@@ -103,3 +103,20 @@ def _describe(entry: list) -> str:
         return f"{role} of shape {shape} placed {placements}"
     _, shape, dtype = entry
     return f"of shape {shape} and dtype {dtype}"
+
+
+def check_agreement(final_plan: Plan, inputs: InputSignature, axes, parts=None) -> None:
+    """All ranks of the mesh planned alike (and, given ``parts``, emitted the same code), or all
+    raise the same ``ValueError``. Over the default group when the mesh spans it; else per mesh
+    axis (a rank that differs shares an axis group with one that does not, so the check still
+    fires, on those groups' ranks)."""
+    mesh = axes.mesh
+    code = ()
+    if parts is not None:
+        names = {mesh.get_group(axis).group_name: axis for axis in mesh.mesh_dim_names}
+        code = code_lines([parts.root.code] + [parts.blocks[b].code for b in sorted(parts.blocks)], names)
+    if mesh.size() == dist.get_world_size():
+        check_ranks_agree(final_plan, inputs, code=code)
+        return
+    for name in mesh.mesh_dim_names:
+        check_ranks_agree(final_plan, inputs, mesh.get_group(name), code=code)

@@ -1,13 +1,15 @@
 """Planning runs: capture, plan, emit and prove, without a process group.
 
 The one place the graph pipeline runs (``api`` is the public door over it; the mesh suggestion
-and pipeline planning call it too, instead of reaching into the door's private functions):
+and an outer axis call it too, instead of reaching into the door's private functions):
 
-capture -> [cut the sequence] -> discover -> normalize -> propagate -> alternatives -> placements (the plan)
--> layouts -> transpose -> partition -> [proof]
+capture -> [axes cut the graph] -> discover -> [layouts: normalize, propagate, alternatives] -> placements
+(the plan) -> [axes record] -> [axes emit] -> partition -> [proof on the axes' grid]
 
-:func:`plan_result` runs the stages up to the plan, :func:`emit` those that write the sharded code,
-and :func:`checked_on` plans, emits and proves.
+Every stage in brackets is each axis's hook (:class:`~autoshard.axes.contract.Axis`), run for the
+axes of :data:`~autoshard.driver.axis_list.AXES`: this module names no axis. :func:`plan_result`
+runs the stages up to the plan, :func:`emit` those that write the sharded code, and
+:func:`checked_on` plans, emits and proves.
 """
 
 from __future__ import annotations
@@ -18,36 +20,49 @@ import gc
 from collections.abc import Mapping
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
+from autoshard.axes.contract import EMITTED, Axis, Emitted, Kept, PlanResult, as_plan
 from autoshard.core.errors import in_stage
-from autoshard.core.mesh import CP, MeshAxes, axes_from_sizes, dp_choice, read_mesh
+from autoshard.core.mesh import MeshAxes, axes_from_sizes, read_mesh
 from autoshard.core.options import PlanOptions
-from autoshard.core.sharding import REPLICATED, Role, placements_text, shard_on
-from autoshard.driver.carry import check_activations_carry
-from autoshard.driver.ep_axis import emit_experts, plan_experts
-from autoshard.passes.alternatives import settle
+from autoshard.core.sharding import placements_text
+from autoshard.driver.axis_list import AXES
 from autoshard.passes.capture import CapturedGraph, capture, copy_graph_module
 from autoshard.passes.contractions import contractions_as_linears
-from autoshard.passes.discover import Sites, find_sites
-from autoshard.passes.normalize import (
-    normalize,
-    repeated_views_merged,
-    unbound_views_as_splits,
-    weights_on_the_right,
-)
+from autoshard.passes.discover import find_sites
+from autoshard.passes.normalize import repeated_views_merged, unbound_views_as_splits, weights_on_the_right
 from autoshard.passes.partition import partition
 from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import LayoutPlan, propagate
-from autoshard.passes.redistribute import insert_redistributes
-from autoshard.passes.transpose import rewrite_linears
-from autoshard.plans.block_quant import with_quantized_gathers
 from autoshard.plans.plan import Plan, mixed_precision_of
 from autoshard.plans.retarget import retarget
 from autoshard.proof.proof import Proof, Subject, as_read, prove, vocabularies
 from autoshard.proof.rank_grid import RankGrid
-from autoshard.runtime.graph_parts import Partitioned
+
+__all__ = ["AXES", "Checked", "Emitted", "PlanResult", "as_plan", "capture_for", "checked_on", "emit", "mesh_axes",
+           "plan_result", "prove_emitted", "prove_on", "taking_part"]
+
+
+def taking_part(axes: MeshAxes) -> tuple[Axis, ...]:
+    """The axes whose planning and emission hooks run on ``axes``, outer first."""
+    return tuple(axis for axis in AXES if axis.takes_part(axes))
+
+
+def outer_axis(axes: MeshAxes) -> Axis | None:
+    """The axis of ``axes`` that runs the others itself on its sub-mesh (pp), if it has one."""
+    return next((axis for axis in AXES if axis.wraps and axis.present(axes)), None)
+
+
+def grid_sizes(axes: MeshAxes) -> dict[str, int]:
+    """The mesh axes whose ranks a proof simulates side by side, with their sizes, in mesh order."""
+    sizes = {}
+    for axis in taking_part(axes):
+        sizes |= axis.grid(axes)
+    return sizes
+
+
+def _on_grid(axes: MeshAxes) -> list[Axis]:
+    return [axis for axis in taking_part(axes) if axis.proven_on_grid]
 
 
 def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
@@ -56,21 +71,19 @@ def prove_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kw
     """:func:`check` on ``axes`` with ``options``; ``captured`` (this model captured with these
     inputs and options, see :func:`capture_for`) skips capturing again: the zoo proves one
     capture on several meshes."""
-    if axes.has_cp or axes.has_ep:
-        planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
-                              captured=captured)
-        emitted = emit(planned, axes, "tp" if axes.has_tp else None, options, keep_planned=True)
-        return prove_emitted(planned, emitted, model, example_inputs, example_kwargs, axes, seed=seed, rtol=rtol)
-    return checked_on(model, axes, example_inputs, example_kwargs, options, plan=plan, captured=captured,
-                      seed=seed, rtol=rtol).proof
+    planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
+                          captured=captured)
+    emitted = emit(planned, axes, options, keep_planned=True)
+    return prove_emitted(planned, emitted, model, example_inputs, example_kwargs, axes, seed=seed, rtol=rtol)
 
 
 def prove_emitted(planned: PlanResult, emitted: Emitted, model: nn.Module, example_inputs: tuple,
                   example_kwargs: dict | None, axes: MeshAxes, *, seed: int = 0, rtol: float | None = None) -> Proof:
     """The one proof of the code ``emitted`` for ``planned``, against the unsharded graph: every rank
-    of the axes' grid simulated (:class:`~autoshard.proof.rank_grid.RankGrid`): the ep x cp x tp grid
-    (:func:`prove_grid`) with a cp or an ep axis, else the tp ranks (:func:`~autoshard.proof.proof.prove`)."""
-    if axes.has_cp or axes.has_ep:
+    of the axes' grid simulated (:class:`~autoshard.proof.rank_grid.RankGrid`): the grid proof
+    (:func:`prove_grid`) where an axis on it gives each rank data of its own, else the per-node proof
+    (:func:`~autoshard.proof.proof.prove`)."""
+    if _on_grid(axes):
         return prove_grid(planned, model, example_inputs, example_kwargs, axes, emitted, seed=seed, rtol=rtol)
     proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol)
     return dataclasses.replace(proof, plan=planned.plan)
@@ -78,25 +91,43 @@ def prove_emitted(planned: PlanResult, emitted: Emitted, model: nn.Module, examp
 
 def checked_on(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
                options: PlanOptions, *, plan=None, captured: CapturedGraph | None = None, seed: int = 0,
-               rtol: float | None = None, tp_group: str = "tp", keep_values: bool = False) -> Checked:
-    """Plan, emit (the tp ops name their group ``tp_group``) and prove, without a process group;
-    ``keep_values`` keeps the tensors the proof ran (:class:`~autoshard.proof.proof.ProofValues`)."""
-    if axes.has_cp or axes.has_ep:
-        raise NotImplementedError("autoshard: the per-node report of a tp proof does not cover a mesh with a 'cp' or "
-                                  "'ep' axis; prove it with autoshard.check(model, mesh, example_inputs=...)")
+               rtol: float | None = None, keep_values: bool = False) -> Checked:
+    """Plan, emit and prove, without a process group; ``keep_values`` keeps the tensors the proof ran
+    (:class:`~autoshard.proof.proof.ProofValues`)."""
+    on_grid = _on_grid(axes)
+    if on_grid:
+        names = " or ".join(repr(axis.names[0]) for axis in on_grid)
+        raise NotImplementedError(f"autoshard: the per-node report of a proof does not cover a mesh with a {names} "
+                                  "axis; prove it with autoshard.check(model, mesh, example_inputs=...)")
     planned = plan_result(model, axes, example_inputs, example_kwargs, plan, options, keep_reference=True,
-                    captured=captured)
-    emitted = emit(planned, axes, tp_group if axes.has_tp else None, options, keep_planned=True)
+                          captured=captured)
+    emitted = emit(planned, axes, options, keep_planned=True)
     proof = prove(emitted.subject, model, example_inputs, example_kwargs, seed=seed, rtol=rtol,
                   keep_values=keep_values)
     return Checked(planned, emitted, dataclasses.replace(proof, plan=planned.plan))
 
 
+def proves(check, model: nn.Module, axes: MeshAxes, max_elements: int) -> bool:
+    """Whether ``autoshard(check=...)`` runs the proof: always for True, never for False; for
+    ``"auto"`` when it costs little (at most ``max_elements`` parameter elements, none on meta). A
+    mesh none of whose axes puts ranks on the proof's grid (dp alone) has nothing to prove."""
+    from autoshard.core.meta_model import parameters_on_meta
+
+    if check not in (True, False, "auto"):
+        raise ValueError(f"autoshard: check must be True, False or 'auto', got {check!r}")
+    if check != "auto":
+        return bool(check) and bool(grid_sizes(axes))
+    if not grid_sizes(axes) or parameters_on_meta(model):
+        return False
+    return sum(p.numel() for p in model.parameters()) <= max_elements
+
+
 def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                 options: PlanOptions, axes: MeshAxes) -> CapturedGraph:
-    """The capture :func:`_plan` makes for ``axes`` (mixed precision captures in ``param_dtype``
-    only with a dp axis), to plan on several meshes from one trace."""
-    compute_dtype = _compute_dtype(model, axes, options)
+    """The capture :func:`plan_result` makes for ``axes`` (in the dtype an axis's runtime casts the
+    parameters to, if one does), to plan on several meshes from one trace."""
+    compute_dtype = next((d for axis in taking_part(axes) if (d := axis.capture_dtype(options, axes)) is not None),
+                         None)
     if compute_dtype is None:
         return capture(model, example_inputs, example_kwargs, options.dynamic_shapes, None, options.trace_blocks_once)
     policy = options.mp_policy
@@ -105,38 +136,10 @@ def capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | 
                    cast_inputs=policy.cast_forward_inputs)
 
 
-def _compute_dtype(model: nn.Module, axes: MeshAxes, options: PlanOptions):
-    # a dynamo graph replayed node by node (the compile backend) holds FSDP2's casts in the graph itself
-    return options.mp_policy.param_dtype if options.mp_policy is not None and axes.has_dp else None
-
-
 def mesh_axes(mesh) -> MeshAxes:
     if isinstance(mesh, Mapping):
         return axes_from_sizes(dict(mesh))
     return read_mesh(mesh)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanResult:
-    """A plan with what it was made from: the captured graph (nodes and all, normalized), the
-    sites and propagation's layouts. Emission works from it, and so does ``suggest_mesh``
-    (which costs a plan on the graph). ``reference`` is a copy of the graph as captured,
-    before any pass rewrote it (kept only for a proof)."""
-
-    plan: Plan
-    captured: CapturedGraph
-    sites: Sites
-    layout_plan: LayoutPlan
-    reference: fx.GraphModule | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Emitted:
-    """The sharded code before any tensor is placed: ``parts`` (root and block graphs), and
-    with ``keep_planned`` the :class:`~autoshard.proof.proof.Subject` a proof runs."""
-
-    parts: Partitioned
-    subject: Subject | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,86 +182,53 @@ def _without_cyclic_gc():
 def _planned(model, axes: MeshAxes, example_inputs, example_kwargs, given, options: PlanOptions,
              keep_reference: bool, captured: CapturedGraph | None) -> PlanResult:
     """:func:`plan_result`'s stages."""
-    options = options.for_tp(axes.has_tp)
+    parts = taking_part(axes)
+    for axis in AXES:
+        options = axis.plan_options(options, axes)
     if not isinstance(example_inputs, tuple):
         raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
     saved = as_plan(given)
-    given = _check_plan_mesh(saved, axes) if saved is not None else None
+    given = retarget(saved, axes.to_dict()) if saved is not None else None  # a plan made for another mesh shape
     if captured is None:
         captured = capture_for(model, example_inputs, example_kwargs, options, axes)
     else:
         captured = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
     reference = copy_graph_module(captured.gm) if keep_reference else None
-    context = None
-    if options.context_output != "whole" and not axes.has_cp:
-        raise ValueError("autoshard: context_output configures context parallelism, and this mesh has no 'cp' axis")
-    if axes.has_cp:
-        context = _cut_sequence(captured, axes, options, example_inputs)
+    cuts = {axis: axis.cut(captured, axes, options, example_inputs) for axis in parts}
     with in_stage("discover", captured.gm.graph):
         repeated_views_merged(captured.gm, captured.block_fqns)
         unbound_views_as_splits(captured.gm.graph)
         contractions_as_linears(captured.gm, captured.param_shapes)
         weights_on_the_right(captured.gm, captured.param_shapes)
         sites = find_sites(captured.gm, captured.param_shapes)
-    roles = None
-    dp_placements = None
+    kept = None
     if given is not None:
         _check_plan_params(given, captured.param_shapes)
-        weights = {s.weight_fqn for s in sites.all}
-        roles = {fqn: p.role for fqn, p in given.params.items() if fqn in weights}
-        # an expert weight's role is planned again from its layout unless the plan replicated it
-        experts = {s.weight_fqn for s in sites.experts}
-        roles |= {fqn: p.role for fqn, p in given.params.items() if fqn in experts and p.role == Role.REPLICATE}
-        dp_placements = {fqn: dp_choice(p.placements) for fqn, p in given.params.items() if dp_choice(p.placements)}
-    with in_stage("normalize", captured.gm.graph):
-        normalize(captured.gm, sites, axes.tp)
-    with in_stage("propagate", captured.gm.graph):
-        layout_plan = propagate(captured.gm, sites, axes.tp, roles, options, written=captured.written,
-                                block_fqns=captured.block_fqns)
-    if roles is None and axes.has_tp:
-        with in_stage("alternatives", captured.gm.graph):
-            layout_plan = settle(captured, sites, axes, options, layout_plan)
+        for axis in parts:
+            axis.check_saved(given, axes)
+        kept = Kept.of(given, sites)
+    layouts = [found for axis in parts if (found := axis.layouts(captured, sites, axes, options, kept)) is not None]
+    assert len(layouts) == 1, f"{len(layouts)} axes planned the layouts; one must"
+    layout_plan = layouts[0]
     with in_stage("plan", captured.gm.graph):
-        final = build_plan(captured, sites, layout_plan, axes, dp_placements)
-    if axes.has_ep:
-        with in_stage("experts", captured.gm.graph):
-            final = plan_experts(final, captured.gm, captured.param_shapes, axes)
+        final = build_plan(captured, sites, layout_plan, axes, kept.shard_choices if kept else None)
     if options.mp_policy is not None:
         final = dataclasses.replace(final, mixed_precision=mixed_precision_of(options.mp_policy))
-    if options.all_gather_quant is not None:
-        final = with_quantized_gathers(final, axes, options.all_gather_quant)
+    planned = PlanResult(final, captured, sites, layout_plan, reference)
+    for axis in reversed(parts):  # inner first: an outer axis records on what the inner ones placed
+        final = axis.record(final, planned, axes, options, cuts[axis])
+        planned = dataclasses.replace(planned, plan=final)
     if captured.trace_note:
         final = dataclasses.replace(final, trace_note=captured.trace_note)
     if captured.branches:
         final = dataclasses.replace(final, branches=captured.branches)
-    if context is not None:
-        from autoshard.passes.cut_sequence import cp_traffic
-
-        traffic = cp_traffic(captured.gm, layout_plan.layouts, axes.tp)
-        final = dataclasses.replace(final, context=dataclasses.replace(context, collectives=traffic))
+    planned = dataclasses.replace(planned, plan=final)
     if given is not None:
         _check_plan_consistent(given, final)
         if given is not saved:
-            check_activations_carry(saved, final, captured, sites, roles, dp_placements, options)
-    return PlanResult(final, captured, sites, layout_plan, reference)
-
-
-def _cut_sequence(captured: CapturedGraph, axes: MeshAxes, options: PlanOptions, example_inputs: tuple):
-    """The captured graph rewritten into one cp rank's code (see :mod:`autoshard.passes.cut_sequence`)."""
-    from autoshard.passes.cut_sequence import SEQ_DIM, cut_sequence
-
-    if options.dynamic_shapes is not None:
-        raise NotImplementedError("autoshard: context parallelism cuts a sequence of fixed length; capture with "
-                                  "dynamic_shapes=None")
-    first = example_inputs[0] if example_inputs else None
-    if not isinstance(first, torch.Tensor) or first.dim() <= SEQ_DIM:
-        what = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
-        raise ValueError("autoshard: context parallelism cuts dim 1 ([batch, seq, ...]) of the first input, and "
-                         f"the first example input is {what}")
-    group = axes.group_name(CP) if axes.mesh is not None else CP
-    with in_stage("cut the sequence", captured.gm.graph):
-        return cut_sequence(captured.gm, int(first.shape[SEQ_DIM]), axes.cp, group, set(captured.param_shapes),
-                            local_outputs=options.context_output == "local")
+            for axis in parts:
+                axis.check_carried(saved, final, planned, kept, options)
+    return planned
 
 
 def _proof_weights(planned: PlanResult, model: nn.Module) -> dict:
@@ -280,67 +250,41 @@ def _proof_weights(planned: PlanResult, model: nn.Module) -> dict:
 
 def prove_grid(planned: PlanResult, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                axes: MeshAxes, emitted: Emitted, *, seed: int = 0, rtol: float | None = None):
-    """The code ``emitted`` for a mesh with a cp or an ep axis (its tp code, or a pipeline's stages
-    called in order), every rank of the ``ep x cp x tp`` grid simulated, each ep rank on a batch of its
-    own, against the unsharded graph (see :mod:`autoshard.proof.grid_proof`)."""
+    """The code ``emitted`` (or a pipeline's stages called in order), every rank of the axes' grid
+    simulated, each on the data its axes give it, against the unsharded graph (see
+    :mod:`autoshard.proof.grid_proof`)."""
     from autoshard.proof.grid_proof import prove_on_grid
     from autoshard.runtime.pipeline_stages import flat_inputs
 
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    cut = planned.plan.context
-    grid = RankGrid.of(ep=axes.ep, cp=axes.cp, tp=axes.tp)
+    grid = RankGrid.of(**grid_sizes(axes))
     return prove_on_grid(planned.reference, emitted.parts.root, planned.plan, grid, inputs,
-                         _proof_weights(planned, model), seed=seed, rtol=rtol,
-                         output_cuts=cut.output_cuts if cut is not None else (), seq=cut.seq if cut is not None else 0)
+                         _proof_weights(planned, model), seed=seed, rtol=rtol)
 
 
-def emit(planned: PlanResult, axes: MeshAxes, tp_group: str | None, options: PlanOptions,
-          keep_planned: bool = False) -> Emitted:
-    """The tp collectives, the rewritten linears and the per-block graphs of a plan.
+def emit(planned: PlanResult, axes: MeshAxes, options: PlanOptions, keep_planned: bool = False) -> Emitted:
+    """The sharded code of a plan: each axis's rewrite of the planned graph, inner axis first (tp's
+    collectives and the transposed linears, then the exchanges that wrap the experts' code), and the
+    per-block graphs. The graph is rewritten in place, so a :class:`PlanResult` is emitted once.
 
-    ``tp_group`` names the tp process group in the emitted ops; a proof runs the code
-    without resolving it, so any name serves there."""
-    gm, sites, layout_plan = planned.captured.gm, planned.sites, planned.layout_plan
+    The ops name each axis's process group (on sizes alone, the axis's name: a proof runs the code
+    without resolving it)."""
+    gm, sites = planned.captured.gm, planned.sites
+    if gm.meta.get(EMITTED):
+        raise RuntimeError("autoshard: this plan's graph was emitted already (emission rewrites it in place); "
+                           "plan again to emit again")
+    gm.meta[EMITTED] = True
     planned_graph = copy_graph_module(gm) if keep_planned else None
     vocab = vocabularies(sites) if keep_planned else {}  # before the rewrite reads ids locally
-    reduce_dtype = options.mp_policy.reduce_dtype if options.mp_policy is not None else None
-    if tp_group is not None:
-        with in_stage("layouts", gm.graph):
-            insert_redistributes(gm, layout_plan, tp_group, reduce_dtype)
-    with in_stage("transpose", gm.graph):
-        rewrite_linears(gm, sites, layout_plan, tp_group, axes.tp, reduce_dtype)
-    if axes.has_ep:
-        with in_stage("experts", gm.graph):
-            emit_experts(gm, planned.captured.param_shapes, planned.plan, axes)
+    for axis in reversed(taking_part(axes)):
+        axis.emit(gm, planned, axes, options)
     with in_stage("partition", gm.graph):
         parts = partition(gm, planned.captured.block_fqns)
     if not keep_planned:
         return Emitted(parts)
-    subject = Subject(
-        reference=planned.reference,
-        planned=planned_graph,
-        emitted=gm,
-        root=parts.root,
-        plan=planned.plan,
-        tp=axes.tp,
-        layouts=layout_plan.layouts,
-        skip=frozenset(n.name for s in sites.all for n in {s.node, getattr(s, "output", s.node)}),
-        vocabularies=vocab,
-    )
+    subject = Subject.of(planned.reference, planned_graph, gm, parts.root, planned.plan, planned.layout_plan, sites,
+                         vocab)
     return Emitted(parts, subject)
-
-
-def as_plan(given) -> Plan | None:
-    if given is None or isinstance(given, Plan):
-        return given
-    if isinstance(given, Mapping):
-        return Plan.from_dict(given)
-    raise ValueError(f"autoshard: `plan` must be a Plan or its dict, got {type(given).__name__}")
-
-
-def _check_plan_mesh(given: Plan, axes: MeshAxes) -> Plan:
-    """``given`` on this mesh: retargeted when made for another mesh shape, or a ValueError."""
-    return retarget(given, axes.to_dict())
 
 
 def _check_plan_params(given: Plan, param_shapes) -> None:
@@ -356,13 +300,6 @@ def _check_plan_params(given: Plan, param_shapes) -> None:
             raise ValueError(
                 f"autoshard: plan says '{fqn}' has shape {list(entry.shape)}, the model has "
                 f"{list(param_shapes[fqn])}"
-            )
-        dp = dp_choice(entry.placements)
-        allowed = (shard_on(1 if entry.role == Role.VOCAB_PARALLEL else 0), REPLICATED)
-        if dp not in (None, *allowed):
-            raise ValueError(
-                f"autoshard: plan gives '{fqn}' ({entry.role}) dp placement '{dp}'; expected "
-                f"{' or '.join(repr(str(a)) for a in allowed)}"
             )
 
 

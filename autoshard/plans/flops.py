@@ -1,6 +1,6 @@
 """FLOPs of one forward's matmuls, grouped GEMMs and attention, from a node's value shapes.
 
-A leaf both the mesh suggestion (``driver.suggest``) and pipeline stage costs
+A leaf both the mesh suggestion (``advice.suggest``) and pipeline stage costs
 (``plans.stage_costs``) count with, so that neither imports the other.
 """
 

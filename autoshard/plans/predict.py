@@ -175,21 +175,21 @@ def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype
         if axes.is_hsdp:
             tally.add(DP_REPLICATE, Wire.ALL_REDUCE, reduced, axes.replicas)
     experts, ranks = plan.ep_weights(), math.prod(axes.size(a) for a in axes.expert_fsdp_axes)
-    expert_axis = "_".join(axes.expert_fsdp_axes)  # the data axes ep leaves, as one
+    ep_axis = "_".join(axes.expert_fsdp_axes)  # the data axes ep leaves, as one
     for layer in plan.experts:  # a layer's experts as their own FSDP unit over those axes
         if layer.choice == "ep" and layer.fsdp:
             entries = [plan.params[f] for f in layer.weights if sharded_by_fsdp(plan.params[f].placements)]
             gathered = sum(math.prod(rank_shape(e, axes)) for e in entries) * (param_dtype or master).itemsize
             reduced = sum(math.prod(rank_shape(e, axes)) for e in entries) * (reduce_dtype or master).itemsize
-            tally.add(expert_axis, Wire.ALL_GATHER, ranks * gathered, ranks, 2 if reshard else 1)
-            tally.add(expert_axis, Wire.REDUCE_SCATTER, ranks * reduced, ranks)
+            tally.add(ep_axis, Wire.ALL_GATHER, ranks * gathered, ranks, 2 if reshard else 1)
+            tally.add(ep_axis, Wire.REDUCE_SCATTER, ranks * reduced, ranks)
             if axes.is_hsdp:
                 tally.add(DP_REPLICATE, Wire.ALL_REDUCE, reduced, axes.replicas)
     for fqn, entry in plan.params.items():
         if fqn in experts:
             if not sharded_by_fsdp(entry.placements) or dp_choice(entry.placements) == entry.placements.get(EP):
                 # kept whole over the data axes ep leaves: its gradient all-reduced over them
-                tally.add(expert_axis, Wire.ALL_REDUCE, math.prod(rank_shape(entry, axes)) * master.itemsize, ranks)
+                tally.add(ep_axis, Wire.ALL_REDUCE, math.prod(rank_shape(entry, axes)) * master.itemsize, ranks)
         elif dp_choice(entry.placements) == REPLICATED:
             numel = math.prod(rank_shape(entry, axes))
             for axis in reversed(axes.dp_axes):

@@ -52,15 +52,16 @@ WIDE_TOLERANCE = 1e-9  # code computing the model's function agrees with it to f
 
 
 def prove_on_grid(reference: fx.GraphModule, code: fx.GraphModule, plan, grid: RankGrid, inputs: list,
-                  weights: dict, *, seed: int = 0, rtol: float | None = None, output_cuts: tuple = (),
-                  seq: int = 0) -> Proof:
+                  weights: dict, *, seed: int = 0, rtol: float | None = None) -> Proof:
     """Run ``code`` on every rank of ``grid`` and ``reference`` once per ep rank's batch, on flat
     ``inputs`` (ep rank 0's) and ``weights`` (FQN -> tensor); compare outputs and gradients.
 
-    ``output_cuts``: per output, the dim it leaves cut along the sequence (each cp rank compared with
-    its positions of the reference), or None; ``seq``: the sequence's length (with a cp axis)."""
+    With a cp axis the plan's record (``plan.context``) says how long the sequence is and which
+    outputs leave cut along it (each cp rank compared with its positions of the reference)."""
     start = time.perf_counter()
-    run = _GridRun(reference, code, plan, grid, tuple(output_cuts), seq)
+    cut = plan.context
+    run = _GridRun(reference, code, plan, grid, cut.output_cuts if cut is not None else (),
+                   cut.seq if cut is not None else 0)
     dtype = _compute_dtype(weights, reference)  # a float32 model whose experts run in bf16 rounds in bf16
     tolerance = rtol if rtol is not None else TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     trained = {name for name, w in weights.items() if w.is_floating_point() and w.requires_grad}

@@ -194,6 +194,14 @@ class Subject:
     skip: frozenset[str]
     vocabularies: dict[str, tuple[int, int | None]]  # placeholder name -> (rows, padding_idx)
 
+    @classmethod
+    def of(cls, reference: fx.GraphModule, planned: fx.GraphModule, emitted: fx.GraphModule, root: fx.GraphModule,
+           plan: Plan, layout_plan, sites, vocab: dict) -> Subject:
+        """The subject of a plan emitted from ``planned`` (a copy of the graph as propagation left it),
+        its layouts (the tp size among them) and the linear sites, compared only through their users."""
+        skip = frozenset(n.name for s in sites.all for n in {s.node, getattr(s, "output", s.node)})
+        return cls(reference, planned, emitted, root, plan, layout_plan.tp, layout_plan.layouts, skip, vocab)
+
 
 def prove(subject: Subject, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
           *, seed: int = 0, rtol: float | None = None, keep_values: bool = False) -> Proof:

@@ -353,9 +353,9 @@ def _apply_fsdp(
     params = dict(root.named_parameters())
     ignored = {params[f] for f in replicated_dp if f in params}
     experts = plan.ep_weights()
-    expert_axis = axes.expert_fsdp_axes[0] if axes.expert_fsdp_axes else None
+    expert_shard_axis = axes.expert_fsdp_axes[0] if axes.expert_fsdp_axes else None
     dp_dim = {  # an expert's FSDP cut is on the data axes ep leaves, not on ep's whole experts
-        params[fqn]: entry.placements.get(expert_axis) if fqn in experts else dp_choice(entry.placements)
+        params[fqn]: entry.placements.get(expert_shard_axis) if fqn in experts else dp_choice(entry.placements)
         for fqn, entry in plan.params.items()
         if sharded_by_fsdp(entry.placements)
     }

@@ -13,7 +13,7 @@ backward comes (one reduce-scatter per step, not per microbatch).
 
 Every stage's input and output shapes are known before the first step (static
 ``PipelineStage`` metadata): planning runs the emitted code once on fake tensors, every rank of
-the stage mesh's grid simulated (:func:`autoshard.driver.pipeline_plan.local_values`), which gives
+the stage mesh's grid simulated (:func:`autoshard.axes.pp_axis.local_values`), which gives
 each crossing value's local shape, dtype and
 whether a gradient flows back through it. Shapes are then fixed, as the captured graph's are; no
 stage runs on uninitialized values to infer them (an int value crossing a boundary, a position id

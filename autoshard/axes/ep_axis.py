@@ -1,4 +1,4 @@
-"""The ``ep`` axis in the pipeline: decide each MoE layer's experts after the dense plan is made
+"""The expert-parallel axis ``ep``: decide each MoE layer's experts after the dense plan is made
 (:func:`plan_experts`), and rewrite the emitted code of the layers split over ep (:func:`emit_experts`).
 
 ep's ranks are data ranks for everything but the experts: each routes its own batch's tokens, the
@@ -12,11 +12,34 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoshard.axes.contract import Axis, PlanResult
+from autoshard.core.errors import in_stage
 from autoshard.core.mesh import EP, TP, MeshAxes
+from autoshard.core.options import PlanOptions
 from autoshard.core.sharding import REPLICATED, placement_dim, shard_on
 from autoshard.passes.ep_regions import dispatch_experts, expert_layers, owns_its_module
 from autoshard.plans.ep_choice import EP_CHOICE, choose
 from autoshard.plans.plan import Plan
+
+
+class ExpertAxis(Axis):
+    """ep's hooks: the choice per MoE layer recorded after the dense plan, the exchanges written around
+    the experts' code (after tp wrote its collectives into it), and its ranks on the proof's grid, each
+    on a batch of its own."""
+
+    names = (EP,)
+    proven_on_grid = True
+
+    def record(self, plan: Plan, planned: PlanResult, axes: MeshAxes, options: PlanOptions, cut) -> Plan:
+        with in_stage("experts", planned.captured.gm.graph):
+            return plan_experts(plan, planned.captured.gm, planned.captured.param_shapes, axes)
+
+    def emit(self, gm, planned: PlanResult, axes: MeshAxes, options: PlanOptions) -> None:
+        with in_stage("experts", gm.graph):
+            emit_experts(gm, planned.captured.param_shapes, planned.plan, axes, self.group(axes))
+
+    def grid(self, axes: MeshAxes) -> dict[str, int]:
+        return {EP: axes.ep}
 
 
 def plan_experts(plan: Plan, gm, param_shapes, axes: MeshAxes, reshard_after_forward: bool = True) -> Plan:
@@ -73,13 +96,12 @@ def _read_itemsize(gm, fqn: str) -> int:
     return 4
 
 
-def emit_experts(gm, param_shapes, plan: Plan, axes: MeshAxes) -> None:
+def emit_experts(gm, param_shapes, plan: Plan, axes: MeshAxes, group: str) -> None:
     """Rewrite the emitted code of every layer the plan splits over ep (see
     :func:`autoshard.passes.ep_regions.dispatch_experts`)."""
     layers = tuple(frozenset(c.weights) for c in plan.experts if c.choice == EP_CHOICE)
     if not layers:
         return
-    group = axes.group_name(EP) if axes.mesh is not None else EP
     outlined = frozenset(c.module for c in plan.experts if c.choice == EP_CHOICE and c.fsdp)
     count = dispatch_experts(gm, param_shapes, layers, axes.ep, group, outlined)
     assert count == len(layers), f"ep rewrote {count} MoE layers, the plan splits {len(layers)}"

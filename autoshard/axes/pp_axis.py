@@ -1,6 +1,8 @@
-"""Plan a mesh with a ``pp`` axis: one stage plan, the split, the stage graphs and what crosses.
+"""The pipeline axis ``pp``: the model cut between blocks into stages that torch's schedule runs.
 
-The stages share one plan: the model is captured at one microbatch's shapes (the dp-local batch
+pp is the outer axis (``wraps``): it runs the other axes itself, on the stage mesh below it (the
+driver's :class:`~autoshard.axes.contract.Inner`), and cuts their emitted code into stages. The
+stages share one plan: the model is captured at one microbatch's shapes (the dp-local batch
 divided by ``microbatches``: the shapes every stage runs) and planned for the ``dp x tp``
 sub-mesh as any model is; the split into stages comes from that plan's costs
 (:mod:`autoshard.plans.stage_costs`), and the emitted code is cut along it (:mod:`autoshard.passes.stage_graphs`).
@@ -10,21 +12,18 @@ The plan records the pp axis in its mesh and the stages in ``plan.pipeline``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autoshard.axes.contract import Axis, Emitted, Inner, PlanResult, as_plan
 from autoshard.core.mesh import PP, MeshAxes
-from autoshard.core.options import PlanOptions
-from autoshard.driver import planning
+from autoshard.core.options import Options, PipelineOptions, PlanOptions
 from autoshard.passes.stage_graphs import StageSplit, split_stages, stitched
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_costs import (
-    PipelineStages,
-    Schedule,
     balance,
     given_split,
     pipeline_stages,
@@ -35,7 +34,7 @@ from autoshard.proof.grid_proof import rank_shard
 from autoshard.proof.proof import Proof
 from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.simulate import PerRank, RankSimulator
-from autoshard.runtime.pipeline_stages import Crossing, flat_inputs
+from autoshard.runtime.pipeline_stages import Crossing, flat_inputs, materialize_pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +43,8 @@ class PipelinePlan:
     emitted stage code, the stage graphs and each crossing value's shape on one rank."""
 
     plan: Plan
-    planned: planning.PlanResult
-    emitted: planning.Emitted
+    planned: PlanResult
+    emitted: Emitted
     split: StageSplit
     crossings: dict[str, Crossing]
     micro_inputs: tuple
@@ -76,20 +75,25 @@ def microbatch_of(example_inputs: tuple, example_kwargs: dict | None, microbatch
     return pytree.tree_map(cut, example_inputs), pytree.tree_map(cut, dict(example_kwargs or {}))
 
 
-def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, example_kwargs: dict | None,
-                  given, options: PlanOptions, *, schedule: str, microbatches: int, stages_per_rank: int | None,
-                  pp_split: Sequence[str] | None, memory_per_rank: int | None, tp_group: str | None,
+def plan_pipeline(inner: Inner, model: nn.Module, axes: MeshAxes, example_inputs: tuple,
+                  example_kwargs: dict | None, given, options: PlanOptions, pipelined: PipelineOptions,
                   keep_reference: bool = False) -> PipelinePlan:
-
-    if options.context_output != "whole" and axes.has_cp:
+    """The stage plan of ``axes`` (with its pp axis): the other axes planned and emitted by ``inner`` on
+    the stage mesh at one microbatch's shapes, split into stages by the plan's costs (or
+    ``pipelined.split``), with what crosses each boundary."""
+    if not isinstance(example_inputs, tuple):
+        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
+    schedule, per_rank, microbatches = pipelined.schedule, pipelined.stages_per_rank, pipelined.microbatches
+    if microbatches is None:
+        microbatches = axes.pp * (per_rank or (1 if schedule.lower() in ("gpipe", "1f1b") else 2))
+    if options.context_output != "whole":
         raise NotImplementedError("autoshard: context_output='local' with a pp axis: torch's schedule hands the "
                                   "last stage's output and the whole microbatch's targets to loss_fn; plan with "
                                   "context_output='whole'")
     stage_axes = axes.stage_axes()
-    spec = schedule_of(schedule, microbatches, axes.pp, stages_per_rank, data_parallel=stage_axes.has_dp)
+    spec = schedule_of(schedule, microbatches, axes.pp, per_rank, data_parallel=stage_axes.has_dp)
     micro_inputs, micro_kwargs = microbatch_of(example_inputs, example_kwargs, microbatches)
-    planned = planning.plan_result(model, stage_axes, micro_inputs, micro_kwargs, given, options,
-                              keep_reference=keep_reference)
+    planned = inner.plan(model, stage_axes, micro_inputs, micro_kwargs, given, options, keep_reference=keep_reference)
     captured = planned.captured
     blocks = tuple(captured.block_fqns)
     count = spec.stages(axes.pp)
@@ -97,15 +101,16 @@ def plan_pipeline(model: nn.Module, axes: MeshAxes, example_inputs: tuple, examp
         raise ValueError("autoshard: a pp axis cuts the model between blocks, and this model has none "
                          "(no nn.ModuleList of repeated layers was found)")
     costs = unit_costs(captured.gm.graph, planned.layout_plan.layouts, planned.plan, stage_axes, blocks)
-    saved = planning.as_plan(given)
+    saved = as_plan(given)
+    pp_split = pipelined.split
     if pp_split is None and saved is not None and saved.pipeline is not None:
         pp_split = [stage.units[0] for stage in saved.pipeline.stages[1:]]  # a saved plan's stages, kept
     if pp_split is not None:
         runs, chosen = given_split(pp_split, blocks, count), "given"
     else:
-        runs, chosen = balance(costs, spec, axes.pp, memory_per_rank), "balanced"
+        runs, chosen = balance(costs, spec, axes.pp, pipelined.memory_per_rank), "balanced"
     stages = pipeline_stages(runs, costs, spec, axes.pp, chosen)
-    emitted = planning.emit(planned, stage_axes, tp_group, options, keep_planned=keep_reference)
+    emitted = inner.emit(planned, stage_axes, options, keep_planned=keep_reference)
     stage_of_block = {unit: stage.index for stage in stages.stages for unit in stage.units}
     parts = emitted.parts
     split = split_stages(parts, stage_of_block, count, frozenset(planned.plan.params))
@@ -192,35 +197,61 @@ def _nbytes(crossing: Crossing) -> int:
     return count * torch.empty((), dtype=crossing.dtype).element_size()
 
 
-def prove_pipeline(pplan: PipelinePlan, model: nn.Module, axes: MeshAxes, *, seed: int = 0,
+def prove_pipeline(inner: Inner, pplan: PipelinePlan, model: nn.Module, axes: MeshAxes, *, seed: int = 0,
                    rtol: float | None = None) -> Proof:
     """``pplan``'s stages called in order (:func:`~autoshard.passes.stage_graphs.stitched`), against
     the unsharded graph at one microbatch's shapes, proven as the stage mesh's code is
-    (:func:`~autoshard.driver.planning.prove_emitted`). The stages are the emitted code cut at
+    (``inner.prove``). The stages are the emitted code cut at
     block boundaries, so a value the cut lost, passed in the wrong order or read before the stage
     computing it fails here, named by node."""
     root = stitched(pplan.split, pplan.emitted.parts.root)
     subject = pplan.emitted.subject
     emitted = dataclasses.replace(pplan.emitted, parts=dataclasses.replace(pplan.emitted.parts, root=root),
                                   subject=dataclasses.replace(subject, root=root) if subject is not None else None)
-    proof = planning.prove_emitted(pplan.planned, emitted, model, pplan.micro_inputs, pplan.micro_kwargs,
-                                   axes.stage_axes(), seed=seed, rtol=rtol)
+    proof = inner.prove(pplan.planned, emitted, model, pplan.micro_inputs, pplan.micro_kwargs,
+                        axes.stage_axes(), seed=seed, rtol=rtol)
     return dataclasses.replace(proof, plan=pplan.plan)
 
 
-__all__ = ["PipelinePlan", "Schedule", "PipelineStages", "microbatch_of", "plan_pipeline", "prove_pipeline"]
+class PipelineAxis(Axis):
+    """pp's hooks: it checks its options and, as the outer axis, plans, proves and shards a mesh that
+    has it through :func:`plan_pipeline` over the driver's run of the other axes."""
 
+    names = (PP,)
+    wraps = True
 
-def pipeline_plan_for(model, axes: MeshAxes, example_inputs, example_kwargs, plan, options, pipelined: dict,
-                   keep_reference: bool = False):
-    if not isinstance(example_inputs, tuple):
-        raise ValueError(f"autoshard: `example_inputs` must be a tuple, got {type(example_inputs).__name__}")
-    per_rank = pipelined["stages_per_rank"]
-    microbatches = pipelined["microbatches"]
-    if microbatches is None:
-        microbatches = axes.pp * (per_rank or (1 if pipelined["schedule"].lower() in ("gpipe", "1f1b") else 2))
-    tp_group = axes.stage_axes().group_name("tp") if axes.has_tp and axes.mesh is not None else "tp"
-    return plan_pipeline(model, axes, example_inputs, example_kwargs, plan, options,
-                         schedule=pipelined["schedule"], microbatches=microbatches, stages_per_rank=per_rank,
-                         pp_split=pipelined["pp_split"], memory_per_rank=pipelined["memory_per_rank"],
-                         tp_group=tp_group if axes.has_tp else None, keep_reference=keep_reference)
+    def check(self, axes: MeshAxes, chosen: Options, sharding: bool) -> None:
+        if not self.present(axes):
+            given = chosen.pipeline.configured()
+            if given:
+                raise ValueError(f"autoshard: {', '.join(given)} configure pipeline stages, and this mesh has no "
+                                 "'pp' axis")
+            return
+        if sharding and chosen.pipeline.loss_fn is None:
+            raise ValueError("autoshard: a mesh with a 'pp' axis trains through a schedule that runs the loss on "
+                             "the last stage: pass loss_fn=(output, target) -> loss")
+
+    def plan(self, inner: Inner, model, axes: MeshAxes, example_inputs, example_kwargs, given, chosen: Options,
+             keep_reference: bool = False) -> PipelinePlan:
+        return plan_pipeline(inner, model, axes, example_inputs, example_kwargs, given, chosen.plan_options(),
+                             chosen.pipeline, keep_reference=keep_reference)
+
+    def prove(self, inner: Inner, model, axes: MeshAxes, example_inputs, example_kwargs, given, chosen: Options, *,
+              seed: int, rtol: float | None) -> Proof:
+        pplan = self.plan(inner, model, axes, example_inputs, example_kwargs, given, chosen, keep_reference=True)
+        return prove_pipeline(inner, pplan, model, axes, seed=seed, rtol=rtol)
+
+    def shard(self, inner: Inner, model, axes: MeshAxes, example_inputs, example_kwargs, given, chosen: Options):
+        """``autoshard()`` on a mesh with a pp axis: the stage plan, proven, and this rank's stages
+        and schedule (:func:`~autoshard.runtime.pipeline_stages.materialize_pipeline`)."""
+        sharding = chosen.sharding
+        proving = inner.proves(sharding.check, model, axes)
+        pplan = self.plan(inner, model, axes, example_inputs, example_kwargs, given, chosen, keep_reference=proving)
+        inner.agree(pplan.plan, pplan.planned.captured.inputs, axes)
+        if proving:
+            prove_pipeline(inner, pplan, model, axes).raise_if_failed()
+        return materialize_pipeline(pplan, model, axes, chosen.pipeline.loss_fn,
+                                    sync_module_states=sharding.sync_module_states,
+                                    reshard_after_forward=sharding.reshard_after_forward,
+                                    mp_policy=chosen.precision.mp_policy,
+                                    activation_checkpointing=sharding.activation_checkpointing)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.core.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP, axes_from_sizes
-from autoshard.core.options import PlanOptions
+from autoshard.core.options import PipelineOptions, PlanOptions
 from autoshard.core.sharding import Wire, tp_local_shape
 from autoshard.plans.flops import ATTENTION, MATMULS, matmul_flops
 
@@ -190,7 +190,8 @@ def _pp_candidate(model, sizes, example_inputs, example_kwargs, batch, mp_policy
     the pp rank with the most FLOPs sets the pace, ``microbatches + pp - 1`` times (the pipeline
     fills and drains); each stage's tp and dp traffic is its share of the model's, and the pp sends
     are the plan's; memory is the largest stage's. A string: why the mesh was skipped."""
-    from autoshard.driver.pipeline_plan import pipeline_plan_for
+    from autoshard.axes.pp_axis import plan_pipeline
+    from autoshard.driver.entry_points import INNER
 
     axes = axes_from_sizes(sizes)
     data_parallel = axes.stage_axes().data_parallel
@@ -201,10 +202,9 @@ def _pp_candidate(model, sizes, example_inputs, example_kwargs, batch, mp_policy
     if microbatches is None:
         return f"{sizes}: the dp-local batch {rows} does not divide into {axes.pp} or {2 * axes.pp} microbatches"
     local, local_kwargs = _share(example_inputs, rows), _share(example_kwargs or {}, rows)
-    pipelined = dict(loss_fn=None, microbatches=microbatches, schedule="1F1B", stages_per_rank=None, pp_split=None,
-                     memory_per_rank=None)
     try:
-        pplan = pipeline_plan_for(model, axes, local, local_kwargs, None, PlanOptions(mp_policy=mp_policy), pipelined)
+        pplan = plan_pipeline(INNER, model, axes, local, local_kwargs, None, PlanOptions(mp_policy=mp_policy),
+                              PipelineOptions(microbatches=microbatches, schedule="1F1B"))
     except (ValueError, NotImplementedError) as err:
         return f"{sizes}: {err}"
     plan, stages = pplan.plan, pplan.plan.pipeline
