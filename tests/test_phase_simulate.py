@@ -64,7 +64,7 @@ def test_a_tp_sum_of_partials_adds_the_ranks_and_its_backward_hands_each_rank_th
                                                                                           (x, "tp")), 2.0)), "tp")))
     x = torch.randn(3, 4, requires_grad=True)
     inputs = [x.clone().detach().requires_grad_(True) for _ in range(2)]
-    simulator = RankSimulator(gm, 2, lambda name: None)
+    simulator = RankSimulator(gm, RankGrid.of(tp=2), lambda name: None)
     out = simulator.run(PerRank(inputs))
     for value in out.values:
         torch.testing.assert_close(value, 4 * x.detach())  # 2 ranks x 2x each
@@ -84,6 +84,6 @@ def test_a_cp_gather_on_the_cp_by_tp_grid_joins_each_tp_ranks_cp_group_in_sequen
     grid = RankGrid.of(cp=cp, tp=2)
     parts = [whole[context_ops.local_positions(grid.coordinate(r, "cp"), cp, seq)] + 100 * grid.coordinate(r, "tp")
              for r in grid]
-    out = RankSimulator(gm, 2, lambda name: None, cp=cp).run(PerRank(parts))
+    out = RankSimulator(gm, grid, lambda name: None).run(PerRank(parts))
     for rank, value in enumerate(out.values):
         torch.testing.assert_close(value, whole + 100 * grid.coordinate(rank, "tp"))

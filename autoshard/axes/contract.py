@@ -53,6 +53,7 @@ from autoshard.passes.discover import Sites
 from autoshard.passes.propagate import LayoutPlan
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof, Subject
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.runtime.graph_parts import Partitioned
 
 # The key in a GraphModule's ``meta`` that marks it emitted: emission rewrites the planned graph in
@@ -120,6 +121,8 @@ class Inner(Protocol):
               rtol: float | None = None) -> Proof: ...
 
     def agree(self, plan: Plan, inputs, axes: MeshAxes, parts: Partitioned | None = None) -> None: ...
+
+    def grid(self, axes: MeshAxes) -> RankGrid: ...
 
     def proves(self, check, model, axes: MeshAxes) -> bool: ...
 

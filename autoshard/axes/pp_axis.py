@@ -115,7 +115,7 @@ def plan_pipeline(inner: Inner, model: nn.Module, axes: MeshAxes, example_inputs
     parts = emitted.parts
     split = split_stages(parts, stage_of_block, count, frozenset(planned.plan.params))
     flat = flat_inputs(captured, micro_inputs, micro_kwargs)
-    crossings = local_values(parts.root, planned.plan, stage_axes.tp, flat, stage_axes.cp, stage_axes.ep)
+    crossings = local_values(parts.root, planned.plan, inner.grid(stage_axes), flat)
     output = next(n for n in parts.root.graph.nodes if n.op == "output")
     output_names = tuple(n.name for n in pytree.tree_leaves(output.args[0]))
     root = {fqn for fqn, entry in planned.plan.params.items() if not entry.unit}
@@ -127,12 +127,11 @@ def plan_pipeline(inner: Inner, model: nn.Module, axes: MeshAxes, example_inputs
                         output_names, tuple(costs))
 
 
-def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, cp: int = 1,
-                 ep: int = 1) -> dict[str, Crossing]:
+def local_values(root: fx.GraphModule, plan: Plan, grid: RankGrid, flat_inputs: list) -> dict[str, Crossing]:
     """Every root value as one rank holds it, from running the emitted code on fake tensors
     (shapes and dtypes only: nothing is computed or allocated, and ops naming a device still run).
 
-    Every rank of the stage's ``cp x tp`` grid is simulated (:class:`~autoshard.proof.rank_grid.RankGrid`,
+    Every rank of the stage mesh's ``grid`` is simulated (:class:`~autoshard.proof.rank_grid.RankGrid`,
     as the proof lays them out); all take the whole inputs, and a
     value cut over the sequence crosses a boundary at its cp-local length. Rank 0's shapes are every
     rank's: tp shards and the balanced sequence chunks are equal. Under ``ep`` each rank holds its
@@ -148,7 +147,6 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
     if device.type == "meta":
         device = torch.device("cpu")
     dtypes = _param_dtypes(root)
-    grid = RankGrid.of(ep=ep, cp=cp, tp=tp)
     with mode, torch.enable_grad():
         weights = {}
         for fqn, entry in plan.params.items():
@@ -156,7 +154,7 @@ def local_values(root: fx.GraphModule, plan: Plan, tp: int, flat_inputs: list, c
             weights[fqn] = PerRank([rank_shard(plan, grid, fqn, full, i).requires_grad_(True) for i in grid])
         inputs = [PerRank([_fake(mode, v, device) if isinstance(v, torch.Tensor) else v] * grid.ranks)
                   for v in flat_inputs]
-        simulator = RankSimulator(root, tp, weights.get, cp=cp, ep=ep)
+        simulator = RankSimulator(root, grid, weights.get)
         simulator.run(*inputs)
     crossings = {}
     for name, value in simulator.values.items():

@@ -20,6 +20,7 @@ from autoshard.driver.agreement import check_agreement
 from autoshard.driver.planning import (
     AXES,
     emit,
+    grid_sizes,
     mesh_axes,
     outer_axis,
     plan_result,
@@ -30,6 +31,7 @@ from autoshard.driver.planning import (
 )
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.runtime.activation_checkpointing import apply_activation_checkpointing
 from autoshard.runtime.clipping import remember_entries
@@ -61,6 +63,9 @@ class _Inner:
 
     def proves(self, check, model, axes):
         return proves(check, model, axes, AUTO_CHECK_MAX_ELEMENTS)
+
+    def grid(self, axes):
+        return RankGrid.of(**grid_sizes(axes))
 
 
 INNER = _Inner()

@@ -142,7 +142,7 @@ class _GridRun:
         gen = torch.Generator().manual_seed(seed)
         ref_outs, cotangents = [], []
         for e, batch in enumerate(batches):
-            sim = RankSimulator(self.reference, 1, ref_params.get, widen=widen)
+            sim = RankSimulator(self.reference, RankGrid(()), ref_params.get, widen=widen)
             out = _flat(_unsharded(sim, [widened(x, widen) for x in batch]))
             cots = [torch.randn(o.values[0].shape, generator=gen).to(o.values[0].dtype)
                     if isinstance(o, PerRank) and o.values[0].is_floating_point() else None for o in out]
@@ -154,8 +154,7 @@ class _GridRun:
         tally = Tally()
         per_rank = [PerRank([widened(batches[grid.coordinate(r, EP)][i], widen) for r in grid])
                     if isinstance(batches[0][i], torch.Tensor) else batches[0][i] for i in range(len(batches[0]))]
-        sim = RankSimulator(self.code, grid.size(TP), rank_params.get, tally=tally, widen=widen, cp=grid.size(CP),
-                            ep=grid.size(EP))
+        sim = RankSimulator(self.code, grid, rank_params.get, tally=tally, widen=widen)
         got = _flat(sim.run(*per_rank))
         self.values["code"] = sim.values
         on_rank = self._on_rank(got)

@@ -44,6 +44,7 @@ from autoshard.passes.mixed_dtypes import buffer_dtype_hint, widened_value_hint
 from autoshard.passes.placements import multiplies
 from autoshard.plans.plan import Plan
 from autoshard.proof.precision import first_precision_change
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.rounding import Measure, judge
 from autoshard.proof.simulate import EmittedCodeError, PerRank, RankSimulator, widened
 
@@ -544,7 +545,7 @@ def _trained(params: dict[str, PerRank]) -> dict[str, PerRank]:
 def _run_reference(gm: fx.GraphModule, inputs: list, weights: dict, buffers: dict, gen, retain: bool = False,
                    cotangents=None, widen: torch.dtype | None = None) -> _Run:
     params = {fqn: PerRank(_leaves([w])) for fqn, w in weights.items()}
-    sim = RankSimulator(gm, 1, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, 1), widen=widen)
+    sim = RankSimulator(gm, RankGrid(()), lambda fqn: params.get(fqn) or _replicated(buffers, fqn, 1), widen=widen)
     outputs = [o.values[0] if isinstance(o, PerRank) else o for o in _flat_outputs(sim.run(*_per_rank(inputs, 1)))]
     if cotangents is None:
         cotangents = [torch.randn(o.shape, generator=gen, device="cpu").to(o.dtype)
@@ -566,7 +567,8 @@ def _run_emitted(root: fx.GraphModule, subject: Subject, inputs: list, weights: 
     buffers = {k: widened(v, widen) for k, v in buffers.items()}
     params = {fqn: PerRank(_leaves(stored_shards(entry, widened(weights[fqn], widen), tp)))
               for fqn, entry in subject.plan.params.items()}
-    sim = RankSimulator(root, tp, lambda fqn: params.get(fqn) or _replicated(buffers, fqn, tp), widen=widen)
+    sim = RankSimulator(root, RankGrid.of(tp=tp), lambda fqn: params.get(fqn) or _replicated(buffers, fqn, tp),
+                        widen=widen)
     outputs = _flat_outputs(sim.run(*_per_rank(inputs, tp)))
     _retain(sim.values, retain)
     losses = [0] * tp  # each rank's sum(output * cotangent) over its copy or chunk of each output

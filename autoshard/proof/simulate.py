@@ -413,8 +413,9 @@ def widened(value, dtype: torch.dtype | None):
 
 
 class RankSimulator(fx.Interpreter):
-    """Runs ``gm`` for every rank of its :class:`~autoshard.proof.rank_grid.RankGrid` at once (the tp
-    ranks, or the cp x tp grid with ``cp``); every value is a :class:`PerRank`, indexed by grid rank.
+    """Runs ``gm`` for every rank of ``grid`` (:class:`~autoshard.proof.rank_grid.RankGrid`, any axes
+    that cut values within a step) at once; every value is a :class:`PerRank`, indexed by grid rank.
+    A collective runs within the groups of the axis it names (:meth:`RankGrid.groups`).
 
     ``param(fqn)`` returns the per-rank local tensors of a parameter (or None for
     what is no parameter: buffers and constants are read from ``gm`` and are alike
@@ -423,15 +424,13 @@ class RankSimulator(fx.Interpreter):
     ``prefix + node.name`` for comparisons after the run.
     """
 
-    def __init__(self, gm: fx.GraphModule, tp: int, param: Callable[[str], PerRank | None],
+    def __init__(self, gm: fx.GraphModule, grid: RankGrid, param: Callable[[str], PerRank | None],
                  prefix: str = "", values: dict[str, PerRank] | None = None, tally: Tally | None = None,
-                 widen: torch.dtype | None = None, cp: int = 1, ep: int = 1):
+                 widen: torch.dtype | None = None):
         super().__init__(gm, garbage_collect_values=False)
-        self.tp = tp
-        self.cp = cp
-        self.ep = ep
-        self.grid = RankGrid.of(ep=ep, cp=cp, tp=tp)  # row-major in mesh order: on cp x tp rank i is (i // tp, i % tp)
-        self.ranks = self.grid.ranks
+        self.grid = grid  # row-major in mesh order: on cp x tp rank i is (i // tp, i % tp)
+        self.tp = grid.size(TP)
+        self.ranks = grid.ranks
         self.widen = widen  # run every float op in this dtype (a proof's exact reference); None: as written
         self.tally = tally if tally is not None else Tally()  # the tp collectives run, forward and backward
         self.param = param
@@ -464,13 +463,13 @@ class RankSimulator(fx.Interpreter):
         if target in _TENSOR_COLLECTIVES:
             (x, *rest), kw = args, kwargs
             rest, kw = map_aggregate((on_rank(rest, 0), on_rank(kw, 0)), lambda a: _as_simulated(a, self.widen))
-            return self._grouped(target in _CP_COLLECTIVES, [x],
+            return self._grouped(CP if target in _CP_COLLECTIVES else TP, [x],
                                  lambda tally, xs: _TENSOR_COLLECTIVES[target](tally, xs[0].values, *rest, **kw))
         if target in (collectives.TAKE_SHARDS, collectives.ENTER_TPS):
             # a reduce_dtype among the arguments is widened like any dtype the code names
             rest = map_aggregate(on_rank(args[1:], 0), lambda a: _as_simulated(a, self.widen))
             grouped = _take_shards if target is collectives.TAKE_SHARDS else _enter_tps
-            return self._grouped(False, list(args[0]), lambda tally, xs: grouped(tally, xs, *rest))
+            return self._grouped(TP, list(args[0]), lambda tally, xs: grouped(tally, xs, *rest))
         if target in (token_dispatch.EP_DISPATCH, token_dispatch.EP_COMBINE):
             return self._exchanged(target, args)
         if target is context_ops.CP_POSITIONS:
@@ -493,16 +492,12 @@ class RankSimulator(fx.Interpreter):
             return args[0][args[1]]  # an entry of what a nested graph returned: the value itself, as it is
         return self._per_rank(lambda a, k: self._call(target, a, k), args, kwargs)
 
-    def _groups(self, over_cp: bool) -> list[list[int]]:
-        """The simulated ranks of each process group of the tp axis, or of the cp axis."""
-        return self.grid.groups(CP if over_cp else TP)
-
-    def _grouped(self, over_cp: bool, values: list[PerRank], collective) -> PerRank:
-        """``collective(tally, values)`` run within each group of the axis, on its ranks' values; the
+    def _grouped(self, axis: str, values: list[PerRank], collective) -> PerRank:
+        """``collective(tally, values)`` run within each group of ``axis``, on its ranks' values; the
         traffic of one group is tallied (per rank, as a real rank counts it)."""
         out: list = [None] * self.ranks
         sharded_dim = None
-        for k, group in enumerate(self._groups(over_cp)):
+        for k, group in enumerate(self.grid.groups(axis)):
             result = collective(self.tally if k == 0 else Tally(),
                                 [PerRank([v.values[i] for i in group]) for v in values])
             for i, value in zip(group, result.values, strict=True):
@@ -557,7 +552,7 @@ class RankSimulator(fx.Interpreter):
         """k and v gathered over the cp ranks (again in backward, then their gradients
         reduce-scattered), each rank's chunks attending with its own cp rank."""
         q, k, v, cp, group, *rest = args
-        keys, values = (self._grouped(True, [x], lambda tally, xs: _cp_gather(tally, xs[0].values, -2, cp, group,
+        keys, values = (self._grouped(CP, [x], lambda tally, xs: _cp_gather(tally, xs[0].values, -2, cp, group,
                                                                              regather=True)) for x in (k, v))
 
         def one(rank):
@@ -576,8 +571,7 @@ class RankSimulator(fx.Interpreter):
         if isinstance(module, fx.GraphModule):
             # a pipeline stage holds its parameters at the model's own FQNs (passes.stages.stitched)
             prefix = self.prefix if getattr(module, "holds_model_fqns", False) else f"{self.prefix}{target}."
-            nested = RankSimulator(module, self.tp, self.param, prefix, self.values, self.tally, self.widen, self.cp,
-                                   self.ep)
+            nested = RankSimulator(module, self.grid, self.param, prefix, self.values, self.tally, self.widen)
             return nested.run(*args, **kwargs)
         return self._per_rank(lambda a, k: module(*a, **k), args, kwargs)
 
