@@ -1,7 +1,7 @@
 """Alternatives: choices one propagation walk cannot judge, settled by comparing whole plans.
 
 A walk decides each linear from its input's layout and revises regions by local counts
-(:class:`~autoshard.passes.propagate.Revisions`). Some choices change the roles of every linear
+(:class:`~autoshard.passes.idle_regions.Revisions`). Some choices change the roles of every linear
 downstream, so only the whole block's bill can judge them.
 
 Four such choices, each a kind of candidate tried on its own:
@@ -72,8 +72,9 @@ from autoshard.core.options import PlanOptions
 from autoshard.core.sharding import Step
 from autoshard.passes.capture import CapturedGraph, copy_graph_module
 from autoshard.passes.discover import Sites, find_sites
+from autoshard.passes.layout_plan import COLWISE, PARTIALS, ROWWISE, LayoutPlan
 from autoshard.passes.placements import build_plan
-from autoshard.passes.propagate import COLWISE, PARTIALS, ROWWISE, LayoutPlan, propagate
+from autoshard.passes.propagate import propagate
 from autoshard.plans.block_owners import owner_block, unit_of_node
 from autoshard.plans.plan import Plan
 

@@ -1024,9 +1024,9 @@ def cp_traffic(gm: fx.GraphModule, layouts: dict, tp: int) -> tuple[tuple[str, i
     :func:`autoshard.plans.predict.predicted_comm`: a gather's bytes are those of the whole tensor it
     makes (its tp shard under tp), its backward reduce-scatters as many; an all-reduce's backward is
     one more where a gradient flows."""
-    from autoshard.passes.propagate import _carries_grad
+    from autoshard.passes.gradient_flow import carries_grad
 
-    carries = _carries_grad(gm)
+    carries = carries_grad(gm)
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is CP_CAUSAL_ATTENTION:

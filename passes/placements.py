@@ -34,8 +34,8 @@ from autoshard.core.sharding import (
 )
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import IN_OUT, OUT_IN, EmbeddingSite, LinearSite, Sites
-from autoshard.passes.layout_rules import Convolution
-from autoshard.passes.propagate import (
+from autoshard.passes.idle_regions import closed_by_grouped_convolution, grouped_on_cut_input
+from autoshard.passes.layout_plan import (
     COLWISE,
     COLWISE_LIKE,
     PARTIALS,
@@ -44,10 +44,9 @@ from autoshard.passes.propagate import (
     VOCAB_PARALLEL,
     LayoutPlan,
     RowwiseExit,
-    closed_by_grouped_convolution,
-    grouped_on_cut_input,
     is_sharded,
 )
+from autoshard.passes.layout_rules import Convolution
 from autoshard.plans.block_owners import owner_block, unit_of_node
 from autoshard.plans.plan import ParamSharding, Plan
 

@@ -68,7 +68,6 @@ costs about what a walk over 3 does.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import operator
 
 import torch
@@ -76,72 +75,47 @@ import torch.fx as fx
 
 from autoshard.core.errors import describe
 from autoshard.core.options import DEFAULT_OPTIONS, PlanOptions
-from autoshard.core.sharding import Indivisible, Role, Step
-from autoshard.passes import dtensor_rules, layout_rules
+from autoshard.core.sharding import Indivisible, Role
+from autoshard.passes import dtensor_rules, gradient_flow, layout_rules
 from autoshard.passes.decompose import NORMS, decompose_norm
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
 from autoshard.passes.experts import ExpertSite
-from autoshard.passes.layout_rules import Layout, Strided
+from autoshard.passes.fused_projections import (
+    SUMS,
+    cat_of_sections,
+    fused_origins,
+    heads_of,
+    section_dim_after,
+    source_param,
+)
+from autoshard.passes.idle_regions import Revisions
+from autoshard.passes.layout_plan import (
+    COLWISE,
+    COLWISE_LIKE,
+    ENTER_TP,
+    GATHER,
+    GATHER_FOR_COLWISE,
+    PARTIAL,
+    PARTIAL_AVG,
+    PARTIALS,
+    REDUCE,
+    REPLICATE,
+    ROWWISE,
+    SEQ_DIM,
+    SHARDED_OUTPUT,
+    TAKE_SHARD,
+    VOCAB_PARALLEL,
+    LayoutPlan,
+    Redistribute,
+    is_sharded,
+)
+from autoshard.passes.layout_rules import Layout
+from autoshard.passes.op_dims import SIZED_VIEWS, dim_before, ndim_of, norm_dim
+from autoshard.passes.shared_collectives import hoist_enter_tp, hoist_take_shard, share_gathers
 from autoshard.passes.stamping import Arrival, Copies, Key, Stamper, find_copies
-from autoshard.plans.block_owners import unit_of_node
 from autoshard.plans.plan import FusedSections
 
-COLWISE, ROWWISE, REPLICATE = Role.COLWISE, Role.ROWWISE, Role.REPLICATE
-# A weight tied between the input embedding and the LM head, stored [vocab, dim]
-# with its vocabulary rows cut over tp: the head is colwise over the vocabulary,
-# the embedding a masked lookup whose partial output is all-reduced.
-VOCAB_PARALLEL = Role.VOCAB_PARALLEL
-COLWISE_LIKE = (COLWISE, VOCAB_PARALLEL)
-
-ENTER_TP, GATHER, TAKE_SHARD, REDUCE = Step.ENTER_TP, Step.GATHER, Step.TAKE_SHARD, Step.REDUCE
-PARTIAL, PARTIAL_AVG, PARTIALS = layout_rules.PARTIAL, layout_rules.PARTIAL_AVG, layout_rules.PARTIALS
-# loss parallel: a model output sharded on its last (vocabulary) dim leaves the graph as a
-# DTensor ``Shard(-1)`` on the tp mesh instead of being gathered
-SHARDED_OUTPUT = Step.SHARDED_OUTPUT
-# sequence parallel: a sequence-sharded input of colwise linears, all-gathered forward,
-# its partial gradient reduce-scattered backward (one op instead of gather + enter_tp)
-GATHER_FOR_COLWISE = Step.GATHER_FOR_COLWISE
-SEQ_DIM = 1  # [batch, seq, hidden] activations
-
 _aten = torch.ops.aten
-# ops whose result carries no gradient back to their inputs: detach, and new tensors that only
-# take their input's shape (``torch.zeros_like(x)`` as an accumulator)
-_GRAD_STOPS = (
-    _aten.detach.default, _aten.detach_.default, _aten.zeros_like.default, _aten.ones_like.default,
-    _aten.empty_like.default, _aten.full_like.default, _aten.new_zeros.default, _aten.new_ones.default,
-    _aten.new_empty.default, _aten.new_full.default,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Redistribute:
-    """What a consumer needs done to a value before reading it: ``kind`` on ``dim`` (the sharded
-    dim gathered or cut; none for a sum); ``average`` for a reduced partial mean; ``sections``: a
-    cut that follows a fused projection's stored sections (a constant along its output)."""
-
-    kind: Step
-    dim: int | Strided | None = None
-    average: bool = False
-    sections: FusedSections | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EnterTpBucket:
-    """Parameters of one block whose gradients enter tp (``enter_tp``), by one op placed before
-    ``first``, the earliest of their consumers."""
-
-    values: tuple[fx.Node, ...]
-    first: fx.Node
-
-
-@dataclasses.dataclass(frozen=True)
-class TakeShardBucket:
-    """``values`` cut on ``dim`` for ``consumers`` (one each) by one op placed before ``first``."""
-
-    values: tuple[fx.Node, ...]
-    consumers: tuple[fx.Node, ...]
-    dim: int
-    first: fx.Node
 
 
 # Everything a walk writes, and how each is keyed (for stamping a template's decisions on its copies).
@@ -188,121 +162,6 @@ def block_copies(graph: fx.Graph, sites: Sites, carries_grad: frozenset[fx.Node]
     return find_copies(graph, written[0], written[1:], facts)
 
 
-def _module_of(node: fx.Node) -> str:
-    """The innermost module whose code made ``node`` (its ``nn_module_stack``), or ``""``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
-
-
-class RowwiseExit(enum.Enum):
-    """How a rowwise linear's partial product leaves it; decided once, by :meth:`LayoutPlan.rowwise_exit`,
-    and read by the rewrite that emits it and by the plan that records it."""
-
-    ALL_REDUCE = enum.auto()  # the total, all-reduced at once
-    REDUCE_SCATTER = enum.auto()  # sequence parallelism: reduce-scattered over the sequence
-    PARTIAL = enum.auto()  # left a partial sum, reduced where a consumer needs the total (possibly shared)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutPlan:
-    """Roles of the sites and the tp layouts of every value (internal, holds nodes).
-
-    ``layouts`` maps a node to the layout of the value it computes locally;
-    for a rowwise site's ``node`` that is the partial sum, for its ``output``
-    the reduced value. ``edges`` maps ``(producer, consumer)`` to the
-    redistributions on that use, applied in order. ``new_args`` are the
-    rewritten shape arguments of views whose sharded dim shrinks to its local
-    size.
-    """
-
-    roles: dict[str, Role]
-    layouts: dict[fx.Node, Layout]
-    edges: dict[tuple[fx.Node, fx.Node], tuple[Redistribute, ...]]
-    new_args: dict[fx.Node, tuple]
-    tp: int
-    # weight FQN -> why replicated over tp: a dim that does not divide, or why computed whole
-    notes: dict[str, Indivisible | str] = dataclasses.field(default_factory=dict)
-    fused: dict[str, FusedSections] = dataclasses.field(default_factory=dict)  # weight FQN -> sections
-    # colwise outputs gathered right after the matmul -> where their region would have ended
-    gathered_early: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
-    sequence_parallel: bool = False
-    loss_parallel: bool = False  # outputs cut on their last dim leave as DTensors
-    carries_grad: frozenset[fx.Node] = frozenset()  # values a gradient flows back through
-    # parameters that are no linear's weight but are read sharded by one op (a norm's weight over
-    # a sharded width): FQN -> the dim tp cuts; stored that way, so no step cuts or gathers them
-    sharded_params: dict[str, int] = dataclasses.field(default_factory=dict)
-    # under sequence parallelism, the weights whose output stays whole over tp because its sequence
-    # does not divide by tp (a class token's 17 positions, a pooled stage's 1): FQN -> why
-    whole_sequences: dict[str, Indivisible] = dataclasses.field(default_factory=dict)
-    block_fqns: tuple[str, ...] = ()  # the FSDP blocks, by which parameters' gradients are bucketed
-    # dense convolutions over channels cut like linears: node -> (weight FQN, COLWISE or ROWWISE)
-    convolutions: dict[fx.Node, tuple[str, Role]] = dataclasses.field(default_factory=dict)
-    # weight FQN -> why its role is not the one its first read's input layout gives (a cost comparison)
-    role_notes: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def rowwise_exit(self, site: LinearSite) -> RowwiseExit | None:
-        """How ``site``'s output leaves it, if its weight is rowwise: propagation left its output
-        partial (a later reduce sums it), sharded over the sequence, or whole."""
-        if self.roles[site.weight_fqn] != ROWWISE:
-            return None
-        layout = self.layouts.get(site.output)
-        if layout in PARTIALS:
-            return RowwiseExit.PARTIAL
-        return RowwiseExit.REDUCE_SCATTER if layout == SEQ_DIM else RowwiseExit.ALL_REDUCE
-
-    def enter_tp_buckets(self) -> tuple[EnterTpBucket, ...]:
-        """A block's parameters read by its sharded ops (q and k norm weights applied to cut heads,
-        a per-head output norm's), each only through ``enter_tp`` and all in one block: one op
-        for all of them, so their partial gradients are summed in one all-reduce at the end of
-        the block's backward instead of one each."""
-        consumers: dict[fx.Node, list[fx.Node]] = {}
-        for (value, consumer), steps in self.edges.items():
-            if value.op == "get_attr" and value in self.carries_grad:
-                if steps == ENTER_ONLY:
-                    consumers.setdefault(value, []).append(consumer)
-                else:
-                    consumers[value] = []  # read another way too: left alone
-        position = {}
-        groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
-        for value, readers in consumers.items():
-            units = {unit_of_node(c, self.block_fqns) for c in readers}
-            if len(units) != 1:
-                continue
-            if not position:
-                position = {n: i for i, n in enumerate(value.graph.nodes)}
-            first = min(readers, key=position.__getitem__)
-            groups.setdefault((units.pop(), value.meta["val"].dtype), []).append((value, first))
-        # in graph order: every rank must lay its gradients out alike in the one all-reduce
-        return tuple(EnterTpBucket(tuple(sorted((v for v, _ in pairs), key=position.__getitem__)),
-                                   min((c for _, c in pairs), key=position.__getitem__))
-                     for pairs in groups.values() if len(pairs) > 1)
-
-    def take_shard_buckets(self) -> tuple[TakeShardBucket, ...]:
-        """Replicated values cut on the same dim for consumers in one module (k and v of one
-        attention, whose kv heads were repeated per q head, whatever their shapes: ``k.mT`` and ``v``
-        of a hand-written attention), each carrying a gradient and read that
-        way by one consumer only, and all computed before the first of those consumers: their cuts
-        are one op, and their gradients one all-gather."""
-        readers: dict[tuple, set] = {}
-        for (value, consumer), steps in self.edges.items():
-            readers.setdefault((value, steps), set()).add(consumer)
-        position = {}
-        groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
-        for (value, consumer), steps in self.edges.items():
-            if (len(steps) == 1 and steps[0].kind == TAKE_SHARD and isinstance(steps[0].dim, int)
-                    and value in self.carries_grad and readers[(value, steps)] == {consumer}):
-                if not position:
-                    position = {n: i for i, n in enumerate(consumer.graph.nodes)}
-                groups.setdefault((_module_of(consumer), steps[0].dim), []).append((value, consumer))
-        buckets = []
-        for (_, dim), pairs in groups.items():
-            first = min((c for _, c in pairs), key=position.__getitem__)
-            pairs = [(v, c) for v, c in pairs if position[v] < position[first]]
-            if len(pairs) > 1:
-                buckets.append(TakeShardBucket(tuple(v for v, _ in pairs), tuple(c for _, c in pairs), dim, first))
-        return tuple(buckets)
-
-
 def propagate(
     gm: fx.GraphModule,
     sites: Sites,
@@ -340,7 +199,7 @@ def propagate(
     the gradients of parameters entering tp are bucketed (:meth:`LayoutPlan.enter_tp_buckets`).
     """
     _check_roles_cover_sites(roles, sites)
-    carries_grad = _carries_grad(gm)
+    carries_grad = gradient_flow.carries_grad(gm)
     copies = block_copies(gm.graph, sites, carries_grad, written)
     revised = Revisions(sites, may_replicate=roles is None, whole=whole, colwise=colwise)
     while True:
@@ -349,176 +208,11 @@ def propagate(
         if norms:
             for norm in norms:
                 decompose_norm(gm.graph, norm)
-            carries_grad = _carries_grad(gm)
+            carries_grad = gradient_flow.carries_grad(gm)
             copies = block_copies(gm.graph, sites, carries_grad, written)
             continue
         if not revised.learn(plan):
             return dataclasses.replace(plan, gathered_early=revised.gathered_early, block_fqns=tuple(block_fqns))
-
-
-@dataclasses.dataclass(frozen=True)
-class IdleRegion:
-    """Where an idle region ends: ``why`` names the first op it meets the replicated world at (for
-    the plan's notes), ``gathered_at`` are the ops that gather it whole."""
-
-    why: str
-    gathered_at: frozenset[fx.Node]
-
-
-@dataclasses.dataclass(frozen=True)
-class RegionCost:
-    """The tp collectives one region of a walk costs as it is (``kept``) and revised (``revised``).
-
-    A revision changes only the uses inside its region and at its border, so the difference of
-    these two counts is the difference of the whole block's tp collective totals (what
-    ``predicted_comm`` would count for the two plans), without planning both.
-    """
-
-    kept: int
-    revised: int
-
-    @property
-    def cheaper(self) -> bool:
-        return self.revised < self.kept
-
-    @property
-    def no_dearer(self) -> bool:
-        return self.revised <= self.kept
-
-
-class Revisions:
-    """What one walk learns for the next, by comparing costs on its finished :class:`LayoutPlan`.
-
-    Each revision is a method that reads the plan and returns what it would change, each
-    change paid for by a :class:`RegionCost`:
-
-    * :meth:`idle_sources`: a colwise output whose sharded region reaches no rowwise linear
-      is gathered right after the matmul (``gathered_early``: source -> where its region
-      would have ended), or, for a narrowing linear (fewer outputs than inputs, a router),
-      computed whole (``replicated``: FQN -> why, as its note says it);
-    * :meth:`partials_reduced_early`: partial products all-reduced where they are made
-      (``reduced_early``).
-
-    What is learned only grows, so the walks end.
-    """
-
-    def __init__(self, sites: Sites, may_replicate: bool = True, whole: dict[str, str] | None = None,
-                 colwise: dict[str, str] | None = None):
-        self.sites = sites
-        self.may_replicate = may_replicate  # False under a user plan: its roles are kept
-        self.narrowing = {
-            s.output: s for s in sites.linears if s.out_features < s.in_features and s.weight_fqn not in sites.tied
-        }
-        # tables of fewer rows than features (class labels, token types): a lookup does no arithmetic,
-        # so computed whole such a table costs only its memory, less than one square weight's
-        self.small_tables = {
-            s.node: s for s in sites.embeddings if s.num_embeddings < s.embedding_dim and s.weight_fqn not in sites.tied
-        }
-        self.gathered_early: dict[fx.Node, str] = {}
-        self.replicated: dict[str, str] = dict(whole or {})  # seeded: linears a cost comparison computes whole
-        self.colwise: dict[str, str] = dict(colwise or {})  # seeded: shared linears it decides colwise
-        self.reduced_early: set[fx.Node] = set()
-
-    def learn(self, plan: LayoutPlan) -> bool:
-        """Take every revision that pays on ``plan``; whether anything new was learned."""
-        idle = {s: found for s, found in self.idle_sources(plan).items() if s not in self.gathered_early}
-        early = self.partials_reduced_early(plan) - self.reduced_early
-        convolutions = {node: fqn for node, (fqn, role) in plan.convolutions.items() if role == COLWISE}
-        others = {c for s, found in idle.items() if s not in self.narrowing for c in found.gathered_at}
-        meeting = {s: found for s, found in idle.items() if self.may_replicate and s in self.narrowing
-                   and s in plan.carries_grad and found.gathered_at & others}
-        if meeting:
-            # a narrowing projection whose cut is gathered where another region's is: k/v with fewer heads
-            # than tp (multi-query attention's one head, cut on its head dim) stop q's cut at the attention
-            # or at q @ k.T. Computed whole first, they are cut per q head there and q keeps its cut, where
-            # deciding q in the same walk would gather it. Only where gradients flow: a no-grad scorer
-            # (DeepSeek's indexer, one key head) computed whole costs no collective at all
-            idle = meeting
-        for source, found in idle.items():
-            why = found.why
-            if source in convolutions:
-                self.replicated[convolutions[source]] = (
-                    f"its output channels reach nothing that reads them cut (its sharded region ends at {why}); "
-                    f"computed whole, it needs no collective")
-            elif source in self.narrowing and self.may_replicate:
-                site = self.narrowing[source]
-                self.replicated[site.weight_fqn] = (
-                    f"its {site.out_features} outputs (fewer than its {site.in_features} inputs) feed no rowwise "
-                    f"linear (its sharded region ends at {why}); computed whole, it needs no collective")
-            elif source in self.small_tables and self.may_replicate:
-                site = self.small_tables[source]
-                self.replicated[site.weight_fqn] = (
-                    f"a table of {site.num_embeddings} rows (fewer than its {site.embedding_dim} features) whose "
-                    f"output feeds no rowwise linear (its sharded region ends at {why}); a lookup does no arithmetic: "
-                    f"computed whole, it needs no collective")
-            else:
-                self.gathered_early[source] = why
-        self.reduced_early |= early
-        return bool(idle or early)
-
-    def idle_sources(self, plan: LayoutPlan) -> dict[fx.Node, IdleRegion]:
-        """Sources of idle regions (reaching no rowwise linear) cheaper to gather at once, each
-        with the first place its region met the replicated world and the ops that gather it.
-
-        Kept, a region costs a collective wherever it meets the replicated world (a gather out
-        of it, a replicated input entering it); revised, one gather per source."""
-        sites = self.sites
-        useful = _useful(plan, sites)
-        sources = {s.output for s in sites.linears if plan.roles[s.weight_fqn] in COLWISE_LIKE}
-        sources |= {node for node, (_, role) in plan.convolutions.items() if role == COLWISE}
-        if not plan.sequence_parallel:  # under sequence parallelism embeddings feed the sharded stream
-            sources |= {s.node for s in sites.embeddings if plan.roles[s.weight_fqn] == COLWISE}
-        idle = {}
-        position: dict[fx.Node, int] = {}
-        for region in _regions(plan, useful):
-            region_sources = region & sources
-            if _leaves_cut(plan, region):
-                continue  # the model's output, left cut on purpose (loss parallelism): no region to end
-            cost = RegionCost(kept=_exit_cost(plan, region), revised=len(region_sources))
-            if not region_sources or not cost.no_dearer:  # a tie gathers early: sharding bought nothing
-                continue
-            exits = [c for (v, c) in plan.edges if v in region and _gathers(plan, v, c)]
-            contractions = _contractions(plan, region)
-            if (contractions and not exits and not cost.cheaper and not region & plan.carries_grad
-                    and not any(source in self.narrowing for source in region_sources)):
-                # a tie, where a region without gradients (a no-grad indexer's scores) ends only in
-                # sums over its cut dim: kept cut, its work shared and its reduced sum no break (a
-                # narrowing linear, a few outputs per token, is computed whole instead, as on any tie)
-                continue
-            gathered_at = frozenset(exits)
-            exits += contractions
-            if exits and not position:
-                position = {n: i for i, n in enumerate(exits[0].graph.nodes)}
-            first = min(exits, key=position.__getitem__, default=None)
-            why = describe(first) if first is not None else "nowhere"
-            idle.update(dict.fromkeys(region_sources, IdleRegion(why, gathered_at)))
-        return idle
-
-    def partials_reduced_early(self, plan: LayoutPlan) -> set[fx.Node]:
-        """Rowwise products whose partial sums should be all-reduced where they are made.
-
-        A partial sum kept partial is reduced once, where a consumer needs the total, and two
-        of them added first share that reduction (a parallel block). But a partial multiplied by
-        a replicated value that carries a gradient (MoE routing weights) makes that value's
-        gradient partial too: one more all-reduce, in backward. Per connected region of partial
-        values, kept costs its reductions plus those ``enter_tp``s; revised, one all-reduce per
-        product. Counted in collectives: reducing early may move more bytes (a top-k MoE reduces
-        its k outputs per token before they are weighted and summed)."""
-        sites = self.sites
-        products = {s.node for s in sites.linears} | {s.node for s in sites.experts}
-        partial = {n for n, lay in plan.layouts.items() if lay in PARTIALS}
-        reduced_values = {v for (v, _), steps in plan.edges.items() if steps and steps[0].kind == REDUCE}
-        entered_pairs = [(v, c) for (v, c), steps in plan.edges.items() if any(s.kind == ENTER_TP for s in steps)]
-        early: set[fx.Node] = set()
-        for region in _components(partial, lambda value, user: (value, user) not in plan.edges):
-            sources = {n for n in region if not any(i in region for i in n.all_input_nodes)}
-            if not sources <= products:
-                continue
-            entered = {v for v, c in entered_pairs if c in region and v not in region}
-            cost = RegionCost(kept=len(reduced_values & region) + len(entered), revised=len(sources))
-            if entered and cost.cheaper:  # a tie keeps the region partial
-                early |= sources
-        return early
 
 
 class Propagation:
@@ -573,9 +267,9 @@ class Propagation:
             if stamper is None or not stamper.handles(node):
                 self.visit(node)
         self.stamped = tuple(stamper.stamped) if stamper is not None else ()
-        _share_gathers(self.edges)
-        _hoist_take_shard(self.edges, self.layouts, self.new_args, self.tp)
-        _hoist_enter_tp(self.edges, self.layouts, self.carries_grad)
+        share_gathers(self.edges)
+        hoist_take_shard(self.edges, self.layouts, self.new_args, self.tp)
+        hoist_enter_tp(self.edges, self.layouts, self.carries_grad)
         return LayoutPlan(
             self.roles, self.layouts, self.edges, self.new_args, self.tp, self.notes, self.fused,
             sequence_parallel=self.options.sequence_parallel, loss_parallel=self.options.loss_parallel,
@@ -718,11 +412,11 @@ class Propagation:
         if role in COLWISE_LIKE:
             # A gathered input still needs enter_tp: colwise input-gradients are partial.
             self.require(site.input, node, None, then=(Redistribute(ENTER_TP),))
-            self.layouts[node] = self.layouts[site.output] = _ndim(site.output) - 1
+            self.layouts[node] = self.layouts[site.output] = ndim_of(site.output) - 1
         elif role == ROWWISE:
             if site.weight_fqn in self.input_sections:
                 self.fused[site.weight_fqn] = self.input_sections[site.weight_fqn]
-            self.require(site.input, node, _ndim(site.input) - 1)
+            self.require(site.input, node, ndim_of(site.input) - 1)
             self.layouts[node] = PARTIAL
             sequence_parallel = self.options.sequence_parallel
             if site.bias_node is not None or sequence_parallel:  # reduced (scattered) before the bias
@@ -738,9 +432,9 @@ class Propagation:
         whole weight to its own rows, and the output keeps the cut. The weight's gradient is a sum
         over the ranks' rows: it enters tp (the block's bucket)."""
         node, layout = site.node, self.seen(site.input)
-        if (not self._whole_weight_may_read(site) or not isinstance(layout, int) or layout == _ndim(site.input) - 1
+        if (not self._whole_weight_may_read(site) or not isinstance(layout, int) or layout == ndim_of(site.input) - 1
                 or (self.options.sequence_parallel and layout == SEQ_DIM)  # the stream: gathered for colwise
-                or _ndim(node) != _ndim(site.input)):
+                or ndim_of(node) != ndim_of(site.input)):
             return False
         self._whole_weight_reads(site, layout, "applied whole to each rank's rows of an input cut on a dim it does "
                                               "not contract: its output keeps the cut")
@@ -760,13 +454,13 @@ class Propagation:
             (user,) = value.users if len(value.users) == 1 else (None,)
             if user is None or user.op != "call_function":
                 return False
-            if user.target in _SUMS and len(user.all_input_nodes) == 2:
+            if user.target in SUMS and len(user.all_input_nodes) == 2:
                 other = next(i for i in user.all_input_nodes if i is not value)
                 if self.layouts.get(other) != PARTIAL:
                     return False
                 break
             scalar = user.target in (_aten.mul.Tensor, _aten.div.Tensor) and user.all_input_nodes == [value]
-            if not (scalar or user.target in _SIZED_VIEWS):
+            if not (scalar or user.target in SIZED_VIEWS):
                 return False
             value = user
         self._whole_weight_reads(site, PARTIAL, "computed whole on each rank's share of its partial-sum input: its "
@@ -806,7 +500,7 @@ class Propagation:
         if self.fixed_roles is None and self._kept_whole(site.weight_fqn):
             role = REPLICATE
         self.roles[site.weight_fqn] = role
-        self.layouts[node] = _ndim(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
+        self.layouts[node] = ndim_of(node) - 1 if role == COLWISE else None  # vocab_parallel: reduced at once
         if self.options.sequence_parallel and self.seq_ok(node, site.weight_fqn):
             self.stream_entries.add(node)  # consumers read it sequence-sharded
 
@@ -841,7 +535,7 @@ class Propagation:
     def _output(self, node: fx.Node) -> None:
         for value in node.all_input_nodes:
             lay = self.layout(value)
-            if self.options.loss_parallel and isinstance(lay, int) and lay == _ndim(value) - 1:
+            if self.options.loss_parallel and isinstance(lay, int) and lay == ndim_of(value) - 1:
                 self.edges[(value, node)] = (Redistribute(SHARDED_OUTPUT, lay),)
             else:
                 self.require(value, node, None)
@@ -893,7 +587,7 @@ class Propagation:
                 or site.weight_fqn in self.sites.tied or self.fixed_roles is not None
                 or site.weight_fqn in self.revised.replicated
                 or not all(self.from_colwise(value) for value in node.all_input_nodes)
-                or decision.output != _ndim(node) - 1 or _indivisible(site, ROWWISE, self.tp) is not None):
+                or decision.output != ndim_of(node) - 1 or _indivisible(site, ROWWISE, self.tp) is not None):
             return None
         self.input_sections[site.weight_fqn] = FusedSections(decision.fused_sections)
         return decision
@@ -937,7 +631,7 @@ class Propagation:
         if conv is None or self.fixed_roles is not None or not layout_rules.cuts_groups(node, self.tp):
             return False
         params = [t for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
-        weight = _source_param(conv.weight, self.param_fqns) if isinstance(conv.weight, fx.Node) else None
+        weight = source_param(conv.weight, self.param_fqns) if isinstance(conv.weight, fx.Node) else None
         if weight is None or len(node.args) <= conv.groups_position:
             return False  # filters computed from activations, or groups given as a keyword
         if conv.channels_per_group == 1:
@@ -972,14 +666,14 @@ class Propagation:
                 return None
             if user.target in layout_rules.SPLITS:
                 along = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-                if (user.target != _aten.split_with_sizes.default or _norm_dim(along, _ndim(value)) != dim
+                if (user.target != _aten.split_with_sizes.default or norm_dim(along, ndim_of(value)) != dim
                         or tuple(user.args[1]) != sizes):
                     return None
                 self.section_splits[user] = sizes
                 for fqn in params:
                     self.fused[fqn] = FusedSections(sizes)
                 return decision
-            moved = _section_dim_after(user, value, dim, self.param_fqns, self.tp)
+            moved = section_dim_after(user, value, dim, self.param_fqns, self.tp)
             if moved is None:
                 return None
             dim, found = moved
@@ -1002,7 +696,7 @@ class Propagation:
         value = node.args[0]
         dim = inputs.get(value)
         along = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        if not isinstance(dim, int) or _norm_dim(along, _ndim(value)) != dim:
+        if not isinstance(dim, int) or norm_dim(along, ndim_of(value)) != dim:
             return None
         chain = self._channel_chain(value)
         if chain is None:
@@ -1012,7 +706,7 @@ class Propagation:
         if outer.target != _aten.split_with_sizes.default or outer not in self.new_args:
             return None
         source, outer_sizes, index = outer.args[0], tuple(outer.args[1]), piece.args[1]
-        origins = _fused_origins(source, self.layouts, self.output_site, self.param_fqns, readers=len(source.users))
+        origins = fused_origins(source, self.layouts, self.output_site, self.param_fqns, readers=len(source.users))
         sizes = tuple(node.args[1])
         if (not origins or len(origins) != 1 or origins[0][1]
                 or self.fused.get(origins[0][0].weight_fqn) != FusedSections(outer_sizes)
@@ -1020,7 +714,7 @@ class Propagation:
             return None
         site = origins[0][0]
         pieces = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        whole = tuple(j for j, size in enumerate(sizes) if size % self.tp or _heads_of(pieces.get(j), size) % self.tp)
+        whole = tuple(j for j, size in enumerate(sizes) if size % self.tp or heads_of(pieces.get(j), size) % self.tp)
         if len(whole) == len(sizes):
             return None
         local = FusedSections(sizes, whole).local_sizes(self.tp)
@@ -1043,7 +737,7 @@ class Propagation:
 
     def _channel_chain(self, value: fx.Node) -> tuple[fx.Node, dict[fx.Node, list[str]]] | None:
         """The piece of a split (a ``getitem``) that ``value`` is made from by channel-wise work on
-        it alone (what :func:`_section_dim_after` accepts: transposes, slices of other dims,
+        it alone (what :func:`section_dim_after` accepts: transposes, slices of other dims,
         elementwise ops, depthwise convolutions), each step read only by the next, and the
         convolutions on the way with their parameters."""
         node, convolutions = value, {}
@@ -1054,7 +748,7 @@ class Propagation:
             if (not isinstance(source, fx.Node) or len(source.users) != 1
                     or not isinstance(self.layouts.get(source), int)):
                 return None
-            moved = _section_dim_after(node, source, self.layouts[source], self.param_fqns, self.tp)
+            moved = section_dim_after(node, source, self.layouts[source], self.param_fqns, self.tp)
             if moved is None or moved[0] != self.layouts.get(node):
                 return None
             if conv is not None:
@@ -1066,7 +760,7 @@ class Propagation:
         """Accept a split of a fused projection if the path back to its colwise weight
         only reshapes other dims and nothing else reads the (permuted) columns."""
         value = next(iter(decision.inputs))
-        origins = _fused_origins(value, self.layouts, self.output_site, self.param_fqns, readers=len(value.users))
+        origins = fused_origins(value, self.layouts, self.output_site, self.param_fqns, readers=len(value.users))
         if not origins or any(self.roles.get(site.weight_fqn) != COLWISE for site, _ in origins):
             return None
         fused = FusedSections(decision.fused_sections, decision.whole_sections, decision.section_runs)
@@ -1100,7 +794,7 @@ class Propagation:
                 if other in previous or not any(step.kind == TAKE_SHARD for step in steps):
                     continue
                 if other in self.carries_grad:
-                    chain = _cat_of_sections(other, steps[0].dim, fused, self.tp) if len(steps) == 1 else None
+                    chain = cat_of_sections(other, steps[0].dim, fused, self.tp) if len(steps) == 1 else None
                     if chain is None or not self._cut_for_free(chain[-1], steps[0].dim, fused):
                         return False
                     cats.append((chain, node, steps[0].dim))
@@ -1163,7 +857,7 @@ class Propagation:
             return False
         for node, dim in chain:
             self.layouts[node] = dim
-            if node.target in _SIZED_VIEWS:
+            if node.target in SIZED_VIEWS:
                 sizes = layout_rules._local_shape_arg(node.args[1], dim, self.tp)
                 self.new_args[node] = (node.args[0], sizes, *node.args[2:])
         param, dim = chain[-1]
@@ -1191,7 +885,7 @@ class Propagation:
             source = node.args[0]
             if not isinstance(source, fx.Node) or len(node.all_input_nodes) != 1:
                 return None
-            before = _dim_before(node, source, dim, self.tp)
+            before = dim_before(node, source, dim, self.tp)
             if before is None:
                 return None
             chain.append((node, dim))
@@ -1231,9 +925,9 @@ class Propagation:
             return None
         if any(i in self.carries_grad or self.layout(i) is not None for i in indices):
             return None
-        leading = max(_ndim(i) for i in indices)
+        leading = max(ndim_of(i) for i in indices)
         before = dim - leading + len(indices)
-        return (source, before) if dim >= leading and len(indices) <= before < _ndim(source) else None
+        return (source, before) if dim >= leading and len(indices) <= before < ndim_of(source) else None
 
     @staticmethod
     def _steps(value: fx.Node, consumer: fx.Node, have, wanted) -> tuple[Redistribute, ...]:
@@ -1254,12 +948,6 @@ class Propagation:
         )
 
 
-# ops of one tensor that keep each column where it is: a value made from a cat of sections by them
-# is cut in those sections as the cat is
-_COLUMNWISE = (_aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default, _aten._to_copy.default, _aten.to.dtype,
-               _aten.clone.default, _aten.alias.default)
-
-
 def _weight_read(site: LinearSite) -> fx.Node | None:
     """The node that reads ``site``'s parameter as the site's op takes it: the op itself
     (``linear(x, W)``, ``x @ W``), or the transpose it reads (``x @ W.T``); None for any other."""
@@ -1270,75 +958,6 @@ def _weight_read(site: LinearSite) -> fx.Node | None:
             and rhs.args and rhs.args[0] is site.weight_node and len(rhs.users) == 1):
         return rhs
     return None
-
-
-def _cat_of_sections(node: fx.Node, dim, fused: FusedSections, tp: int) -> list[fx.Node] | None:
-    """``node``, read only by the op that cuts it along ``dim`` in ``fused``'s sections, and the ops
-    back to a ``cat`` along ``dim`` of one piece per section that it is made from by columnwise ops of
-    it alone (a scale: litgpt's LoRA update ``zero_pad(after_B) * scaling``), each read only by the
-    next; None if it is not. Cut piece by piece (a whole section's piece read whole, a cut one in
-    contiguous chunks), the cat is each rank's share of every section, in the order the projection
-    stores them."""
-    if not isinstance(dim, int) or fused.runs not in ((), (0, sum(fused.sizes))):  # columns in order
-        return None
-    chain = [node]
-    while node.target != _aten.cat.default:
-        inputs = node.all_input_nodes
-        if (node.op != "call_function" or node.target not in _COLUMNWISE or len(inputs) != 1
-                or node.args[0] is not inputs[0] or len(node.users) != 1):
-            return None
-        node = inputs[0]
-        if node.meta["val"].shape != chain[-1].meta["val"].shape:
-            return None
-        chain.append(node)
-    pieces = node.args[0]
-    cat_dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    ndim = _ndim(node)
-    if (len(node.users) != 1 or cat_dim % ndim != dim % ndim
-            or not all(isinstance(p, fx.Node) and _ndim(p) == ndim for p in pieces)):
-        return None
-    sizes = tuple(p.meta["val"].shape[dim] for p in pieces)
-    if sizes != tuple(fused.sizes) or not all(isinstance(size, int) and (i in fused.whole or size % tp == 0)
-                                              for i, size in enumerate(sizes)):
-        return None
-    return chain
-
-
-def _section_dim_after(user: fx.Node, value: fx.Node, dim: int, param_fqns, tp: int) -> tuple[int, list[str]] | None:
-    """Where ``value``'s sections dim ``dim`` is in ``user``'s output, and the parameters ``user``
-    reads along it, when ``user`` keeps each channel's values apart; else None."""
-    target = user.target
-    if target in (_aten.transpose.int, _aten.swapaxes.default):
-        a, b = (_norm_dim(d, _ndim(value)) for d in user.args[1:3])
-        return (b if dim == a else a if dim == b else dim), []
-    if target == _aten.permute.default:
-        order = [_norm_dim(d, _ndim(value)) for d in user.args[1]]
-        return order.index(dim), []
-    if target == _aten.slice.Tensor:
-        return None if _norm_dim(user.args[1] if len(user.args) > 1 else 0, _ndim(value)) == dim else (dim, [])
-    conv = layout_rules.Convolution.of(user)
-    if conv is not None:
-        groups, channels = conv.groups, value.meta["val"].shape[1]
-        if (conv.input is not value or dim != 1 or groups != channels or _ndim(user) != _ndim(value)
-                or not layout_rules.cuts_groups(user, tp)):
-            return None
-        params = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
-        return None if None in params else (1, params)
-    single = user.all_input_nodes == [value] and _ndim(user) == _ndim(value)
-    if single and (layout_rules.is_pointwise(target) or target in layout_rules.ELEMENTWISE_LIKE):
-        return dim, []
-    return None
-
-
-def _heads_of(piece: fx.Node | None, size: int) -> int:
-    """The heads a split's piece of ``size`` channels is viewed into (``B.view(b, s, groups,
-    state)``: its groups), or ``size`` when no reader views it so."""
-    for user in piece.users if piece is not None else ():
-        shape = getattr(user.meta.get("val"), "shape", ())
-        if user.target in _SIZED_VIEWS and len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) \
-                and shape[-2] * shape[-1] == size:
-            return shape[-2]
-    return size
 
 
 def _dense_convolution_weight(node: fx.Node, param_fqns) -> str | None:
@@ -1352,55 +971,6 @@ def _dense_convolution_weight(node: fx.Node, param_fqns) -> str | None:
         else None
 
 
-def _source_param(node: fx.Node, param_fqns) -> str | None:
-    """The parameter ``node`` is a view or cast of (``conv1d.weight.unsqueeze(1)``), if any."""
-    while node.op == "call_function" and len(node.all_input_nodes) == 1 and node.args[0] is node.all_input_nodes[0]:
-        node = node.args[0]
-    return node.target if node.op == "get_attr" and node.target in param_fqns else None
-
-
-def _norm_dim(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
-
-
-_SIZED_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
-_SAME_DIMS = (_aten._to_copy.default, _aten.to.dtype, _aten.clone.default, _aten.contiguous.default,
-              _aten.alias.default)
-
-
-def _dim_before(node: fx.Node, source: fx.Node, dim: int, tp: int) -> int | None:
-    """The dim of ``source`` that becomes ``node``'s ``dim``, when ``node`` only moves or maps
-    ``source`` elementwise (a cast, a squeeze, an unsqueeze, a view, a unary elementwise op)."""
-    target = node.target
-    ndim = _ndim(node)
-    if target in _SAME_DIMS or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-                                and _ndim(source) == ndim):
-        return dim
-    if target == _aten.slice.Tensor and _whole_slice(node, source):
-        return dim
-    if target == _aten.unsqueeze.default:
-        at = node.args[1] % ndim
-        return None if dim == at else dim - (dim > at)
-    if target == _aten.squeeze.dim:
-        at = node.args[1] % _ndim(source)
-        return dim + (dim >= at) if source.meta["val"].shape[at] == 1 else dim
-    if target in _SIZED_VIEWS:
-        shapes = [layout_rules._shape(source), layout_rules._shape(node)]
-        found = [d for d in range(_ndim(source)) if layout_rules._map_reshape(*shapes, d, tp) == dim]
-        return found[0] if len(found) == 1 else None
-    return None
-
-
-def _whole_slice(node: fx.Node, source: fx.Node) -> bool:
-    """``x[:, :]``: a slice that keeps every element of its dim (``A[None, :, None, :]``)."""
-    dim = node.args[1] if len(node.args) > 1 else 0
-    start = node.args[2] if len(node.args) > 2 else None
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
-    size = source.meta["val"].shape[dim]
-    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= size)) and step == 1
-
-
 def _norms_over_sharded_width(plan: LayoutPlan, sites: Sites) -> list[fx.Node]:
     """Norms whose input is a colwise output region sharded on a normalized dim: they
     run sharded once written out (see passes.decompose); the rest stay one op."""
@@ -1411,7 +981,7 @@ def _norms_over_sharded_width(plan: LayoutPlan, sites: Sites) -> list[fx.Node]:
             continue
         x = node.args[0]
         lay = plan.layouts.get(x)
-        if not isinstance(lay, int) or lay < _ndim(x) - len(node.args[1]) or _symbolic(x):
+        if not isinstance(lay, int) or lay < ndim_of(x) - len(node.args[1]) or _symbolic(x):
             continue
         if _projected(x, colwise):
             found.append(node)
@@ -1449,7 +1019,7 @@ def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: 
     if not isinstance(dim, int):
         return False
     source, sizes = value.args[0], list(value.args[1])
-    src_dim = dim - (len(sizes) - _ndim(source))
+    src_dim = dim - (len(sizes) - ndim_of(source))
     broadcast = src_dim < 0 or source.meta["val"].shape[src_dim] == 1
     if not broadcast or not isinstance(sizes[dim], int) or sizes[dim] % tp:
         return False
@@ -1457,498 +1027,6 @@ def _shrink_broadcast(value: fx.Node, wanted, tp: int, new_args: dict, layouts: 
     new_args[value] = (source, sizes, *value.args[2:])
     layouts[value] = wanted
     return True
-
-
-def _fused_origins(value: fx.Node, layouts, output_site, param_fqns,
-                   readers: int = 1) -> list[tuple[LinearSite, list[str]]] | None:
-    """The colwise sites whose outputs reach ``value`` through single-use reshapes of other dims
-    (the sharded dim keeps the sites' full output size all the way), sums of such outputs (a
-    LoRA adapter's ``lora_B`` added to its base projection) and their concatenation along another
-    dim (JetMoE's experts, one ``F.linear`` per expert on its rows, then ``cat``), each with the parameters of the
-    depthwise convolutions on its way (gated DeltaNet's ``conv1d`` between ``in_proj_qkv`` and its
-    split), which hold their channels in the sites' order. ``value`` itself has ``readers`` users:
-    the split, or the slices tiling it."""
-
-    def walk(node: fx.Node, allowed_users: int, params: list[str]):
-        site = output_site.get(node)
-        lay = layouts.get(node)
-        size = layout_rules.size_expr(node.meta["val"].shape[lay]) if isinstance(lay, int) else None
-        if len(node.users) != allowed_users or size is None:
-            return None
-        if site is not None:
-            return [(site, params)] if size == site.out_features else None
-        conv = layout_rules.Convolution.of(node)
-        if conv is not None and lay == 1:
-            found = [_source_param(t, param_fqns) for t in (conv.weight, conv.bias) if isinstance(t, fx.Node)]
-            if None in found or not isinstance(conv.input, fx.Node):
-                return None
-            return walk(conv.input, 1, params + found)
-        sharded = [i for i in node.all_input_nodes if is_sharded(layouts.get(i))]
-        if len(sharded) == 1:
-            return walk(sharded[0], 1, params)
-        along = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) if node.args else None
-        stacked = node.target == _aten.cat.default and _norm_dim(along, _ndim(node)) != lay
-        if (node.target not in _SUMS and not stacked) or any(
-                layouts.get(i) != lay or _ndim(i) != _ndim(node) for i in sharded):
-            return None
-        found = [walk(i, 1, params) for i in sharded]
-        return None if None in found else [origin for branch in found for origin in branch]
-
-    return walk(value, readers, [])
-
-
-_SUMS = (_aten.add.Tensor, _aten.sub.Tensor)
-
-
-def is_sharded(layout) -> bool:
-    """Whether a value of ``layout`` differs across tp ranks: cut or partial (a tuple-valued
-    node's layout, per output)."""
-    if isinstance(layout, tuple):
-        return any(lay is not None for lay in layout)
-    return layout is not None
-
-
-def _share_gathers(edges: dict) -> None:
-    """A value gathered whole for some readers and gathered for colwise linears by others is
-    gathered once: the colwise readers read that gather and enter tp after it (one all-gather
-    forward and one all-reduce backward, not a second all-gather and its reduce-scatter). A
-    shared layer's first read of a colwise output that the residual add reads too."""
-    plain = {(v, steps[0].dim) for (v, _), steps in edges.items() if steps and steps[0].kind == GATHER}
-    for (value, consumer), steps in list(edges.items()):
-        if steps and steps[0].kind == GATHER_FOR_COLWISE and (value, steps[0].dim) in plain:
-            edges[(value, consumer)] = (Redistribute(GATHER, steps[0].dim), Redistribute(ENTER_TP)) + steps[1:]
-
-
-def _carries_grad(gm: fx.GraphModule) -> frozenset[fx.Node]:
-    """Values a gradient flows back through: computed from a trainable parameter or from an
-    input that requires grad (an activation handed over from the graph before a graph break),
-    floating point, not cut off by ``detach`` or lent only a dtype or shape (``type_as``), and on
-    a path to a floating output: a no-grad region's work (an indexer's scores, read only through
-    ``detach`` or as top-k indices) carries none."""
-    carries = set()
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op in ("get_attr", "placeholder"):
-            if isinstance(val, torch.Tensor) and val.requires_grad:
-                carries.add(node)
-        elif node.op == "call_function" and node.target not in _GRAD_STOPS:
-            if _floating(val) and any(i in carries for i in _grad_sources(node)):
-                carries.add(node)
-    reaching = set()
-    for node in reversed(gm.graph.nodes):
-        if node.op == "output":
-            reaching.update(v for v in node.all_input_nodes if _floating(v.meta.get("val")))
-        elif node.op == "call_function" and node.target not in _GRAD_STOPS and (node in reaching or _writes(node)):
-            reaching.update(_grad_sources(node))  # a write into a tensor read later (a scan's output) reaches too
-    return frozenset(carries & reaching)
-
-
-def _writes(node: fx.Node) -> bool:
-    """An in-place op: its value lands in a tensor that other nodes read, not in its own users."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
-def _floating(val) -> bool:
-    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-               for v in (val if isinstance(val, (tuple, list)) else (val,)))
-
-
-def _grad_sources(node: fx.Node) -> list[fx.Node]:
-    """The inputs a node's gradient flows back to: ``mask.type_as(embeds)``'s second tensor only
-    lends its dtype or shape."""
-    return list(node.args[:1]) if node.target in _SHAPED_LIKE else node.all_input_nodes
-
-
-# ops whose input gradient is their output gradient moved back (views, pieces of a split, casts):
-# partial gradients reaching a value through them are summed there as they are everywhere else
-_VIEWS = (
-    _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.view.default,
-    _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default, _aten.alias.default,
-    _aten.transpose.int, _aten.permute.default, _aten.split.Tensor, _aten.split_with_sizes.default,
-    _aten.chunk.default, _aten.unbind.int, operator.getitem, _aten._to_copy.default, _aten.to.dtype,
-)
-ENTER_ONLY = (Redistribute(ENTER_TP),)
-# ops whose second tensor lends only its dtype or shape: no gradient flows to it
-_SHAPED_LIKE = (_aten.type_as.default, _aten.expand_as.default, _aten.view_as.default, _aten.reshape_as.default)
-
-
-def _hoist_take_shard(edges: dict, layouts: dict, new_args: dict, tp: int) -> None:
-    """Cut a replicated value once where its views are cut for several readers.
-
-    A replicated value read through views by several cut ops (a per-head decay ``decay[None, :,
-    None]`` multiplying the state at every step of a loop) would take one cut per view, each an
-    all-gather of its gradient in backward. Views only move dims, so cutting their source on the
-    dim they read cut and running the views on its local share gives each reader the same values:
-    one cut, one all-gather of the summed gradient. A product with a fresh tensor on the way (the
-    first step's ``decay * zeros``) is cut too, each rank making its share of the zeros. Done for
-    the views that serve one such read alone (other readers of the source keep reading it whole),
-    when the source's dim divides by tp.
-    """
-    cut: dict[tuple[fx.Node, int], list[tuple[fx.Node, fx.Node, list]]] = {}
-    for (value, consumer), steps in list(edges.items()):
-        if len(steps) != 1 or steps[0].kind != TAKE_SHARD or not isinstance(steps[0].dim, int):
-            continue
-        chain = _views_back(value, steps[0].dim, layouts, tp)
-        if chain is not None:
-            cut.setdefault(chain[-1], []).append((value, consumer, chain))
-    for (node, dim), members in cut.items():
-        members = [m for m in members if _only_for(m[2], m[1])]
-        if len(members) < 2 or len({chain[-1][1] for _, _, chain in members}) != 1:
-            continue
-        if layout_rules._shape(node)[dim] % tp:
-            continue
-        for value, consumer, chain in members:
-            del edges[(value, consumer)]
-            for view, view_dim in chain[:-1]:
-                layouts[view] = view_dim
-                if view.target in _SIZED_VIEWS:
-                    new_args[view] = (view.args[0], layout_rules._local_shape_arg(view.args[1], view_dim, tp),
-                                      *view.args[2:])
-                fresh = _fresh_operand(view)
-                if fresh is not None:  # made as this rank's share
-                    at = _FRESH[fresh.target]
-                    layouts[fresh] = view_dim
-                    new_args[fresh] = (*fresh.args[:at], layout_rules._local_shape_arg(fresh.args[at], view_dim, tp),
-                                       *fresh.args[at + 1:])
-            edges[(node, chain[-2][0])] = (Redistribute(TAKE_SHARD, dim),)  # the source's reader: its first op
-
-
-def _only_for(chain: list, consumer: fx.Node) -> bool:
-    """Each view of ``chain`` (value first, source last) is read only by the next one, and the value
-    only by ``consumer``: cut, they change nothing another reader sees."""
-    reader = consumer
-    for view, _ in chain[:-1]:
-        if set(view.users) != {reader}:
-            return False
-        reader = view
-    return True
-
-
-_CUT_VIEWS = (_aten.unsqueeze.default, _aten.squeeze.dim, _aten.slice.Tensor, *_SIZED_VIEWS)
-# fresh tensors made in the forward (a recurrence's zero state): any rank may make its share alone
-_FRESH = {_aten.zeros.default: 0, _aten.ones.default: 0, _aten.new_zeros.default: 1, _aten.new_ones.default: 1}
-
-
-def _views_back(value: fx.Node, dim: int, layouts: dict, tp: int) -> list[tuple[fx.Node, int]] | None:
-    """``value`` and the ops back to the replicated value it is made from (the last entry, as
-    ``(node, dim)``), each with the dim that is ``dim`` of ``value``: views, and products or sums
-    with a fresh tensor of the same shape (a recurrence's first step, ``decay * zeros``), whose
-    share each rank makes alone. None when ``value`` is neither."""
-    chain, node = [], value
-    while node.op == "call_function" and layouts.get(node) is None:
-        fresh = _fresh_operand(node)
-        if node.target in _CUT_VIEWS and isinstance(node.args[0], fx.Node) and len(node.all_input_nodes) == 1:
-            source = node.args[0]
-            before = _dim_before(node, source, dim, tp)
-        elif fresh is not None:
-            source = next(a for a in node.args[:2] if a is not fresh)
-            before = dim if _ndim(source) == _ndim(node) and layout_rules._shape(source)[dim] == \
-                layout_rules._shape(node)[dim] else None
-        else:
-            break
-        if before is None:
-            return None
-        chain.append((node, dim))
-        node, dim = source, before
-    if not chain or layouts.get(node) is not None:
-        return None
-    return chain + [(node, dim)]
-
-
-def _fresh_operand(node: fx.Node) -> fx.Node | None:
-    """The fresh tensor (zeros, ones) ``node`` multiplies or adds, of ``node``'s own shape and read by
-    it alone, when the other operand is a value; else None."""
-    if node.target not in (_aten.mul.Tensor, _aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
-        return None
-    a, b = node.args
-    for fresh, other in ((a, b), (b, a)):
-        if (isinstance(fresh, fx.Node) and isinstance(other, fx.Node) and fresh.target in _FRESH
-                and len(fresh.users) == 1 and layout_rules._shape(fresh) == layout_rules._shape(node)):
-            return fresh
-    return None
-
-
-def _hoist_enter_tp(edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]) -> None:
-    """Move ``enter_tp`` up to where one all-reduce serves several readers.
-
-    Entering tp earlier is exact whenever every gradient reaching the earlier value is partial:
-    backward is linear in the gradient it is given, and a replicated computation is the same on
-    every rank, so summing over tp before it or after it gives one sum. So ``enter_tp`` may climb
-    from a value to an ancestor ``top`` when everything between them is replicated, takes its
-    gradient only from ``top`` or from parameters, and is read only by ``enter_tp`` or by itself
-    (views, casts, a weightless norm of a split's piece, a LoRA adapter's ``lora_A`` computed
-    whole). Those parameters' gradients turn partial too, so they enter tp as well, in their
-    block's bucket. Readers of ``top`` whose branch does not qualify (a router computed whole
-    beside the experts and a shared expert that enter tp) keep reading ``top`` as it is; the
-    others read it entered. Two hoists pay:
-
-    - several entered values meet in one (a split's pieces, per-step selects, per-expert slices
-      of dense routing weights) that is no larger than they are together: one all-reduce instead
-      of one each. A split is entered on its input's edge (after the reduction that made the
-      input whole), since its pieces are a tuple: Mamba's step size, B and C cost one all-reduce.
-    - a chain computed from one parameter alone (``1 + w.float()``, ``softplus(alpha)``): entered
-      at the parameter, which then joins its block's bucket (:meth:`LayoutPlan.enter_tp_buckets`).
-    """
-    _EnterHoist(edges, layouts, carries_grad).run()
-
-
-class _EnterHoist:
-    """One pass of :func:`_hoist_enter_tp` over a plan's edges (changed in place)."""
-
-    def __init__(self, edges: dict, layouts: dict, carries_grad: frozenset[fx.Node]):
-        self.edges, self.layouts, self.carries_grad = edges, layouts, carries_grad
-
-    def gradient_inputs(self, node: fx.Node) -> list[fx.Node]:
-        if node.target in _VIEWS or node.target in _SHAPED_LIKE:
-            return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
-        return [i for i in node.all_input_nodes if i in self.carries_grad]
-
-    def below(self, top: fx.Node):
-        """The values between ``top`` and its ``enter_tp`` edges, those edges, the weights to
-        enter with them and the readers of ``top`` to enter it for, when ``top`` may be entered in
-        their place. A reader of ``top`` whose branch reaches replicated work (a router beside
-        a shared expert and the routed experts) keeps reading ``top`` itself."""
-        readers = tuple(top.users)
-        found = self.reach(top, readers)
-        if found is None:
-            readers = tuple(user for user in top.users if self.reach(top, (user,)) is not None)
-            found = self.reach(top, readers) if readers else None
-        return None if found is None else (*found, readers)
-
-    def reach(self, top: fx.Node, readers: tuple[fx.Node, ...]):
-        members: set[fx.Node] = set()
-        pairs, frontier = [], [top]
-        while frontier:
-            node = frontier.pop()
-            if not node.users:
-                return None
-            for user in (readers if node is top else node.users):
-                steps = self.edges.get((node, user))
-                if steps == ENTER_ONLY:
-                    pairs.append((node, user))
-                elif steps is not None or user.op != "call_function" or is_sharded(self.layouts.get(user)):
-                    return None
-                elif getattr(getattr(user.target, "_schema", None), "is_mutable", False):
-                    return None
-                elif user not in members:
-                    if len(members) == _HOIST_REACH:
-                        return None
-                    members.add(user)
-                    frontier.append(user)
-        weights = []
-        for member in sorted(members, key=lambda n: n.name):  # every rank plans alike: no set order
-            for i in self.gradient_inputs(member):
-                if (i is top and member in readers) or i in members:
-                    continue
-                weight, reader = self.parameter_read(i, member)
-                if weight is None:
-                    return None  # a gradient from elsewhere meets top's below it
-                weights.append((weight, reader))  # a weight of replicated work (LoRA's lora_A): entered too
-        return members, pairs, weights
-
-    def parameter_read(self, value: fx.Node, member: fx.Node):
-        """(the parameter, the op reading it) when ``value`` is a parameter, or a view of one read
-        by ``member`` alone (litgpt's ``x @ self.lora_A.transpose(0, 1)``), with nothing entered on
-        the way; else (None, None)."""
-        reader = member
-        while value.op == "call_function" and value.target in _VIEWS and len(value.users) == 1 \
-                and isinstance(value.args[0], fx.Node) and (value, reader) not in self.edges:
-            value, reader = value.args[0], value
-        if value.op != "get_attr" or (value, reader) in self.edges:
-            return None, None
-        return value, reader
-
-    def ancestors(self, node: fx.Node):
-        """Replicated values ``node``'s gradient flows to, nearest first."""
-        seen, frontier = {node}, [node]
-        for _ in range(_HOIST_DEPTH):
-            frontier = [i for n in frontier for i in self.gradient_inputs(n) if i not in seen
-                        and i in self.carries_grad and not is_sharded(self.layouts.get(i))]
-            seen.update(frontier)
-            yield from dict.fromkeys(frontier)
-
-    def gains(self, top: fx.Node, found, current) -> bool:
-        """Whether entering ``top`` for only some of its readers serves more entered uses than
-        the climb holds so far (else the climb would only move tp's entry past a norm's weight)."""
-        return found[3] == tuple(top.users) or len(found[1]) > (len(current[1]) if current else 1)
-
-    def climb(self, value: fx.Node):
-        """The highest ``top`` above ``value`` that may be entered for it, what lies below it, and
-        the split the climb last passed, if it stopped there (then entered on its input's edge)."""
-        top, split, node, found = value, None, value, None
-        while True:
-            step = next(((a, r) for a in self.ancestors(node)
-                         if (r := self.below(a)) is not None and node in r[0] and self.gains(a, r, found)), None)
-            if step is None:
-                return top, split, found
-            node, found = step
-            if isinstance(node.meta.get("val"), (tuple, list)):
-                split = node
-            else:
-                top, split = node, None
-
-    def run(self) -> None:
-        entered = sorted({v for (v, c), steps in self.edges.items() if steps == ENTER_ONLY}, key=lambda n: n.name)
-        for value in entered:
-            if not any(self.edges.get((value, user)) == ENTER_ONLY for user in value.users):
-                continue  # already entered higher up
-            top, split, found = self.climb(value)
-            if found is None:
-                continue
-            if split is not None:
-                found = self.below(split)
-            _, pairs, weights, readers = found
-            values = {v for v, _ in pairs}
-            whole = split.args[0] if split is not None else top
-            at_parameter = split is None and top.op == "get_attr"
-            sizes = [_numel(v) for v in (whole, *values)]
-            if not at_parameter and (len(values) < 2 or (None not in sizes and sizes[0] > sum(sizes[1:]))):
-                continue
-            for pair in pairs:
-                del self.edges[pair]
-            for pair in weights:
-                self.edges[pair] = ENTER_ONLY
-            if split is not None:
-                self.edges[(whole, split)] = self.edges.get((whole, split), ()) + ENTER_ONLY
-            else:
-                for user in readers:
-                    self.edges[(top, user)] = ENTER_ONLY
-
-
-# how far (values below, ancestors above) one ``enter_tp`` may be hoisted
-_HOIST_REACH, _HOIST_DEPTH = 256, 8
-
-
-def _numel(node: fx.Node) -> int | None:
-    """Elements of ``node``'s value; None when not a known number (tokens per expert), and a hoist
-    is then judged by count alone."""
-    val = node.meta.get("val")
-    try:
-        return int(val.numel()) if isinstance(val, torch.Tensor) else None
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
-
-def _regions(plan: LayoutPlan, useful: set[fx.Node]) -> list[set[fx.Node]]:
-    """Connected idle sharded values (joined by uses that keep them sharded)."""
-    idle = {v for v, lay in plan.layouts.items() if is_sharded(lay) and lay not in PARTIALS and v not in useful}
-    return _components(idle, lambda value, user: not _gathers(plan, value, user))
-
-
-def _components(members: set[fx.Node], joined) -> list[set[fx.Node]]:
-    """Connected parts of ``members``, two values joined when one reads the other and
-    ``joined(value, user)`` holds for that use."""
-    components, seen = [], set()
-    for start in members:
-        if start in seen:
-            continue
-        component, frontier = set(), [start]
-        while frontier:
-            node = frontier.pop()
-            if node in component:
-                continue
-            component.add(node)
-            frontier += [u for u in node.users if u in members and joined(node, u)]
-            frontier += [i for i in node.all_input_nodes if i in members and joined(i, node)]
-        seen |= component
-        components.append(component)
-    return components
-
-
-def _leaves_cut(plan: LayoutPlan, region: set[fx.Node]) -> bool:
-    """Whether the region reaches the model's output and leaves it cut (a DTensor under loss
-    parallelism), through cp's gather or a view on the way."""
-    return any(consumer.op == "output" and any(step.kind == SHARDED_OUTPUT for step in steps)
-               for (value, consumer), steps in plan.edges.items() if value in region)
-
-
-def _gathers(plan: LayoutPlan, value: fx.Node, consumer: fx.Node) -> bool:
-    return any(step.kind in (GATHER, GATHER_FOR_COLWISE) for step in plan.edges.get((value, consumer), ()))
-
-
-def _exit_cost(plan: LayoutPlan, region: set[fx.Node]) -> int:
-    """Collectives a region costs where it meets the replicated world: its values gathered, the
-    replicated values entering it (``enter_tp``: a backward all-reduce; ``take_shard`` of one that
-    carries a gradient: a backward all-gather), and the partial sums it makes by contracting its
-    cut dim (a sum over heads, not a rowwise linear's: those regions are useful), each reduced."""
-    gathered = {v for (v, c), steps in plan.edges.items() if v in region and _gathers(plan, v, c)}
-    entered = {  # only where a gradient flows back through the reader (not into a no-grad region)
-        v for (v, c), steps in plan.edges.items()
-        if c in region and c in plan.carries_grad and any(step.kind == ENTER_TP for step in steps)
-    }
-    taken = {
-        v for (v, c), steps in plan.edges.items()
-        if c in region and v in plan.carries_grad and any(step.kind == TAKE_SHARD for step in steps)
-    }
-    return len(gathered) + len(entered) + len(taken) + len(_contractions(plan, region))
-
-
-def _contractions(plan: LayoutPlan, region: set[fx.Node]) -> list[fx.Node]:
-    """The partial sums a region makes by contracting its cut dim, each once."""
-    return list(dict.fromkeys(user for value in region for user in value.users if plan.layouts.get(user) in PARTIALS))
-
-
-def _useful(plan: LayoutPlan, sites: Sites) -> set[fx.Node]:
-    """Sharded values on a path to a rowwise linear's input, or to a grouped convolution's
-    that reads its cut filters (SqueezeBERT's output ``Conv1d(groups=4)``): such a convolution
-    ends the region as a rowwise one does, its cut output channels gathered instead of its partial
-    sums reduced."""
-    useful: set[fx.Node] = set()
-    frontier = [s.input for s in (*sites.linears, *sites.experts) if plan.roles[s.weight_fqn] == ROWWISE]
-    frontier += [node.args[0] for node, (_, role) in plan.convolutions.items() if role == ROWWISE]
-    frontier += [node.args[0] for node in grouped_on_cut_input(plan)]
-    while frontier:
-        value = frontier.pop()
-        if value in useful or not is_sharded(plan.layouts.get(value)):
-            continue
-        useful.add(value)
-        for source in value.all_input_nodes:
-            if not _gathers(plan, source, value):
-                frontier.append(source)
-    return useful
-
-
-def grouped_on_cut_input(plan: LayoutPlan) -> list[fx.Node]:
-    """Grouped convolutions of several channels per group (block-diagonal linears, not depthwise
-    per-channel work) that read a channel-cut input with filters stored cut over tp."""
-    found = []
-    for node, layout in plan.layouts.items():
-        conv = layout_rules.Convolution.of(node) if layout == 1 else None
-        if (conv is not None and conv.groups != 1 and plan.layouts.get(conv.input) == 1
-                and isinstance(conv.weight, fx.Node) and conv.weight.target in plan.sharded_params
-                and (conv.channels_per_group or 1) > 1):
-            found.append(node)
-    return found
-
-
-def closed_by_grouped_convolution(plan: LayoutPlan, value: fx.Node, closing: set[fx.Node]) -> bool:
-    """Whether gathering the cut ``value`` ends its region as a rowwise reduction would: every
-    cut value it is computed from (not across a gather) starts at one of the ``closing``
-    convolutions (:func:`grouped_on_cut_input`: SqueezeBERT's output ``Conv1d(groups=4)`` then its
-    residual add), none at a colwise output that a rowwise layer should have read."""
-    if not closing:
-        return False
-    seen, frontier, reached = set(), [value], False
-    while frontier:
-        node = frontier.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in closing:
-            reached = True
-            continue
-        cut_inputs = [i for i in node.all_input_nodes
-                      if is_sharded(plan.layouts.get(i)) and plan.layouts.get(i) not in PARTIALS
-                      and not _gathers(plan, i, node)]
-        if not cut_inputs:
-            return False  # a cut value made another way: its gather is a break
-        frontier += cut_inputs
-    return reached
-
-
-def _ndim(node: fx.Node) -> int:
-    return node.meta["val"].dim()
 
 
 def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool) -> Role:
@@ -1963,7 +1041,7 @@ def _linear_role(site: LinearSite, input_layout, roles, fixed_roles, tied: bool)
         return role
     if tied:
         return roles.get(site.weight_fqn, VOCAB_PARALLEL)  # the embedding may have decided replicate
-    return ROWWISE if input_layout == _ndim(site.input) - 1 else COLWISE
+    return ROWWISE if input_layout == ndim_of(site.input) - 1 else COLWISE
 
 
 def _indivisible(site, role: Role, tp: int) -> Indivisible | None:

@@ -1,6 +1,6 @@
 """Layouts: insert the tp redistributes the layout plan asks for.
 
-Each ``(value, consumer)`` edge of the :class:`~passes.propagate.LayoutPlan`
+Each ``(value, consumer)`` edge of the :class:`~passes.layout_plan.LayoutPlan`
 becomes a short chain of ``autoshard::*`` collective nodes (see
 :mod:`autoshard.runtime.collectives`). Chains are shared: all consumers needing the
 same steps on the same value read one node, so a value is gathered once and
@@ -16,10 +16,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from autoshard.passes.layout_plan import ENTER_ONLY, GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
 from autoshard.passes.layout_rules import Strided
 from autoshard.passes.local_convolution import fold_single_channel_convolutions
 from autoshard.passes.partition import made_like
-from autoshard.passes.propagate import ENTER_ONLY, GATHER, GATHER_FOR_COLWISE, TAKE_SHARD, LayoutPlan
 from autoshard.runtime import collectives
 from autoshard.runtime.whole_sections import TAKE_SECTIONS
 

@@ -26,8 +26,8 @@ import torch.fx as fx
 from autoshard.core.errors import describe
 from autoshard.core.sharding import Role
 from autoshard.passes.discover import EmbeddingSite, LinearSite, Sites
+from autoshard.passes.layout_plan import COLWISE, ROWWISE, VOCAB_PARALLEL, LayoutPlan, RowwiseExit
 from autoshard.passes.partition import made_like
-from autoshard.passes.propagate import COLWISE, ROWWISE, VOCAB_PARALLEL, LayoutPlan, RowwiseExit
 from autoshard.runtime import collectives
 from autoshard.runtime.whole_sections import MATMUL_INPUT_GRAD_SCALED
 

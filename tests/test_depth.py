@@ -20,6 +20,7 @@ import transformers as hf
 
 import autoshard
 from autoshard.core.options import PlanOptions
+from autoshard.passes import gradient_flow
 from autoshard.passes import propagate as propagation
 from autoshard.passes.capture import capture, copy_graph_module, find_blocks
 from autoshard.passes.discover import find_sites
@@ -105,7 +106,7 @@ def _stamped_blocks(build, inputs, tp: int, options: PlanOptions = OPTIONS["defa
     gm = captured.gm
     sites = find_sites(gm, captured.param_shapes)
     normalize(gm, sites, tp)
-    carries_grad = propagation._carries_grad(gm)
+    carries_grad = gradient_flow.carries_grad(gm)
     copies = propagation.block_copies(gm.graph, sites, carries_grad, captured.written)
     walk = propagation.Propagation(gm, sites, tp, None, options, carries_grad, copies=copies)
     walk.run()

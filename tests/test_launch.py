@@ -66,3 +66,29 @@ def test_ranks_see_the_callers_environment_at_each_call(monkeypatch):
     assert spawn(_environment, 2) == [("second", "0"), ("second", "1")]
     monkeypatch.delenv("AUTOSHARD_LAUNCH_PROBE")
     assert spawn(_environment, 2) == [(None, "0"), (None, "1")]
+
+
+def test_a_store_port_taken_before_the_agent_binds_it_is_drawn_again(monkeypatch):
+    """The rendezvous store is hosted by this process or not at all: a port another socket holds is
+    never joined as a client (two jobs would share one store and wire their ranks together); a new
+    port is drawn and the ranks run as usual."""
+    import socket
+
+    from autoshard.adapters import launch
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    drawn = [held.getsockname()[1]]
+    real = launch.free_port
+
+    def first_taken():
+        port = drawn.pop() if drawn else real()
+        return port
+
+    monkeypatch.setattr(launch, "free_port", first_taken)
+    try:
+        assert spawn(_sum_of_ranks, 2, (0,)) == [(0, 1.0), (1, 1.0)]
+    finally:
+        held.close()
+    assert not drawn

@@ -173,11 +173,11 @@ def test_values_of_a_no_grad_region_carry_no_gradient():
     but nothing it computes reaches the loss except through top-k indices, so no value in it is
     planned to carry a gradient (no backward collective, and a region that ends in a sum over heads
     may stay cut). The attention beside it carries one as usual."""
-    from autoshard.passes.propagate import _carries_grad
+    from autoshard.passes.gradient_flow import carries_grad
 
     model = PATTERNS["head_weighted_indexer"]()
     captured = capture(model, (torch.randint(0, 128, (2, 16)),), {}, None)
-    carries = _carries_grad(captured.gm)
+    carries = carries_grad(captured.gm)
     matmuls = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.matmul.default]
     indexer = [n for n in matmuls if "select" in str(n.meta.get("stack_trace", ""))]
     assert indexer and not any(n in carries for n in indexer), indexer
@@ -204,10 +204,10 @@ class _ScanInto(nn.Module):
 
 
 def test_a_value_written_into_a_tensor_the_output_reads_carries_a_gradient():
-    from autoshard.passes.propagate import _carries_grad
+    from autoshard.passes.gradient_flow import carries_grad
 
     captured = capture(_ScanInto(), (torch.randn(2, 4, 8),), {}, None)
-    carries = _carries_grad(captured.gm)
+    carries = carries_grad(captured.gm)
     linears = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert len(linears) == 2 and all(n in carries for n in linears), [(n.name, n in carries) for n in linears]
 

@@ -31,6 +31,7 @@ import uuid
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
@@ -48,6 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Tries at hosting the rendezvous store: the port :func:`free_port` found may be taken again before the
+# agent binds it (another job on the machine), and then a new port is drawn
+_STORE_TRIES = 5
+
+
 def spawn(
     fn,
     world_size: int = 4,
@@ -60,23 +66,12 @@ def spawn(
     if start_method == "forkserver":
         # takes effect when this process first starts its server; a no-op afterwards
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"autoshard-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=start_method,
-    )
     quiet = logging.getLogger("torch.distributed.elastic")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the agent's INFO lines on every start
     try:
         caller_env = dict(os.environ) if start_method == "forkserver" else None
-        results = elastic_launch(config, _rank_main)(fn, args, backend, threads_per_rank, timeout, caller_env)
+        results = _launch(world_size, start_method, fn, args, backend, threads_per_rank, timeout, caller_env)
     except ChildFailedError as err:
         # the rank that failed on its own, not one whose collective broke because a peer left
         rank, failure = min(err.failures.items(), key=lambda kv: (_IN_COLLECTIVE in _failure_text(kv[1]), kv[0]))
@@ -84,6 +79,34 @@ def spawn(
     finally:
         quiet.setLevel(level)
     return [results[rank] for rank in range(world_size)]
+
+
+def _launch(world_size: int, start_method: str, *rank_args):
+    """The ranks started by torch's elastic agent around a rendezvous store this process hosts.
+
+    The store is hosted here or the launch fails (``is_host``): left to guess, the agent that cannot
+    bind the port joins whatever store holds it as a client, and two jobs on one machine whose ports
+    collide would then share one store's keys and wire their ranks to each other. A port taken between
+    :func:`free_port` and the bind is drawn again, before any rank has started."""
+    for attempt in range(_STORE_TRIES):
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world_size,
+            run_id=f"autoshard-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            rdzv_configs={"is_host": True},
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method=start_method,
+        )
+        try:
+            return elastic_launch(config, _rank_main)(*rank_args)
+        except RendezvousConnectionError:
+            if attempt == _STORE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _failure_text(failure) -> str:

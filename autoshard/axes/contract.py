@@ -50,7 +50,7 @@ from autoshard.core.options import Options, PlanOptions
 from autoshard.core.sharding import Role
 from autoshard.passes.capture import CapturedGraph
 from autoshard.passes.discover import Sites
-from autoshard.passes.propagate import LayoutPlan
+from autoshard.passes.layout_plan import LayoutPlan
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof, Subject
 from autoshard.proof.rank_grid import RankGrid

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from autoshard.proof.rank_grid import RankGrid
 from autoshard.proof.simulate import PerRank, RankSimulator
 from autoshard.runtime.context_ops import CP_CAUSAL_ATTENTION
 
@@ -73,5 +74,5 @@ def attention_work(cut: fx.GraphModule, cp: int, inputs: list, weights: dict) ->
 
     params = {name: PerRank([w.detach()] * cp) for name, w in weights.items()}
     with torch.no_grad():
-        Counting(cut, 1, params.get, cp=cp).run(*inputs)
+        Counting(cut, RankGrid.of(cp=cp), params.get).run(*inputs)
     return AttentionWork(tuple(executed), tuple(useful))
