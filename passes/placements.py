@@ -154,7 +154,7 @@ def _whole_weights(entries: dict[str, ParamSharding], captured: CapturedGraph, a
 
 def _explained(entry: ParamSharding, why: Why, axes: MeshAxes) -> ParamSharding:
     """``entry`` with ``why`` and the note it gives (FSDP's padding included)."""
-    padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.dp)
+    padding = dp_padding(entry.shape, entry.transposed, dp_choice(entry.placements), axes.fsdp_degree)
     return dataclasses.replace(entry, why=why, note=why.note(axes.tp, padding))
 
 
@@ -292,7 +292,7 @@ def _param_entry(fqn: str, shape, site, expert, captured: CapturedGraph, layout_
         fused = layout_plan.fused.get(explained_by)  # a colwise linear's weight and bias share them
         if fused is not None and role == Role.ROWWISE_BIAS:
             fused = None  # a rowwise weight's sections are its input rows; its bias is per output
-    padding = dp_padding(shape, transposed, dp_choice(placements), axes.dp)
+    padding = dp_padding(shape, transposed, dp_choice(placements), axes.fsdp_degree)
     sections = {}
     if fused is not None:
         sections = {"sections": fused.sizes, "whole_sections": fused.whole, "section_runs": fused.runs,

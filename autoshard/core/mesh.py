@@ -143,8 +143,9 @@ class MeshAxes:
         return MeshAxes(sizes, mesh)
 
     @property
-    def dp(self) -> int:
-        """FSDP's shard degree (what padding and a shard's size depend on): dp x cp with a cp axis."""
+    def fsdp_degree(self) -> int:
+        """How many shards FSDP cuts each parameter into (what padding and a shard's size depend on):
+        the product of :attr:`fsdp_axes`, so ``dp x ep x cp`` where the mesh has them, not ``dp`` alone."""
         return math.prod(self.size(axis) for axis in self.fsdp_axes)
 
     @property

@@ -271,7 +271,7 @@ def param_placements(
     if axes.is_hsdp:
         placements[DP_REPLICATE] = REPLICATED  # HSDP replicates every shard; only the shard axis is a choice
     if axes.has_dp:
-        chosen = dp_placement or default_dp_placement(role, shape, tp_dim, axes.dp)
+        chosen = dp_placement or default_dp_placement(role, shape, tp_dim, axes.fsdp_degree)
         for axis in axes.fsdp_axes:  # with a cp axis FSDP shards over dp x cp as one axis
             placements[axis] = chosen
     if axes.has_tp:
@@ -309,7 +309,7 @@ def rank_shape(entry, axes: MeshAxes) -> list[int]:
             shape[dim] = -(-shape[dim] // degree)
         return shape
     if dim is not None:
-        shape[dim] = -(-shape[dim] // axes.dp)
+        shape[dim] = -(-shape[dim] // axes.fsdp_degree)
     return shape
 
 

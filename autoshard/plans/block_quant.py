@@ -108,16 +108,16 @@ def tile_quant(fqn: str, entry, axes: MeshAxes, spec: BlockQuant) -> TileQuant |
         return None
     tile = tp_local_shape(entry, axes)
     choice = dp_choice(entry.placements)
-    if choice is None or axes.dp == 1:
+    if choice is None or axes.fsdp_degree == 1:
         return TileQuant(tuple(tile), reason="not all-gathered (no FSDP sharding)")
     if choice != shard_on(0):
         dim = placement_dim(choice)
         why = "replicated over dp: not all-gathered" if dim is None else f"FSDP shards stored dim {dim}"
         return TileQuant(tuple(tile), reason=why)
-    if stored[0] % axes.dp:
-        tile[0] = -(-stored[0] // axes.dp)
-        return TileQuant(tuple(tile), reason=f"stored dim 0 ({stored[0]}) does not divide by dp={axes.dp}")
-    tile[0] //= axes.dp
+    if stored[0] % axes.fsdp_degree:
+        tile[0] = -(-stored[0] // axes.fsdp_degree)
+        return TileQuant(tuple(tile), reason=f"stored dim 0 ({stored[0]}) does not divide by dp={axes.fsdp_degree}")
+    tile[0] //= axes.fsdp_degree
     rows, cols = spec.shape
     if tile[-2] % rows or tile[-1] % cols:
         text = "x".join(map(str, tile))

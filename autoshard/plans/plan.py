@@ -298,9 +298,10 @@ class Plan:
         params = data.get("params")
         if not isinstance(params, Mapping):
             raise ValueError("autoshard: plan has no 'params' mapping")
+        shards = axes_from_sizes(dict(mesh)).fsdp_degree
         return cls(
             mesh={str(a): int(n) for a, n in mesh.items()},
-            params={fqn: ParamSharding.from_dict(fqn, p, axes_from_sizes(dict(mesh)).dp) for fqn, p in params.items()},
+            params={fqn: ParamSharding.from_dict(fqn, p, shards) for fqn, p in params.items()},
             units=tuple(data.get("units", ())),
             # version 1 counted every activation line as one collective
             activations=tuple(

@@ -149,7 +149,7 @@ def _tp_sends(plan, reduce_dtype, tp: int) -> dict[str, list[tuple[str, int]]]:
 
 def _fsdp(plan, axes: MeshAxes, tally: Tally, reshard: bool, master, param_dtype, reduce_dtype) -> None:
     # with a cp axis FSDP runs on dp x cp flattened: its traffic is "fsdp", apart from the cp ops' own
-    shard_axis, shards = ("fsdp" if axes.has_cp or len(axes.fsdp_axes) > 1 else axes.shard_axis), axes.dp
+    shard_axis, shards = ("fsdp" if axes.has_cp or len(axes.fsdp_axes) > 1 else axes.shard_axis), axes.fsdp_degree
     gathered_dtype = param_dtype or master
     reduced_dtype = reduce_dtype or master
     spec = plan.quant_spec()

@@ -137,5 +137,5 @@ def _retarget_entry(entry: ParamSharding, old: MeshAxes, new: MeshAxes) -> Param
 def _retarget_note(entry: ParamSharding, placements: Mapping[str, str], old: MeshAxes, new: MeshAxes) -> str:
     """The note rendered again from the entry's decisions for the new mesh: its tp parts for the
     new tp (none without tp), its padding for the new dp."""
-    padding = dp_padding(entry.shape, entry.transposed, dp_choice(placements), new.dp)
+    padding = dp_padding(entry.shape, entry.transposed, dp_choice(placements), new.fsdp_degree)
     return entry.why.note(new.tp if new.has_tp else None, padding)
