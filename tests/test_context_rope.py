@@ -460,6 +460,7 @@ def test_errors_leaving_the_cut_are_named():
     from autoshard.core.errors import InternalError
     from autoshard.passes import cut_sequence as context
     from autoshard.passes.capture import capture
+    from autoshard.passes.local_shapes import refresh_shapes
 
     torch.manual_seed(0)
 
@@ -472,9 +473,9 @@ def test_errors_leaving_the_cut_are_named():
     view.args = (view.args[0], [3, -1, 7])  # as if a rule had left the shape of another length
     with pytest.raises(NotImplementedError, match=r"cannot run node 'view\w*' \(view.default\) at "
                                                   r"test_context_rope\.py:\d+ `.*`.*RuntimeError"):
-        context.refresh_shapes(gm)
+        refresh_shapes(gm)
     with pytest.raises(InternalError, match=r"stage 'cut the sequence' at node 'view\w*'"):
-        context.refresh_shapes(gm, {view})  # a node the cut inserted: autoshard's bug
+        refresh_shapes(gm, {view})  # a node the cut inserted: autoshard's bug
 
     def broken_rule(self, node):
         raise ValueError("zip() argument 2 is longer than argument 1")  # Python's, not a refusal

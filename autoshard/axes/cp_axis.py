@@ -18,7 +18,8 @@ from autoshard.axes.contract import Axis, PlanResult
 from autoshard.core.errors import in_stage
 from autoshard.core.mesh import CP, MeshAxes
 from autoshard.core.options import PlanOptions
-from autoshard.passes.cut_sequence import SEQ_DIM, cp_traffic, cut_sequence
+from autoshard.passes.cp_traffic import cp_traffic
+from autoshard.passes.cut_sequence import SEQ_DIM, cut_sequence
 from autoshard.plans.plan import Plan
 from autoshard.runtime.context_ops import local_positions
 
