@@ -9,29 +9,28 @@ in that list.
 The hooks, in the order the driver calls them (a hook an axis does not need keeps the default,
 which does nothing):
 
-=============  ==============================================================================
-``check``      every axis, before planning: refuse what the mesh and the user's options cannot
-               do together; an axis the mesh lacks refuses the options that configure it
-``plan_options``  every axis: the planning options as this mesh has them (an absent axis's
-               options cleared or refused)
-``capture_dtype``  the dtype the graph is captured in, if the axis's runtime casts it (FSDP2's
-               ``param_dtype``)
-``cut``        outer axis first, before sites are found: rewrite the captured graph into one
-               rank's code (cp cuts the sequence); returns the axis's record of the cut
-``layouts``    the one axis that cuts inside ops (tp) plans every value's layout: normalize,
-               propagate (with a saved plan's roles, if given), and the alternatives
-``record``     after the dense plan: the plan with the axis's typed record and placements (data
-               only, serialised with the plan, each record with its own retargeting rule)
-``check_carried``  a saved plan made for other sizes: whether it still holds on this mesh
-``emit``       inner axis first: rewrite the emitted code (the tp collectives and the transposed
-               linears, then ep's exchanges around the experts' code)
-``grid``       the axis's ranks on the proof's grid (:class:`~autoshard.proof.rank_grid.RankGrid`),
-               and whether its code needs the grid proof
-``on_ranks``   once the parameters are placed: what the sharded module carries for this axis
-=============  ==============================================================================
+- ``check``: every axis, before planning: refuse what the mesh and the user's options cannot do
+  together; an axis the mesh lacks refuses the options that configure it.
+- ``plan_options``: every axis: the planning options as this mesh has them.
+- ``capture_dtype``: the dtype the graph is captured in, where the axis's runtime casts the
+  parameters (FSDP2's ``param_dtype``).
+- ``cut``: outer axis first, before sites are found: rewrite the captured graph into one rank's code
+  (cp cuts the sequence); returns the axis's record of the cut.
+- ``layouts``: the one axis that cuts inside ops (tp) plans every value's layout: normalize,
+  propagate (with a saved plan's roles, if given), and the alternatives.
+- ``check_saved``: a saved plan's entries the axis cannot apply.
+- ``record``: inner axis first, after the dense plan: the plan with the axis's typed record and
+  placements (data only, serialised with the plan).
+- ``check_carried``: a saved plan made for other sizes: whether it still holds on this mesh.
+- ``emit``: inner axis first: rewrite the emitted code (the tp collectives and the transposed
+  linears, then ep's exchanges around the experts' code).
+- ``grid``: the axis's ranks on the proof's grid (:class:`~autoshard.proof.rank_grid.RankGrid`);
+  ``proven_on_grid``: whether its ranks need data of their own (the grid proof).
+- ``on_ranks``: once the parameters are placed: what the sharded module carries for this axis.
 
 An outer axis (``wraps``: pp) owns the whole run of the others on its sub-mesh: the driver hands it
-:class:`Inner` (plan, emit and prove on the stage mesh) instead of running them itself.
+:class:`Inner` (plan, emit, prove, agree and the proof's grid, on the stage mesh) instead of
+running them itself.
 
 Traffic is predicted from the plan's records alone (:mod:`autoshard.plans.predict`): a saved plan
 is costed without any of this code.
