@@ -539,6 +539,11 @@ def test_the_package_is_grouped_by_layer_with_no_clashing_names():
     assert top == ["__init__", "__main__", "api"], top
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
     assert folders == ["adapters", "advice", "axes", "core", "driver", "plans", "proof", "runtime", "testing"], folders
+    import tomllib
+
+    packaged = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert sorted(packaged) == sorted(["autoshard", "autoshard.passes", *(f"autoshard.{f}" for f in folders)]), (
+        "pyproject.toml's packages (what a wheel installs) are not the package's folders")
     stems = [p.stem for p in (*root.rglob("*.py"), *(root.parent / "passes").glob("*.py")) if p.stem != "__init__"]
     assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
     bare = {s.rstrip("s"): s for s in stems if "_" not in s.strip("_")}
