@@ -11,8 +11,6 @@ with, so neither imports the other.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.nn as nn
 
 from autoshard.core.options import Options
@@ -20,10 +18,10 @@ from autoshard.driver.agreement import check_agreement
 from autoshard.driver.planning import (
     AXES,
     emit,
-    grid_sizes,
     mesh_axes,
     outer_axis,
     plan_result,
+    proof_grid,
     prove_emitted,
     prove_on,
     proves,
@@ -31,7 +29,6 @@ from autoshard.driver.planning import (
 )
 from autoshard.plans.plan import Plan
 from autoshard.proof.proof import Proof
-from autoshard.proof.rank_grid import RankGrid
 from autoshard.runtime.activation_checkpointing import MODES as CHECKPOINT_MODES
 from autoshard.runtime.activation_checkpointing import apply_activation_checkpointing
 from autoshard.runtime.clipping import remember_entries
@@ -45,7 +42,6 @@ from autoshard.runtime.verify import verify
 AUTO_CHECK_MAX_ELEMENTS = 16_000_000
 
 
-@dataclasses.dataclass(frozen=True)
 class _Inner:
     """The driver's run of the axes below an outer one (:class:`~autoshard.axes.contract.Inner`)."""
 
@@ -65,14 +61,13 @@ class _Inner:
         return proves(check, model, axes, AUTO_CHECK_MAX_ELEMENTS)
 
     def grid(self, axes):
-        return RankGrid.of(**grid_sizes(axes))
+        return proof_grid(axes)
 
 
 INNER = _Inner()
 
 
-def _checked(mesh, chosen: Options, sharding: bool):
-    axes = mesh_axes(mesh)
+def _checked(axes, chosen: Options, sharding: bool):
     for axis in AXES:
         axis.check(axes, chosen, sharding)
     return axes
@@ -80,7 +75,7 @@ def _checked(mesh, chosen: Options, sharding: bool):
 
 def plan_model(model: nn.Module, mesh, example_inputs, example_kwargs, chosen: Options) -> Plan:
     """``plan(model, mesh, ...)`` with its options read (see :func:`autoshard.plan`)."""
-    axes = _checked(mesh, chosen, sharding=False)
+    axes = _checked(mesh_axes(mesh), chosen, sharding=False)
     outer = outer_axis(axes)
     if outer is not None:
         return outer.plan(INNER, model, axes, example_inputs, example_kwargs, None, chosen).plan
@@ -90,7 +85,7 @@ def plan_model(model: nn.Module, mesh, example_inputs, example_kwargs, chosen: O
 def prove_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, chosen: Options, *,
                 seed: int, rtol: float | None) -> Proof:
     """``check(model, mesh, ...)`` with its options read (see :func:`autoshard.check`)."""
-    axes = _checked(mesh, chosen, sharding=False)
+    axes = _checked(mesh_axes(mesh), chosen, sharding=False)
     outer = outer_axis(axes)
     if outer is not None:
         return outer.prove(INNER, model, axes, example_inputs, example_kwargs, plan, chosen, seed=seed, rtol=rtol)
@@ -101,12 +96,13 @@ def prove_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, ch
 def shard_model(model: nn.Module, mesh, example_inputs, example_kwargs, plan, chosen: Options):
     """``autoshard(model, mesh, ...)`` with its options read (see :func:`autoshard.autoshard`)."""
     plan_options, sharding = chosen.plan_options(), chosen.sharding
-    if mesh_axes(mesh).mesh is None:
+    axes = mesh_axes(mesh)
+    if axes.mesh is None:
         raise ValueError("autoshard: `mesh` must be a DeviceMesh to shard (a dict of sizes only plans)")
     if sharding.activation_checkpointing not in (None, *CHECKPOINT_MODES):
         raise ValueError("autoshard: activation_checkpointing must be None, 'full' or 'selective', got "
                          f"{sharding.activation_checkpointing!r}")
-    axes = _checked(mesh, chosen, sharding=True)
+    _checked(axes, chosen, sharding=True)
     let_gloo_workers_finish()  # a script whose last collective is its last line must exit cleanly
     outer = outer_axis(axes)
     if outer is not None:

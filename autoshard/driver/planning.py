@@ -40,7 +40,7 @@ from autoshard.proof.proof import Proof, Subject, as_read, prove, vocabularies
 from autoshard.proof.rank_grid import RankGrid
 
 __all__ = ["AXES", "Checked", "Emitted", "PlanResult", "as_plan", "capture_for", "checked_on", "emit", "mesh_axes",
-           "plan_result", "prove_emitted", "prove_on", "taking_part"]
+           "plan_result", "proof_grid", "prove_emitted", "prove_on", "taking_part"]
 
 
 def taking_part(axes: MeshAxes) -> tuple[Axis, ...]:
@@ -59,6 +59,11 @@ def grid_sizes(axes: MeshAxes) -> dict[str, int]:
     for axis in taking_part(axes):
         sizes |= axis.grid(axes)
     return sizes
+
+
+def proof_grid(axes: MeshAxes) -> RankGrid:
+    """The ranks a proof of code for ``axes`` simulates side by side."""
+    return RankGrid.of(**grid_sizes(axes))
 
 
 def _on_grid(axes: MeshAxes) -> list[Axis]:
@@ -115,9 +120,10 @@ def proves(check, model: nn.Module, axes: MeshAxes, max_elements: int) -> bool:
 
     if check not in (True, False, "auto"):
         raise ValueError(f"autoshard: check must be True, False or 'auto', got {check!r}")
+    simulated = bool(grid_sizes(axes))
     if check != "auto":
-        return bool(check) and bool(grid_sizes(axes))
-    if not grid_sizes(axes) or parameters_on_meta(model):
+        return bool(check) and simulated
+    if not simulated or parameters_on_meta(model):
         return False
     return sum(p.numel() for p in model.parameters()) <= max_elements
 
@@ -257,7 +263,7 @@ def prove_grid(planned: PlanResult, model: nn.Module, example_inputs: tuple, exa
     from autoshard.runtime.pipeline_stages import flat_inputs
 
     inputs = flat_inputs(planned.captured, example_inputs, example_kwargs or {})
-    grid = RankGrid.of(**grid_sizes(axes))
+    grid = proof_grid(axes)
     return prove_on_grid(planned.reference, emitted.parts.root, planned.plan, grid, inputs,
                          _proof_weights(planned, model), seed=seed, rtol=rtol)
 
@@ -273,8 +279,8 @@ def emit(planned: PlanResult, axes: MeshAxes, options: PlanOptions, keep_planned
     if gm.meta.get(EMITTED):
         raise RuntimeError("autoshard: this plan's graph was emitted already (emission rewrites it in place); "
                            "plan again to emit again")
-    gm.meta[EMITTED] = True
     planned_graph = copy_graph_module(gm) if keep_planned else None
+    gm.meta[EMITTED] = True
     vocab = vocabularies(sites) if keep_planned else {}  # before the rewrite reads ids locally
     for axis in reversed(taking_part(axes)):
         axis.emit(gm, planned, axes, options)
